@@ -1,0 +1,33 @@
+/* clock.h: time sources. Monotonic for durations and deadlines, realtime for stamps and TTLs
+ * that must survive a restart. */
+#ifndef DI_UTIL_CLOCK_H
+#define DI_UTIL_CLOCK_H
+
+#include <stdint.h>
+#include <time.h>
+
+/* Nanoseconds on CLOCK_MONOTONIC: for durations, deadlines and benchmarks. */
+static inline uint64_t di_mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* Milliseconds since the Unix epoch on CLOCK_REALTIME: for expiry times kept on disk. */
+static inline uint64_t di_wall_ms(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return (uint64_t)ts.tv_sec * 1000ull + (uint64_t)ts.tv_nsec / 1000000ull;
+}
+
+/* CPU time of the calling thread, in nanoseconds: for "scheduler CPU time per step". */
+static inline uint64_t di_thread_cpu_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+#endif
