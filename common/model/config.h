@@ -148,6 +148,7 @@ typedef struct model_config {
     /* ---- Engram ---- */
     uint32_t n_engram_layers;           /* entries in engram_layer_ids (0 = no Engram) */
     uint32_t engram_layer_ids[MODEL_MAX_ENGRAM_LAYERS]; /* engram_layer_ids, ascending; 1 14 */
+    uint32_t n_engram_num_embeddings;   /* entries in engram_num_embeddings (= n_engram_layers) */
     uint64_t engram_num_embeddings[MODEL_MAX_ENGRAM_LAYERS]; /* engram_num_embeddings: table
                                            rows per Engram layer (= sum of its primes) */
     uint32_t engram_max_ngram_size;     /* engram_max_ngram_size; 4 (orders 2..4) */
@@ -275,6 +276,13 @@ di_status model_engram_primes(uint32_t n_layers, uint32_t n_orders, uint32_t n_h
                               uint64_t vocab_size,
                               uint64_t primes[MODEL_MAX_ENGRAM_LAYERS][MODEL_MAX_ENGRAM_COLS],
                               di_error *err);
+
+/* The hash multipliers of one Engram layer (MODEL.md §2.9 step 3), as the reference draws
+ * them: NumPy default_rng(10007 * layer_id).integers(0, half, n) with
+ * half = (2^63 - 1) / compressed_vocab / 2, then 2r + 1. Reimplements NumPy's SeedSequence,
+ * PCG64 (XSL-RR) and bounded 64-bit Lemire draw. compressed_vocab in [1, 2^29], n <= 16. */
+void model_engram_multipliers(uint32_t layer_id, uint32_t compressed_vocab, uint32_t n,
+                              uint64_t *out);
 
 /* Deterministic primality test for 64-bit integers (Miller-Rabin with a fixed witness set). */
 bool model_is_prime_u64(uint64_t n);
