@@ -213,35 +213,38 @@ static void hist_keys(uint32_t *hist, uint32_t bins, const uint32_t *key, uint32
         hist[(key[i] >> shift) & (bins - 1)]++;
 }
 
-/* Copies the keys whose digit equals d to out; returns how many. */
-static uint32_t keys_with_digit(const uint32_t *key, uint32_t n, unsigned shift, uint32_t bins,
-                                uint32_t d, uint32_t *out)
-{
-    uint32_t m = 0;
-    for (uint32_t i = 0; i < n; i++)
-        if (((key[i] >> shift) & (bins - 1)) == d)
-            out[m++] = key[i];
-    return m;
-}
-
-/* The k-th largest T of key[0 .. n) (1 <= k <= n) by radix selection on digits of 11, 11 and
- * 10 bits, and in *eq_take how many keys equal to T are among the k largest. tmp: n keys. */
+/* The k-th largest T of key[0 .. n) (1 <= k <= n) by radix selection, and in *eq_take how many
+ * keys equal to T are among the k largest. Each round histograms the 11 bits below the keys'
+ * common prefix (so even a narrow range of keys spreads over the bins), keeps the bin that
+ * holds the k-th largest and repeats on it; at most three rounds. tmp: n keys. */
 static uint32_t kth_largest(const uint32_t *key, uint32_t n, uint32_t k, uint32_t *tmp,
                             uint32_t *hist, uint32_t *eq_take)
 {
-    uint32_t above, need = k;
-    hist_keys(hist, SAMPLER_HIST_BINS, key, n, 21);
-    uint32_t d1 = digit_pick(hist, SAMPLER_HIST_BINS, need, &above);
-    need -= above;
-    uint32_t m = keys_with_digit(key, n, 21, SAMPLER_HIST_BINS, d1, tmp);
-    hist_keys(hist, SAMPLER_HIST_BINS, tmp, m, 10);
-    uint32_t d2 = digit_pick(hist, SAMPLER_HIST_BINS, need, &above);
-    need -= above;
-    m = keys_with_digit(tmp, m, 10, SAMPLER_HIST_BINS, d2, tmp);
-    hist_keys(hist, 1024, tmp, m, 0);
-    uint32_t d3 = digit_pick(hist, 1024, need, &above);
-    *eq_take = need - above;
-    return (d1 << 21) | (d2 << 10) | d3;
+    const uint32_t *src = key;
+    uint32_t need = k;
+    for (;;) {
+        uint32_t lo = UINT32_MAX, hi = 0;
+        for (uint32_t i = 0; i < n; i++) {
+            lo = src[i] < lo ? src[i] : lo;
+            hi = src[i] > hi ? src[i] : hi;
+        }
+        if (lo == hi) {
+            *eq_take = need;
+            return lo;
+        }
+        unsigned top = 31u - (unsigned)__builtin_clz(lo ^ hi);
+        unsigned shift = top >= 10 ? top - 10 : 0;
+        hist_keys(hist, SAMPLER_HIST_BINS, src, n, shift);
+        uint32_t above, d = digit_pick(hist, SAMPLER_HIST_BINS, need, &above);
+        need -= above;
+        uint32_t m = 0;
+        for (uint32_t i = 0; i < n; i++)
+            if (((src[i] >> shift) & (SAMPLER_HIST_BINS - 1)) == d)
+                tmp[m++] = src[i];
+        assert(m >= need && m < n);
+        src = tmp;
+        n = m;
+    }
 }
 
 /* Step 5 on a list in id order: keeps the k largest keys, ties to the lower id, in id order. */
@@ -264,10 +267,12 @@ static uint32_t keep_top(uint32_t *ck, int32_t *ci, uint32_t m, uint32_t k, uint
     return out;
 }
 
-/* A key floor that at least k allowed tokens likely reach: the key of rank about 1.5 k / S +
- * 16 in a sample of every S-th token. 1 (keep every allowed token) when k is off or not much
+/* A key floor that at least k allowed tokens likely reach: the key of rank 1.5 k / S + 16 in a
+ * sample of every S-th token (S = 128 floats, every eighth cache line, so the sample does not
+ * read the whole row; for k = 4,096 the floor lets about 2 k tokens through, and falling short
+ * of k takes a four-sigma miss). 1 (keep every allowed token) when k is off or not much
  * smaller than the vocabulary. Only a hint: the caller checks the count it gets. */
-#define SAMPLE_STRIDE 16u
+#define SAMPLE_STRIDE 128u
 static uint32_t floor_estimate(const sampler_row *row, uint32_t k, uint32_t *sample,
                                uint32_t *tmp, uint32_t *hist)
 {
@@ -290,21 +295,31 @@ static uint32_t floor_estimate(const sampler_row *row, uint32_t k, uint32_t *sam
 void sampler_sort_pairs(uint32_t *key, int32_t *id, uint32_t n, uint32_t *tmp_key,
                         int32_t *tmp_id, uint32_t *hist)
 {
+    enum { BINS = SAMPLER_HIST_BINS };
     static const unsigned shift[3] = {0, 11, 22};
+    uint32_t *h[3] = {hist, hist + BINS, hist + 2 * BINS};
+    if (n < 2)
+        return;
+    memset(hist, 0, 3 * BINS * sizeof(*hist)); /* all three digits' counts in one read */
+    for (uint32_t i = 0; i < n; i++) {
+        h[0][key[i] & (BINS - 1)]++;
+        h[1][(key[i] >> 11) & (BINS - 1)]++;
+        h[2][key[i] >> 22]++;
+    }
     uint32_t *sk = key, *dk = tmp_key;
     int32_t *si = id, *di = tmp_id;
     for (int pass = 0; pass < 3; pass++) {
-        hist_keys(hist, SAMPLER_HIST_BINS, sk, n, shift[pass]);
-        if (n == 0 || hist[(sk[0] >> shift[pass]) & (SAMPLER_HIST_BINS - 1)] == n)
+        uint32_t *hp = h[pass];
+        if (hp[(sk[0] >> shift[pass]) & (BINS - 1)] == n)
             continue; /* every key has this digit: the pass would not move anything */
         uint32_t sum = 0;
-        for (uint32_t b = 0; b < SAMPLER_HIST_BINS; b++) {
-            uint32_t c = hist[b];
-            hist[b] = sum;
+        for (uint32_t b = 0; b < BINS; b++) {
+            uint32_t c = hp[b];
+            hp[b] = sum;
             sum += c;
         }
         for (uint32_t i = 0; i < n; i++) {
-            uint32_t pos = hist[(sk[i] >> shift[pass]) & (SAMPLER_HIST_BINS - 1)]++;
+            uint32_t pos = hp[(sk[i] >> shift[pass]) & (BINS - 1)]++;
             dk[pos] = sk[i];
             di[pos] = si[i];
         }
@@ -321,17 +336,18 @@ void sampler_sort_pairs(uint32_t *key, int32_t *id, uint32_t n, uint32_t *tmp_ke
 
 /* ---- steps 6-8 -------------------------------------------------------------------------------- */
 
-/* Step 6-7: integer masses of the candidates (c, id order) as sort keys 2^31 - m in a; zero
+/* Steps 6-7: w = exp((l - l_max) * (1 / T)) (the kernel scales by 1 / T), integer masses of
+ * the candidates (c, id order) as sort keys 2^31 - m in a; zero
  * masses dropped. Returns how many remain (>= 1: the top token has mass 2^31). */
 static uint32_t weigh(sampler_workspace *ws, uint32_t nc, double temperature)
 {
     uint32_t kmax = 0;
     for (uint32_t i = 0; i < nc; i++)
         kmax = ws->c_key[i] > kmax ? ws->c_key[i] : kmax;
-    double lmax = key_logit(kmax);
+    double lmax = key_logit(kmax), inv_t = 1.0 / temperature;
     uint32_t n = 0;
     for (uint32_t i = 0; i < nc; i++) {
-        double z = ((double)key_logit(ws->c_key[i]) - lmax) / temperature;
+        double z = ((double)key_logit(ws->c_key[i]) - lmax) * inv_t;
         if (z < MASS_ZERO_BELOW)
             continue;
         uint32_t m = (uint32_t)(exp(z) * (double)SAMPLER_MASS_ONE);

@@ -25,7 +25,7 @@ struct sampler_workspace {
     int32_t *c_id;      /* [capacity] */
     uint32_t *dense;    /* [capacity] per-token mass, all zero between calls */
     sampler_slot slot[SAMPLER_ALL_SLOTS]; /* caller slots, then the residual slot */
-    uint32_t hist[SAMPLER_HIST_BINS];     /* radix histogram */
+    uint32_t hist[3 * SAMPLER_HIST_BINS]; /* radix histograms (the sort counts 3 digits) */
     void *mem;          /* the one allocation behind every array */
 };
 
@@ -34,8 +34,8 @@ struct sampler_workspace {
 di_status sampler_process_slot(const sampler_row *row, sampler_workspace *ws, unsigned slot,
                                sampler_dist *out, di_error *err);
 
-/* Sorts n (key, id) pairs by key ascending, stable, with a and b as ping-pong buffers; the
- * result is in (key, id) again. tmp_key/tmp_id need n entries. */
+/* Sorts n (key, id) pairs by key ascending, stable (LSD radix, digits of 11, 11 and 10 bits);
+ * the result is in (key, id) again. tmp_key/tmp_id need n entries, hist 3 * 2048. */
 void sampler_sort_pairs(uint32_t *key, int32_t *id, uint32_t n, uint32_t *tmp_key,
                         int32_t *tmp_id, uint32_t *hist);
 

@@ -363,6 +363,16 @@ Test(pipeline, force_top_k_ties_to_lower_id)
         l[i] = (float)((i * 2654435761u) >> 28) - 8.0f;
     check_force_top_k(l, V41_VOCAB, 4096);
     check_force_top_k(l, V41_VOCAB, 100000);
+    /* Structured to fool a strided sample: every 128th token (where a sample of the
+     * vocabulary would look) is high, too few of them to fill k; the exact set still comes out
+     * (the selection must look again below its first guess). Likewise every 16th. */
+    for (uint32_t i = 0; i < V41_VOCAB; i++)
+        l[i] = i % 128 == 0 ? 10.0f : (float)(i % 7);
+    check_force_top_k(l, V41_VOCAB, 4096);
+    for (uint32_t i = 0; i < V41_VOCAB; i++)
+        l[i] = i % 16 == 0 ? 10.0f + (float)(i % 5) : -(float)(i % 3);
+    check_force_top_k(l, V41_VOCAB, 4096);
+    check_force_top_k(l, V41_VOCAB, 9000);
     /* Negative logits only, with -inf sprinkled in. */
     test_normal_logits(l, V41_VOCAB, 1.0, 12);
     for (uint32_t i = 0; i < V41_VOCAB; i++)
