@@ -109,6 +109,9 @@ di_status sampling_params_validate(const sampling_params *p, uint32_t n_vocab, d
     if (p->eos_id < -1 || (p->eos_id >= 0 && (uint32_t)p->eos_id >= n_vocab))
         return di_fail(err, DI_EINVAL, "eos_id %d outside [0, %u) (or -1 = none)", p->eos_id,
                        n_vocab);
+    if (p->n_blacklist > n_vocab)
+        return di_fail(err, DI_EINVAL, "blacklist has %u entries, more than the vocabulary (%u)",
+                       p->n_blacklist, n_vocab);
     if (p->n_blacklist > 0 && !p->blacklist)
         return di_fail(err, DI_EINVAL, "blacklist has %u entries but no array", p->n_blacklist);
     for (uint32_t i = 0; i < p->n_blacklist; i++) {

@@ -95,7 +95,7 @@ typedef struct sampling_params {
     int32_t eos_id;          /* end-of-sequence token, -1 = none. Default -1 */
     const int32_t *blacklist; /* [n_blacklist] tokens never sampled; borrowed, may be NULL
                                  when n_blacklist is 0. Default none */
-    uint32_t n_blacklist;    /* entries in blacklist */
+    uint32_t n_blacklist;    /* entries in blacklist, at most the vocabulary size */
     uint32_t n_logprobs;     /* top logprobs to report per token, 0..20. Default 0 */
     uint64_t seed;           /* key of every draw of the request. Default 0 */
 } sampling_params;
@@ -129,7 +129,7 @@ extern const size_t sampling_param_spec_count;
 sampling_params sampling_params_default(void);
 
 /* Checks p against the table and the vocabulary (eos_id and every blacklist entry in
- * [0, n_vocab)). Returns DI_OK, or DI_EINVAL with one line naming the field and the bound
+ * [0, n_vocab), n_blacklist <= n_vocab). Returns DI_OK, or DI_EINVAL with one line naming the field and the bound
  * ("top_p 1.5 outside (0, 1]"). Reads only. */
 di_status sampling_params_validate(const sampling_params *p, uint32_t n_vocab, di_error *err);
 

@@ -34,6 +34,7 @@ static void set_blacklist(sampling_params *p) { p->blacklist = bad_list, p->n_bl
 static const int32_t neg_list[] = {-1};
 static void set_blacklist_neg(sampling_params *p) { p->blacklist = neg_list, p->n_blacklist = 1; }
 static void set_blacklist_null(sampling_params *p) { p->n_blacklist = 3; }
+static void set_blacklist_long(sampling_params *p) { p->blacklist = bad_list, p->n_blacklist = 11; }
 
 Test(params, validation_messages)
 {
@@ -54,6 +55,7 @@ Test(params, validation_messages)
         {set_blacklist, "blacklist[1] = 12 outside the vocabulary [0, 10)"},
         {set_blacklist_neg, "blacklist[0] = -1 outside the vocabulary [0, 10)"},
         {set_blacklist_null, "blacklist has 3 entries but no array"},
+        {set_blacklist_long, "blacklist has 11 entries, more than the vocabulary (10)"},
     };
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++) {
         sampling_params p = sampling_params_default();

@@ -601,3 +601,39 @@ Test(pipeline, two_slots_independent)
     cr_assert_eq(db.ids[0], 0);
     sampler_workspace_free(ws);
 }
+
+/* The key of a row, written out by hand: u = philox(seed, 3 * (P + j * 10,000,019) + 0) for
+ * row j; a draft row uses seed + 1,000,000,007. The token is the one sampler_dist_pick gives
+ * for that u. */
+Test(pipeline, rows_and_draft_rows_use_their_keys)
+{
+    enum { V = 1000 };
+    float *logits = malloc(V * sizeof(float));
+    test_normal_logits(logits, V, 0.3, 17);
+    sampling_params p = sampling_params_default();
+    p.seed = 123456789;
+    sampler_workspace *ws = test_ws(V);
+    sampler_row row = test_row(logits, V, &p);
+    sampler_dist d = test_dist(&row, ws, 0);
+    int differ = 0;
+    for (uint32_t j = 0; j < 6; j++) {
+        for (int draft = 0; draft < 2; draft++) {
+            row.position = 16390;
+            row.row = j;
+            row.draft = draft;
+            uint64_t seed = draft ? 123456789ull + 1000000007ull : 123456789ull;
+            double u = di_philox_uniform(seed, 3ull * (16390ull + j * 10000019ull), 0);
+            int32_t want, want_other;
+            cr_assert_eq(sampler_dist_pick(&d, u, &want, NULL), DI_OK);
+            sampler_result r;
+            cr_assert_eq(sampler_sample(&row, ws, &r, NULL), DI_OK);
+            cr_assert_eq(r.token, want, "row %u draft %d", j, draft);
+            double u_other = di_philox_uniform(seed ^ 1, 3ull * (16390ull + j * 10000019ull), 0);
+            cr_assert_eq(sampler_dist_pick(&d, u_other, &want_other, NULL), DI_OK);
+            differ += want_other != want;
+        }
+    }
+    cr_assert_gt(differ, 8, "another key gives other tokens");
+    free(logits);
+    sampler_workspace_free(ws);
+}
