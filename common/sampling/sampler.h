@@ -28,9 +28,10 @@
  * arithmetic, so the order in which masses are added (thread, chunk, batch) cannot change a
  * result. (Weights relative to the top token rather than to the float sum Z = sum w_i keep even
  * Z out of the result: m_i = floor(p_i * Z * 2^31), the same distribution up to the floor.)
- *   - top-p cut: with top_p = f * 2^-24 exactly (f an integer, as a float is), the kept prefix
- *     is the shortest whose cumulative mass C satisfies C >= ceil(f * M / 2^24); at least one
- *     token is always kept and top_p = 1 keeps everything.
+ *   - top-p cut: writing top_p = f / 2^s exactly (integers f < 2^24 and s, as every float in
+ *     (0, 1) can be), the kept prefix is the shortest whose cumulative mass C satisfies
+ *     C >= ceil(f * M / 2^s) (128-bit product); at least one token is always kept and top_p = 1
+ *     keeps everything.
  *   - draw: u = x * 2^-53 (x a 53-bit integer), threshold = floor(x * M / 2^53) < M; the token
  *     is the first in draw order whose cumulative mass exceeds the threshold.
  *
