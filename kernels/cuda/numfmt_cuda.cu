@@ -81,9 +81,10 @@ __device__ __forceinline__ float dev_e2m1_decode(uint8_t code)
     return (code & 8) ? -r : r;
 }
 
+/* the C twin's comparison chain, so NaN passes through unchanged (fminf/fmaxf would not) */
 __device__ __forceinline__ float clampf(float x, float lo, float hi)
 {
-    return fminf(fmaxf(x, lo), hi);
+    return x < lo ? lo : (x > hi ? hi : x);
 }
 
 /* max over `width` consecutive lanes (width a power of two <= 32) */

@@ -45,7 +45,7 @@ ninja -C build-gpu >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 2
 status=0
 summary=()
 for exe in build-gpu/tests/gpu/check_*; do
-  [ -x "$exe" ] || continue
+  [ -f "$exe" ] && [ -x "$exe" ] || continue
   name=$(basename "$exe")
   args=()
   [ "$bench" = 1 ] && args=(--bench)
