@@ -111,9 +111,10 @@ Test(store_plan, bandwidth_limited)
     cr_assert_str_eq(store_plan_limit_name(&r), "bandwidth");
 }
 
-/* An exact fit needs exactly that many servers, even when shares like 0.1 + 0.2 + 0.7 add up
- * to 1.0000000000000002 in floating point: 3e12 tokens/day, 1 byte each, kept 1 day, on
- * servers of one 1 TB SSD with no parity -> 3 servers, not 4. */
+/* An exact fit needs exactly that many servers, even when float rounding lands just above
+ * it: shares 0.2 and 0.8 of 7 days give a mean of 7.000000000000001 in doubles. 3e12 new
+ * tokens/day of 1 byte, kept 7 days, on servers of one 1 TB SSD with no parity: 21e12 bytes,
+ * 21 servers, not 22. */
 Test(store_plan, exact_fit_does_not_round_up)
 {
     store_plan_input in = example();
@@ -121,16 +122,16 @@ Test(store_plan, exact_fit_does_not_round_up)
     in.input_share = 1.0;
     in.input_hit_rate = 0.0;
     in.store_decode_kv = false;
-    in.retention[0] = (store_retention){0.1, 1};
-    in.retention[1] = (store_retention){0.2, 1};
-    in.retention[2] = (store_retention){0.7, 1};
-    in.num_retention = 3;
+    in.retention[0] = (store_retention){0.2, 7};
+    in.retention[1] = (store_retention){0.8, 7};
+    in.num_retention = 2;
     in.bytes_per_token = 1;
     in.server = (store_server){.ssds = 1, .ssd_tb = 1, .read_gb_s = 1, .ec_data = 1,
                                .ec_parity = 0};
     store_plan_result r;
     cr_assert_eq(store_plan_compute(&in, &r, NULL), DI_OK);
-    cr_assert_eq(r.servers_capacity, 3);
+    cr_assert_gt(r.held_bytes, 21e12, "the case must exercise rounding noise");
+    cr_assert_eq(r.servers_capacity, 21);
     cr_assert_eq(r.servers_bandwidth, 0, "no hits, nothing to read");
     cr_assert(r.capacity_limited);
 }
