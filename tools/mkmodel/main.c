@@ -1,6 +1,7 @@
 /* di-mkmodel: writes a random-weight checkpoint in the released format for a config.
  *
  *   di-mkmodel [options] CONFIG OUTDIR
+ *   di-mkmodel [options] --config CONFIG --out OUTDIR
  *
  * CONFIG is a shipped name (v41-flash, tiny, small), a config.json, or a directory holding one.
  */
@@ -17,6 +18,8 @@
 
 typedef struct cli {
     mkmodel_options opt;
+    const char *config;   /* --config or the first positional argument */
+    const char *out;      /* --out or the second positional argument */
     bool dry_run;
     bool quiet;
     bool tty;
@@ -102,6 +105,18 @@ static di_status o_dry(cli *c, const char *a, di_error *e)
     return DI_OK;
 }
 
+static di_status o_config(cli *c, const char *a, di_error *e)
+{
+    c->config = a;
+    return DI_OK;
+}
+
+static di_status o_out(cli *c, const char *a, di_error *e)
+{
+    c->out = a;
+    return DI_OK;
+}
+
 static di_status o_quiet(cli *c, const char *a, di_error *e)
 {
     c->quiet = true;
@@ -109,6 +124,8 @@ static di_status o_quiet(cli *c, const char *a, di_error *e)
 }
 
 static const opt_row k_opts[] = {
+    {"config", "CONFIG", o_config, "the config (instead of the first argument)"},
+    {"out", "OUTDIR", o_out, "the output directory (instead of the second argument)"},
     {"seed", "N", o_seed, "generator seed (default 0); the same seed writes the same bytes"},
     {"shard-mb", "N", o_shard, "largest shard in MiB (default 2048); a bigger tensor gets its own"},
     {"max-gb", "N", o_max, "refuse a checkpoint above N GB (default 64; 0 = no limit)"},
@@ -124,7 +141,8 @@ static const opt_row k_opts[] = {
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: di-mkmodel [options] CONFIG OUTDIR\n\n"
+    fprintf(f, "usage: di-mkmodel [options] CONFIG OUTDIR\n"
+               "       di-mkmodel [options] --config CONFIG --out OUTDIR\n\n"
                "Writes a random-weight checkpoint in the released DeepSeek-V4.1 format: nested\n"
                "config.json, model.safetensors.index.json, bounded shards, every tensor with its\n"
                "dtype, shape and .scale sibling (MODEL.md section 7).\n\n"
@@ -193,12 +211,20 @@ static int parse_args(int argc, char **argv, cli *c, const char **config, const 
             return 2;
         }
     }
-    if (argc - optind != 2 && !(c->dry_run && argc - optind == 1)) {
+    for (int i = optind; i < argc; i++) {
+        const char **slot = !c->config ? &c->config : !c->out ? &c->out : NULL;
+        if (!slot) {
+            fprintf(stderr, "di-mkmodel: unexpected argument '%s' (see --help)\n", argv[i]);
+            return 2;
+        }
+        *slot = argv[i];
+    }
+    if (!c->config || (!c->out && !c->dry_run)) {
         fprintf(stderr, "di-mkmodel: expected CONFIG and OUTDIR (see --help)\n");
         return 2;
     }
-    *config = argv[optind];
-    *out = optind + 1 < argc ? argv[optind + 1] : NULL;
+    *config = c->config;
+    *out = c->out;
     return -1;
 }
 
