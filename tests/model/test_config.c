@@ -176,14 +176,19 @@ Test(config, kv_geometry_of_v41_flash_matches_the_layout_module)
     cr_assert_eq(kv_block_bytes(&a), 114048);
     di_error e;
     cr_assert_eq(kv_geometry_validate(&a, &e), DI_OK, "%s", e.msg);
-    /* the small configs give valid geometries too */
+    /* the small configs give valid geometries too; block sizes by hand: tiny owners 2 (r 2)
+     * and 4 (r 1), entries 64/2+64/16 + 32/2+32/32 = 53 B: (64 + 128) * 53 + 128 = 10,304;
+     * small owners 2, 4 (r 2) and 6 (r 1), entries 128/2+128/16 + 64/2+64/32 = 106 B:
+     * (64 + 64 + 128) * 106 + 128 = 27,264 */
     const char *small[] = {"tiny", "small"};
+    const size_t block[] = {10304, 27264};
     for (int i = 0; i < 2; i++) {
         model_config *s = load_builtin(small[i]);
         model_config_kv_geometry(s, s->dspark_block_size, &a);
         cr_assert_eq(kv_geometry_validate(&a, &e), DI_OK, "%s: %s", small[i], e.msg);
         cr_assert_eq(a.n_owners, s->n_kv_sources);
         cr_assert_eq(a.ring_positions, 134);
+        cr_assert_eq(kv_block_bytes(&a), block[i], "%s block", small[i]);
         free(s);
     }
     free(c);
