@@ -328,7 +328,8 @@ di_status sched_process_outputs(sched *s, const sched_plan *plan,
 /* The async correction, on the CPU: for every entry of `next` with tokens_from_prev, copies
  * prev's sampled token and drafts into its rows and subtracts prev's rejected rows from
  * first_position and seqlen_k. `prev` is the plan scheduled just before `next`, `prev_results`
- * its results. Entries whose request ended in prev get pad tokens. */
+ * its results. An entry whose request failed in prev keeps its pad tokens; one that stopped
+ * in prev rides with its last token (its results are ignored either way). */
 void sched_plan_fixup(sched_plan *next, const sched_plan *prev,
                       const sched_seq_result *prev_results);
 
