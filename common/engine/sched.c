@@ -306,11 +306,6 @@ void sched_release_resources(sched *s, seq *q)
     assert(q->inflight_steps == 0);
     blkmgr_free(s->bm, q->blocks, q->n_blocks);
     q->n_blocks = 0;
-    if (q->copy_src) {
-        blkmgr_free(s->bm, &q->copy_src, 1);
-        q->copy_src = 0;
-        q->copy_dst = 0;
-    }
     if (q->state_slot >= 0)
         slots_release(s->sl, q->state_slot);
     q->state_slot = -1;
@@ -390,16 +385,18 @@ static di_status sched_alloc_arrays(sched *s, di_error *err)
     s->need = di_alloc_zero(a, m, sizeof(uint32_t));
     s->chunk = di_alloc_zero(a, m, sizeof(uint32_t));
     s->outs = di_alloc_zero(a, s->cap_outs, sizeof(sched_output));
+    s->pend = di_alloc_zero(a, s->cap_copies, sizeof(sched_copy));
     s->out_tokens = di_alloc_zero(a, s->cap_out_tokens, sizeof(int32_t));
     bool ok = s->wq && s->run && s->map_keys && s->map_vals && s->order && s->need &&
-              s->chunk && s->outs && s->out_tokens;
+              s->chunk && s->outs && s->out_tokens && s->pend;
     for (int i = 0; i < 2; i++) {
         sched_step *st = &s->steps[i];
         st->entries = di_alloc_zero(a, m, sizeof(sched_seq_plan));
         st->seqs = di_alloc_zero(a, m, sizeof(seq *));
         st->gens = di_alloc_zero(a, m, sizeof(uint32_t));
         st->rows = di_alloc_zero(a, (size_t)m * s->rows, sizeof(int32_t));
-        ok = ok && st->entries && st->seqs && st->gens && st->rows;
+        st->copies = di_alloc_zero(a, s->cap_copies, sizeof(sched_copy));
+        ok = ok && st->entries && st->seqs && st->gens && st->rows && st->copies;
     }
     if (!ok)
         return di_fail(err, DI_ENOMEM, "out of memory for the scheduler's queues (%u sequences)",
@@ -428,6 +425,7 @@ di_status sched_create(const sched_config *cfg, sched **out, di_error *err)
     s->map_mask = sched_pow2_at_least(2ull * s->max_live) - 1;
     s->cap_outs = 3 * m + 1;
     s->cap_out_tokens = m * s->rows + 1;
+    s->cap_copies = 2 * m;
     st = sched_alloc_arrays(s, err);
     if (st == DI_OK)
         st = blkmgr_create(cfg->num_blocks, s->alloc, &s->bm, err);
@@ -464,6 +462,7 @@ void sched_destroy(sched *s)
         di_alloc_release(a, s->steps[i].seqs);
         di_alloc_release(a, s->steps[i].gens);
         di_alloc_release(a, s->steps[i].rows);
+        di_alloc_release(a, s->steps[i].copies);
     }
     di_alloc_release(a, s->wq);
     di_alloc_release(a, s->run);
@@ -472,6 +471,7 @@ void sched_destroy(sched *s)
     di_alloc_release(a, s->order);
     di_alloc_release(a, s->need);
     di_alloc_release(a, s->chunk);
+    di_alloc_release(a, s->pend);
     di_alloc_release(a, s->outs);
     di_alloc_release(a, s->out_tokens);
     di_alloc_release(a, s);
@@ -664,6 +664,53 @@ di_status sched_set_schedulable(sched *s, uint64_t id, di_error *err)
     return DI_OK;
 }
 
+/* Blocks and slot a fork needs now; DI_EFULL naming the missing one. */
+static di_status sched_fork_room(const sched *s, uint32_t kv, uint32_t len, di_error *err)
+{
+    uint32_t fresh = (kv % SEQ_BLOCK_TOKENS ? 1 : 0) + seq_blocks_for(len) - seq_blocks_for(kv);
+    if (s->n_active >= s->cfg.max_num_seqs)
+        return di_fail(err, DI_EFULL, "fork: max_num_seqs %u sequences hold a slot",
+                       s->cfg.max_num_seqs);
+    if (slots_free_count(s->sl) == 0)
+        return di_fail(err, DI_EFULL, "fork: no free state slot");
+    if (blkmgr_free_count(s->bm) < fresh)
+        return di_fail(err, DI_EFULL, "fork: %u blocks needed, %u free", fresh,
+                       blkmgr_free_count(s->bm));
+    if (s->n_pend + 2 > s->cap_copies)
+        return di_fail(err, DI_EFULL, "fork: %u copies already wait for the next step",
+                       s->n_pend);
+    return DI_OK;
+}
+
+/* Gives the child its table (shared full blocks, a fresh copy of the partial one, a fresh
+ * block for its newest position when needed) and slot, and queues the copies. */
+static void sched_fork_take(sched *s, const seq *par, seq *q)
+{
+    uint32_t kv = par->len - 1;
+    blkmgr_copy cp;
+    di_status rc = blkmgr_fork(s->bm, par->blocks, kv, q->blocks, &cp, NULL);
+    assert(rc == DI_OK);
+    q->n_blocks = seq_blocks_for(kv);
+    uint32_t want = seq_blocks_for(q->len);
+    rc = blkmgr_alloc(s->bm, want - q->n_blocks, q->blocks + q->n_blocks, NULL);
+    assert(rc == DI_OK);
+    q->n_blocks = want;
+    rc = slots_acquire(s->sl, q->id, &q->state_slot, NULL);
+    assert(rc == DI_OK);
+    (void)rc;
+    q->draft_slot = (uint32_t)q->state_slot + 1;
+    q->reserved = true;
+    q->num_tokens = kv;
+    q->window_start = par->window_start;
+    s->n_active++;
+    if (cp.dst) {
+        blkmgr_share(s->bm, &cp.src, 1); /* held until the copy has run */
+        s->pend[s->n_pend++] = (sched_copy){SCHED_COPY_BLOCK, cp.src, cp.dst};
+    }
+    s->pend[s->n_pend++] =
+        (sched_copy){SCHED_COPY_SLOT, (uint32_t)par->state_slot, (uint32_t)q->state_slot};
+}
+
 di_status sched_fork(sched *s, uint64_t parent_id, const sched_request *child, di_error *err)
 {
     seq *par = sched_lookup(s, parent_id, err);
@@ -679,12 +726,15 @@ di_status sched_fork(sched *s, uint64_t parent_id, const sched_request *child, d
     c.prompt_len = par->len;
     c.output = NULL;
     c.output_len = 0;
-    c.kv_cached = 0;
+    c.kv_cached = par->len - 1; /* from the parent's blocks, not the store */
     c.replay = 0;
-    c.window_cached = false;
+    c.window_cached = true;
+    c.hold = false;
     di_status st = sched_check_request(s, &c, err);
     if (st == DI_OK)
         st = sched_check_room(s, c.id, err);
+    if (st == DI_OK)
+        st = sched_fork_room(s, par->len - 1, par->len, err);
     if (st != DI_OK)
         return st;
     seq_params p = sched_seq_params(s, &c, par->tokens, par->len);
@@ -692,23 +742,7 @@ di_status sched_fork(sched *s, uint64_t parent_id, const sched_request *child, d
     st = seq_create(&p, s->alloc, &q, err);
     if (st != DI_OK)
         return st;
-    uint32_t kv = par->len - 1; /* the parent's committed KV */
-    blkmgr_copy cp;
-    st = blkmgr_fork(s->bm, par->blocks, kv, q->blocks, &cp, err);
-    if (st != DI_OK) {
-        seq_destroy(q, s->alloc);
-        di_error_prefix(err, "fork of request %llu: ", (unsigned long long)parent_id);
-        return st;
-    }
-    q->n_blocks = seq_blocks_for(kv);
-    q->num_tokens = kv;
-    q->window_start = par->window_start;
-    if (cp.dst) {
-        /* hold the source until the copy has run, so it cannot be reused under it */
-        blkmgr_share(s->bm, &cp.src, 1);
-        q->copy_src = cp.src;
-        q->copy_dst = cp.dst;
-    }
+    sched_fork_take(s, par, q);
     sched_all_add(s, q);
     sched_wq_push_back(s, q);
     s->stats.requests_added++;
@@ -791,8 +825,6 @@ static di_status sched_check_seq(sched *s, const seq *q, uint32_t *n_where, uint
     if (q->reserved && !seq_is_finished(q))
         (*active)++;
     blkmgr_check_owner(s->bm, q->blocks, q->n_blocks);
-    if (q->copy_src)
-        blkmgr_check_owner(s->bm, &q->copy_src, 1);
     if (q->state_slot >= 0)
         slots_check_claim(s->sl, q->state_slot, q->id);
     return DI_OK;
@@ -824,11 +856,26 @@ static di_status sched_check_queues(const sched *s, const uint32_t *n_where, uin
     return DI_OK;
 }
 
+/* The holds fork copies keep on their source blocks: pending, and in the plans in flight. */
+static void sched_check_copy_holds(sched *s)
+{
+    for (uint32_t i = 0; i < s->n_pend; i++)
+        if (s->pend[i].kind == SCHED_COPY_BLOCK)
+            blkmgr_check_owner(s->bm, &s->pend[i].src, 1);
+    for (uint32_t k = 0; k < s->n_in_flight; k++) {
+        const sched_step *st = &s->steps[(s->step_first + k) % 2];
+        for (uint32_t i = 0; i < st->plan.n_copies; i++)
+            if (st->copies[i].kind == SCHED_COPY_BLOCK)
+                blkmgr_check_owner(s->bm, &st->copies[i].src, 1);
+    }
+}
+
 di_status sched_check(sched *s, di_error *err)
 {
     uint32_t n_where[4] = {0}, active = 0, live = 0;
     blkmgr_check_begin(s->bm);
     slots_check_begin(s->sl);
+    sched_check_copy_holds(s);
     for (const seq *q = s->all; q; q = q->all_next, live++) {
         di_status st = sched_check_seq(s, q, n_where, &active, err);
         if (st != DI_OK)

@@ -30,6 +30,8 @@ typedef struct sched_step {
     seq **seqs;             /* [max_num_seqs] the sequence of each entry (NULL: placeholder) */
     uint32_t *gens;         /* [max_num_seqs] the sequence's gen when scheduled */
     int32_t *rows;          /* [max_num_seqs * (1 + nextn)] decode row tokens */
+    sched_copy *copies;     /* [cap_copies] fork copies done before this step; each block copy
+                               holds a reference on its source until the step is processed */
     bool in_flight;         /* scheduled, not processed */
 } sched_step;
 
@@ -66,6 +68,9 @@ struct sched {
     seq **order;                   /* [max_num_seqs] scratch: running sorted for preemption */
     uint32_t *need;                /* [max_num_seqs] scratch: blocks each sequence needs */
     uint32_t *chunk;               /* [max_num_seqs] scratch: chosen prefill chunk sizes */
+
+    sched_copy *pend;              /* [cap_copies] fork copies waiting for the next plan */
+    uint32_t n_pend, cap_copies;
 
     sched_output *outs;            /* [cap_outs] outputs of the current delivery */
     uint32_t n_outs, cap_outs;

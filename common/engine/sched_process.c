@@ -146,11 +146,6 @@ di_status sched_process_outputs(sched *s, const sched_plan *plan,
         const sched_seq_plan *e = &st->entries[i];
         q->inflight_steps--;
         q->inflight_rows -= e->seqlen_q;
-        if (e->copy_src) { /* the fork copy has run: drop the hold on its source */
-            assert(q->copy_src == e->copy_src);
-            blkmgr_free(s->bm, &q->copy_src, 1);
-            q->copy_src = 0;
-        }
         seq *cut = NULL;
         if (sched_entry_live(st, i))
             cut = sched_apply(s, st, i, &results[i]);
@@ -161,6 +156,9 @@ di_status sched_process_outputs(sched *s, const sched_plan *plan,
     }
     while (n_cut > 0)
         sched_wq_push_front(s, s->order[--n_cut]);
+    for (uint32_t i = 0; i < st->plan.n_copies; i++) /* the copies have run */
+        if (st->copies[i].kind == SCHED_COPY_BLOCK)
+            blkmgr_free(s->bm, &st->copies[i].src, 1);
     st->in_flight = false;
     s->step_first = (s->step_first + 1) % 2;
     s->n_in_flight--;

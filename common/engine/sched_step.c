@@ -111,11 +111,6 @@ static sched_seq_plan *sched_entry(sched_step *st, uint32_t i, seq *q, uint32_t 
         .load_window = q->load_window,
         .window_start = q->window_start,
     };
-    if (q->copy_dst) {
-        e->copy_src = q->copy_src;
-        e->copy_dst = q->copy_dst;
-        q->copy_dst = 0; /* scheduled; copy_src stays held until the step is processed */
-    }
     q->n_load = 0;
     q->load_window = false;
     st->seqs[i] = q;
@@ -341,15 +336,24 @@ static void sched_decode_short(sched *s, sched_step *st)
  * max_num_seqs and the cache threshold allow; the head blocks the queue. */
 static void sched_admit(sched *s, sched_step *st)
 {
-    while (s->wq_len && s->n_active < s->cfg.max_num_seqs &&
-           sched_cache_usage(s) <= s->cfg.cache_usage_threshold && sched_head_ready(s)) {
+    while (s->wq_len && sched_cache_usage(s) <= s->cfg.cache_usage_threshold &&
+           sched_head_ready(s)) {
         seq *q = sched_wq_at(s, 0);
         uint32_t want = seq_blocks_for((uint64_t)q->num_tokens + sched_decode_rows(s, q));
         uint32_t need = want > q->n_blocks ? want - q->n_blocks : 0;
-        if (need > blkmgr_free_count(s->bm) || slots_free_count(s->sl) == 0)
+        if (need > blkmgr_free_count(s->bm))
+            break;
+        if (!q->reserved && (s->n_active >= s->cfg.max_num_seqs || slots_free_count(s->sl) == 0))
             break;
         sched_wq_pop_front(s, 1);
-        sched_reserve(s, q, want);
+        if (q->reserved) { /* a fork child: it holds its slot already */
+            di_status rc = blkmgr_alloc(s->bm, need, q->blocks + q->n_blocks, NULL);
+            assert(rc == DI_OK);
+            (void)rc;
+            q->n_blocks = want;
+        } else {
+            sched_reserve(s, q, want);
+        }
         seq_set_status(q, SEQ_RUNNING);
         sched_run_add(s, q);
         sched_decode_entry(s, st, q);
@@ -440,6 +444,11 @@ di_status sched_schedule(sched *s, sched_plan **out, di_error *err)
         n = sched_select_prefill(s);
     }
     sched_step *st = sched_step_next(s);
+    /* the fork copies go before this step's forward */
+    memcpy(st->copies, s->pend, (size_t)s->n_pend * sizeof(sched_copy));
+    st->plan.n_copies = s->n_pend;
+    st->plan.copies = st->copies;
+    s->n_pend = 0;
     if (prompt)
         sched_prompt_step(s, st, n);
     else

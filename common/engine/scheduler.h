@@ -210,8 +210,6 @@ typedef struct sched_seq_plan {
                                    the store into the block table; 0 = nothing to load */
     bool load_window;           /* before this step: load the window state at first_position */
     uint32_t window_start;      /* no window read below this position (bounded replay), 0 */
-    uint32_t copy_src;          /* before this step: copy block copy_src into copy_dst (fork); */
-    uint32_t copy_dst;          /*   0, 0 = nothing */
     bool sample;                /* its last row is sampled and its result consumed: decode, or
                                    the final chunk of a prompt (earlier chunks: result ignored) */
     bool tokens_from_prev;      /* async: it is in the previous unprocessed step; the rows'
@@ -219,6 +217,18 @@ typedef struct sched_seq_plan {
                                    (sched_plan_fixup corrects them) */
     uint32_t prev_index;        /* with tokens_from_prev: its entry index in that step */
 } sched_seq_plan;
+
+/* A copy the runner does before the step's forward (a fork), in list order. */
+typedef enum sched_copy_kind {
+    SCHED_COPY_BLOCK = 0, /* the KV bytes of block src into block dst */
+    SCHED_COPY_SLOT,      /* the whole state slot src (rings, compressor state) into dst */
+} sched_copy_kind;
+
+typedef struct sched_copy {
+    sched_copy_kind kind;
+    uint32_t src;
+    uint32_t dst;
+} sched_copy;
 
 typedef struct sched_plan {
     uint64_t step;              /* step number on this rank, from 0 */
@@ -231,6 +241,8 @@ typedef struct sched_plan {
     uint32_t graph_rows;        /* decode: recorded graph size used (>= n_rows); 0 for prefill */
     uint32_t padding_rows;      /* graph_rows - n_rows: placeholder rows the runner appends */
     uint32_t n_preempted;       /* sequences preempted while building this plan */
+    uint32_t n_copies;          /* fork copies to do before this step's forward */
+    const sched_copy *copies;   /* [n_copies] */
 } sched_plan;
 
 /* ---- Step results (the runner's output, process_outputs' input), one per plan entry ---- */
@@ -295,12 +307,17 @@ di_status sched_add_request(sched *s, const sched_request *req, di_error *err);
  * (its final output was the handoff). DI_ENOENT when no live request has the id. */
 di_status sched_abort(sched *s, uint64_t id, sched_output *out, di_error *err);
 
-/* Forks a running request: a new request `child->id` whose prompt is the parent's tokens so
- * far, sharing the parent's full KV blocks and copying its last partial block (the first plan
- * of the child carries the copy). The child enters waiting with the parent's KV counted, so
- * its prefill is the one position without KV. child->prompt is ignored; its limits apply.
+/* Forks a decoding request: a new request `child->id` whose prompt is the parent's tokens so
+ * far. It shares the parent's full KV blocks and gets copies of the last, partial block and of
+ * the parent's state slot (window rings, compressor state); the next plan carries the copies,
+ * which the runner does before that step's forward, so the parent's next rows cannot
+ * overwrite what is copied. The child holds its blocks and slot from now on (it counts against
+ * max_num_seqs) and enters waiting with the parent's KV counted: its prefill is the one
+ * position without KV (in a COMPLETION engine it is admitted straight to decode).
+ * child->prompt is ignored; its limits apply.
  * DI_OK; DI_ENOENT (no parent); DI_ESTATE (parent not decoding); DI_EEXIST; DI_EFULL (waiting
- * full, or no block for the copy); DI_EINVAL (too long); DI_ENOMEM. Nothing changes on failure. */
+ * full, max_num_seqs, no slot or block, too many forks before the next step); DI_EINVAL;
+ * DI_ENOMEM. Nothing changes on failure. */
 di_status sched_fork(sched *s, uint64_t parent_id, const sched_request *child, di_error *err);
 
 /* Releases a FINISHED_HANDOFF request's blocks and slot. DI_OK; DI_ENOENT; DI_ESTATE. */

@@ -119,8 +119,6 @@ typedef struct seq {
                                   before the first chunk (prefix hit, handoff); 0 after that */
     bool load_window;          /* with n_load: also load the window state at num_tokens */
     uint32_t window_start;     /* no window read goes below this position (bounded replay) */
-    uint32_t copy_src;         /* fork: block to copy into copy_dst before the first step; */
-    uint32_t copy_dst;         /*   both 0 when there is nothing to copy */
 
     uint32_t inflight_steps;   /* scheduled steps holding it, not yet processed (sched) */
     uint32_t inflight_rows;    /* rows of those steps (sched) */

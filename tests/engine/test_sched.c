@@ -696,19 +696,28 @@ Test(sched, fork_shares_the_parents_blocks)
     cr_assert_neq(ch->blocks[2], par->blocks[2], "the partial block is a copy");
     cr_assert_eq(sched_free_blocks(s), blocks0 - 3 - 1);
     cr_assert_eq(sched_fork(s, 1, &child, &e), DI_EEXIST);
-    cr_assert_eq(sched_fork(s, 2, &(sched_request){.id = 3, .max_tokens = 5}, &e), DI_ESTATE);
+    cr_assert_eq(sched_fork(s, 2, &(sched_request){.id = 3, .max_tokens = 5}, &e), DI_ESTATE,
+                 "a waiting child cannot be forked");
     cr_assert_eq(sched_fork(s, 9, &(sched_request){.id = 3, .max_tokens = 5}, &e), DI_ENOENT);
 
+    cr_assert(ch->state_slot >= 0 && ch->state_slot != par->state_slot, "its own slot");
     sched_plan *p = h_schedule(s);
+    cr_assert_eq(p->n_copies, 2, "the next plan carries the copies");
+    cr_assert_eq(p->copies[0].kind, SCHED_COPY_BLOCK);
+    cr_assert_eq(p->copies[0].src, par->blocks[2]);
+    cr_assert_eq(p->copies[0].dst, ch->blocks[2]);
+    cr_assert_eq(p->copies[1].kind, SCHED_COPY_SLOT);
+    cr_assert_eq(p->copies[1].src, (uint32_t)par->state_slot);
+    cr_assert_eq(p->copies[1].dst, (uint32_t)ch->state_slot);
     int i = h_entry(p, 2);
     cr_assert(p->prompt_run && i >= 0);
     cr_assert_eq(p->seqs[i].seqlen_q, 1, "only the newest token lacks KV");
     cr_assert_eq(p->seqs[i].first_position, 300);
-    cr_assert_eq(p->seqs[i].copy_src, par->blocks[2]);
-    cr_assert_eq(p->seqs[i].copy_dst, ch->blocks[2]);
     h_process(s, p, NULL, NULL, &lg);
     cr_assert_eq(ch->where, SEQ_IN_RUNNING);
-    cr_assert_eq(ch->copy_src, 0, "the hold on the copy source is dropped");
+    p = h_schedule(s);
+    cr_assert_eq(p->n_copies, 0, "copies go once");
+    h_process(s, p, NULL, NULL, &lg);
     for (int k = 0; k < 10 && sched_has_work(s); k++)
         h_step(s, &lg);
     cr_assert_eq(lg.finish[2], SCHED_FINISH_LENGTH);
