@@ -531,6 +531,12 @@ static di_status sched_check_request(const sched *s, const sched_request *r, di_
         return di_fail(err, DI_EINVAL, "request id %llu is reserved for placeholders", id);
     if (r->prompt_len == 0 || !r->prompt)
         return di_fail(err, DI_EINVAL, "request %llu: empty prompt", id);
+    if (r->output_len && !r->output)
+        return di_fail(err, DI_EINVAL, "request %llu: output_len %u without output tokens", id,
+                       r->output_len);
+    if ((r->n_stop_ids && !r->stop_ids) || r->n_stop_ids > SEQ_MAX_STOP_IDS)
+        return di_fail(err, DI_EINVAL, "request %llu: n_stop_ids %u without stop ids or above "
+                       "%u", id, r->n_stop_ids, SEQ_MAX_STOP_IDS);
     uint64_t total = (uint64_t)r->prompt_len + r->output_len;
     if (total >= s->cfg.max_model_len)
         return di_fail(err, DI_EINVAL, "request %llu: %llu tokens leave no room under "
@@ -541,11 +547,9 @@ static di_status sched_check_request(const sched *s, const sched_request *r, di_
                        "%u", id, (unsigned long long)total, need, blkmgr_usable(s->bm));
     di_status st = sched_check_tokens(s, r->prompt, r->prompt_len, "prompt", r->id, err);
     if (st == DI_OK)
-        st = sched_check_tokens(s, r->output, r->output ? r->output_len : 0, "output", r->id,
-                                err);
+        st = sched_check_tokens(s, r->output, r->output_len, "output", r->id, err);
     if (st == DI_OK)
-        st = sched_check_tokens(s, r->stop_ids, r->stop_ids ? r->n_stop_ids : 0, "stop",
-                                r->id, err);
+        st = sched_check_tokens(s, r->stop_ids, r->n_stop_ids, "stop", r->id, err);
     if (st == DI_OK)
         st = sched_check_cached(s, r, (uint32_t)total, err);
     return st;
@@ -575,10 +579,10 @@ static seq_params sched_seq_params(const sched *s, const sched_request *r,
         .prompt = prompt,
         .prompt_len = prompt_len,
         .output = r->output,
-        .output_len = r->output ? r->output_len : 0,
+        .output_len = r->output_len,
         .max_tokens = r->max_tokens,
         .stop_ids = r->stop_ids,
-        .n_stop_ids = r->stop_ids ? r->n_stop_ids : 0,
+        .n_stop_ids = r->n_stop_ids,
         .eos = s->cfg.eos_token,
         .ignore_eos = r->ignore_eos,
         .has_grammar = r->has_grammar,

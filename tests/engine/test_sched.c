@@ -935,6 +935,30 @@ Test(sched, api_misuse_is_refused)
     sched_destroy(NULL);
 }
 
+/* output_len counts tokens already generated; without the tokens themselves the request is
+ * refused, not taken as a shorter one whose KV claims run past its length. */
+Test(sched, output_len_without_output_tokens_is_refused)
+{
+    sched_config c;
+    h_config(&c);
+    sched *s = h_make(&c);
+    di_error e;
+    int32_t tok[10] = {5, 5, 5, 5, 5, 5, 5, 5, 5, 5};
+    sched_request r = {.id = 1, .prompt = tok, .prompt_len = 10, .output_len = 5,
+                       .max_tokens = 20, .kv_cached = 14, .window_cached = true};
+    cr_assert_eq(sched_add_request(s, &r, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "output_len 5"), "%s", e.msg);
+    r.n_stop_ids = 2; /* the same for stop ids */
+    r.output_len = 0;
+    r.kv_cached = 0;
+    r.window_cached = false;
+    cr_assert_eq(sched_add_request(s, &r, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "n_stop_ids 2"), "%s", e.msg);
+    cr_assert_eq(sched_num_live(s), 0);
+    h_check(s);
+    sched_destroy(s);
+}
+
 Test(sched, config_validation)
 {
     sched_config c;
