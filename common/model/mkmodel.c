@@ -486,8 +486,8 @@ static di_status write_all_shards(const char *dir, gen_list *L, const mkmodel_pl
 di_status mkmodel_write(const model_config *cfg, const char *dir, const mkmodel_options *opt,
                         mkmodel_plan *plan, di_error *err)
 {
-    if (!dir)
-        return di_fail(err, DI_EINVAL, "output directory must not be NULL");
+    if (!cfg || !dir || !opt)
+        return di_fail(err, DI_EINVAL, "config, output directory and options must not be NULL");
     mkmodel_plan *p = malloc(sizeof *p);
     if (!p)
         return di_fail(err, DI_ENOMEM, "out of memory");

@@ -251,6 +251,19 @@ Test(mkmodel, limits_and_directories)
     free(c);
 }
 
+Test(mkmodel, null_arguments_are_refused)
+{
+    model_config *c = malloc(sizeof *c);
+    di_error e = {0};
+    cr_assert_eq(model_config_builtin("tiny", c, &e), DI_OK);
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s/null", g_dir);
+    cr_assert_eq(mkmodel_write(c, dir, NULL, NULL, &e), DI_EINVAL);
+    cr_assert_eq(mkmodel_write(NULL, dir, NULL, NULL, &e), DI_EINVAL);
+    cr_assert_neq(access(dir, F_OK), 0, "nothing created");
+    free(c);
+}
+
 /* ---- the binary --------------------------------------------------------------------------- */
 
 static int run(const char *args, char *out, size_t cap)
