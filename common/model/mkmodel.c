@@ -434,6 +434,12 @@ static di_status prepare_dir(const char *dir, bool force, di_error *err)
     if (!empty && !force)
         return di_fail(err, DI_EEXIST, "output directory %s is not empty (force to overwrite)",
                        dir);
+    /* Rewriting in place: an old config.json would make a half-written directory load with
+     * a mix of new and old shards. It goes first; the new one is written last. */
+    char path[4200];
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (!empty && unlink(path) != 0 && errno != ENOENT)
+        return di_fail(err, DI_EIO, "%s: %s", path, strerror(errno));
     return DI_OK;
 }
 

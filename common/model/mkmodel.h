@@ -79,7 +79,8 @@ di_status mkmodel_plan_for(const model_config *cfg, const mkmodel_options *opt,
 /* Writes the checkpoint into dir (created if missing; refused when it already holds files,
  * unless force). plan may be NULL. Returns DI_OK, the errors of mkmodel_plan_for, DI_EEXIST
  * (non-empty directory), DI_EIO. On failure files already written may remain, but config.json
- * is written last, so an incomplete directory never loads. */
+ * is written last (and, with force, an old one is removed first), so an incomplete directory
+ * never loads. */
 di_status mkmodel_write(const model_config *cfg, const char *dir, const mkmodel_options *opt,
                         mkmodel_plan *plan, di_error *err);
 

@@ -264,6 +264,42 @@ Test(mkmodel, null_arguments_are_refused)
     free(c);
 }
 
+/* Rewriting a checkpoint in place (force) that fails half way must not leave a directory that
+ * loads: the old config.json would describe a mix of new and old shards. */
+Test(mkmodel, a_failed_rewrite_in_place_does_not_load)
+{
+    write_ckpt("tiny", "re", 1, 1 << 20);
+    model_config *c = malloc(sizeof *c);
+    di_error e = {0};
+    cr_assert_eq(model_config_builtin("tiny", c, &e), DI_OK);
+    mkmodel_options o;
+    mkmodel_options_default(&o);
+    o.seed = 2;
+    o.shard_bytes = 1 << 20;
+    o.force = true;
+    mkmodel_plan *p = malloc(sizeof *p);
+    cr_assert_eq(mkmodel_plan_for(c, &o, p, &e), DI_OK);
+    cr_assert(p->n_shards > 2);
+    /* the second shard's temporary file cannot be created: shard 1 is replaced, then the
+     * write fails */
+    char dir[512], blocker[1024];
+    snprintf(dir, sizeof dir, "%s/re", g_dir);
+    snprintf(blocker, sizeof blocker, "%s/model-00002-of-%05u.safetensors.tmp.%ld", dir,
+             p->n_shards, (long)getpid());
+    cr_assert_eq(mkdir(blocker, 0755), 0);
+    cr_assert_eq(mkmodel_write(c, dir, &o, NULL, &e), DI_EIO);
+    model_weights *w = NULL;
+    cr_assert_neq(model_weights_load(dir, NULL, &w, &e), DI_OK,
+                  "a half-rewritten checkpoint loads");
+    /* once the cause is gone, the same command completes it */
+    cr_assert_eq(rmdir(blocker), 0);
+    cr_assert_eq(mkmodel_write(c, dir, &o, NULL, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(model_weights_load(dir, NULL, &w, &e), DI_OK, "%s", e.msg);
+    model_weights_free(w);
+    free(p);
+    free(c);
+}
+
 /* ---- the binary --------------------------------------------------------------------------- */
 
 static int run(const char *args, char *out, size_t cap)
