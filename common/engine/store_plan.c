@@ -74,13 +74,37 @@ static di_status check_input(const store_plan_input *in, di_error *err)
     return DI_OK;
 }
 
-/* ceil(x), forgiving a relative 1e-9 above an integer. */
-static uint64_t servers_for(double x)
+/* ceil(x) for x >= 0, forgiving a relative 1e-9 above a positive integer (float noise on an
+ * exact fit), so 21.00000000000001 servers are 21 while any x in (0, 1] is 1. False when x is
+ * not a count a double holds exactly (NaN, infinite, above 2^53). */
+static bool servers_for(double x, uint64_t *out)
 {
+    if (!(x >= 0.0 && x <= 9007199254740992.0))
+        return false;
     double f = floor(x);
-    if (x - f <= 1e-9 * fmax(1.0, x))
-        return (uint64_t)f;
-    return (uint64_t)f + 1;
+    *out = (uint64_t)f + (x > f && !(f >= 1.0 && x - f <= 1e-9 * x));
+    return true;
+}
+
+/* Every figure of r finite and every server count exact: DI_OK, else DI_ERANGE. */
+static di_status check_range(const store_plan_result *r, const double *ratios, size_t n,
+                             di_error *err)
+{
+    const double figures[] = {r->new_tokens_per_day, r->held_tokens, r->held_bytes,
+                              r->read_bytes_per_s, r->write_bytes_per_s,
+                              r->window_state_bytes_per_token, r->requests_per_day,
+                              r->held_window_state_bytes};
+    for (size_t i = 0; i < sizeof figures / sizeof figures[0]; i++)
+        if (!isfinite(figures[i]))
+            return di_fail(err, DI_ERANGE, "the inputs give %g held bytes and %g requests a "
+                           "day, beyond what can be planned: check the units", r->held_bytes,
+                           r->requests_per_day);
+    uint64_t unused;
+    for (size_t i = 0; i < n; i++)
+        if (!servers_for(ratios[i], &unused))
+            return di_fail(err, DI_ERANGE, "the inputs need %g servers, beyond what can be "
+                           "planned: check the units of the server and the traffic", ratios[i]);
+    return DI_OK;
 }
 
 di_status store_plan_compute(const store_plan_input *in, store_plan_result *out,
@@ -105,7 +129,6 @@ di_status store_plan_compute(const store_plan_input *in, store_plan_result *out,
     double raw = sv->ssds * sv->ssd_tb * 1e12;
     r.usable_bytes_per_server = raw * sv->ec_data / ((double)sv->ec_data + sv->ec_parity);
     double cap_ratio = r.held_bytes / r.usable_bytes_per_server;
-    r.servers_capacity = servers_for(cap_ratio);
 
     r.read_bytes_per_s = input * in->input_hit_rate / STORE_PLAN_SECONDS_PER_DAY *
                          in->bytes_per_token;
@@ -113,9 +136,6 @@ di_status store_plan_compute(const store_plan_input *in, store_plan_result *out,
                           in->bytes_per_token * ((double)sv->ec_data + sv->ec_parity) /
                           sv->ec_data;
     double bw_ratio = r.read_bytes_per_s / (sv->read_gb_s * 1e9);
-    r.servers_bandwidth = servers_for(bw_ratio);
-    r.servers = r.servers_capacity > r.servers_bandwidth ? r.servers_capacity
-                                                         : r.servers_bandwidth;
     r.capacity_limited = cap_ratio >= bw_ratio;
 
     r.window_state_bytes_per_request = in->window_state_bytes;
@@ -123,8 +143,16 @@ di_status store_plan_compute(const store_plan_input *in, store_plan_result *out,
     r.requests_per_day = in->tokens_per_day / in->avg_request_tokens;
     r.held_window_state_bytes = r.requests_per_day * r.mean_retention_days *
                                 in->window_state_bytes;
-    r.servers_with_window_state =
-        servers_for((r.held_bytes + r.held_window_state_bytes) / r.usable_bytes_per_server);
+    double ws_ratio = (r.held_bytes + r.held_window_state_bytes) / r.usable_bytes_per_server;
+    const double ratios[3] = {cap_ratio, bw_ratio, ws_ratio};
+    st = check_range(&r, ratios, 3, err);
+    if (st != DI_OK)
+        return st;
+    servers_for(cap_ratio, &r.servers_capacity);
+    servers_for(bw_ratio, &r.servers_bandwidth);
+    servers_for(ws_ratio, &r.servers_with_window_state);
+    r.servers = r.servers_capacity > r.servers_bandwidth ? r.servers_capacity
+                                                         : r.servers_bandwidth;
     *out = r;
     return DI_OK;
 }

@@ -36,7 +36,8 @@
  *   - Each request keeps ONE window state (the last multiple of 128 of its prompt or
  *     response) for as long as its blocks. Window states are not deduplicated: two requests
  *     sharing a prefix still end at different points.
- *   - ceil() forgives a relative 1e-9 above an integer, so float rounding cannot add a server.
+ *   - ceil() forgives a relative 1e-9 above an integer, so float rounding cannot add a server;
+ *     any positive amount below one server still needs one.
  *   - The default window_state_bytes is V4.1-Flash's stored region with nextn 5:
  *     kv_window_state_bytes(kv_geometry_v41_flash(5)) = 128 + 20 * 134 * 528 + the C2
  *     compressors' pending state = 1,501,184 bytes; the default bytes_per_token is
@@ -112,7 +113,8 @@ const char *store_plan_limit_name(const store_plan_result *r);
 
 /* Applies the formulas above. DI_EINVAL naming the field when a share or rate is outside
  * [0, 1], retention shares do not sum to 1 (within 1e-9), a size, count or speed is not
- * positive, or a number is not finite. *out written only on success. */
+ * positive, or a number is not finite; DI_ERANGE when a result overflows (a figure is not
+ * finite, or a server count passes 2^53). *out written only on success. */
 di_status store_plan_compute(const store_plan_input *in, store_plan_result *out,
                              di_error *err);
 

@@ -405,6 +405,12 @@ static const bad_case bad_cases[] = {
      "key 'store_decode_kv': expected true or false"},
     {"store", ST_HEAD "\"retention\": [{\"share\": 1, \"days\": 3}], "
               "\"window_state_bytes\": -5, " ST_SERVER "}", "window_state_bytes"},
+    {"store", "{\"tokens_per_day\": 1e300, \"input_share\": 0.9, \"input_hit_rate\": 0.8, "
+              "\"store_decode_kv\": true, \"avg_request_tokens\": 20000, \"retention\": "
+              "[{\"share\": 1, \"days\": 3}], " ST_SERVER "}", "beyond what can be planned"},
+    {"store", ST_HEAD "\"retention\": [{\"share\": 1, \"days\": 3}], \"server\": {\"ssds\": 20,"
+              " \"ssd_tb\": 1e-300, \"read_gb_s\": 40, \"ec_data\": 10, \"ec_parity\": 2}}",
+     "beyond what can be planned"},
 };
 
 Test(cli, bad_inputs_exit_1_with_one_line_naming_the_key)

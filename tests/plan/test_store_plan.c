@@ -136,6 +136,47 @@ Test(store_plan, exact_fit_does_not_round_up)
     cr_assert(r.capacity_limited);
 }
 
+/* Any data at all needs a server: 1,000 tokens a day held 1 day are 891 KB, a tiny fraction
+ * of one server (2e-9 of 512 TB), which the rounding tolerance must not round to 0. The
+ * same for reads. */
+Test(store_plan, a_little_data_needs_one_server)
+{
+    store_plan_input in = example();
+    in.tokens_per_day = 1000;
+    in.retention[0] = (store_retention){1, 1};
+    in.num_retention = 1;
+    store_plan_result r;
+    di_error e;
+    cr_assert_eq(store_plan_compute(&in, &r, &e), DI_OK, "%s", e.msg);
+    cr_assert_gt(r.held_bytes, 0);
+    cr_assert_lt(r.held_bytes / r.usable_bytes_per_server, 1e-9, "the case hits the tolerance");
+    cr_assert_eq(r.servers_capacity, 1);
+    cr_assert_eq(r.servers_bandwidth, 1, "reads of hit tokens need a server too");
+    cr_assert_eq(r.servers, 1);
+    cr_assert_eq(r.servers_with_window_state, 1);
+}
+
+/* Inputs whose answer does not fit the result (servers beyond 2^53, bytes beyond a double)
+ * are refused with a message, not turned into a garbage server count. */
+Test(store_plan, results_out_of_range_are_refused)
+{
+    store_plan_result r;
+    memset(&r, 0x5a, sizeof r);
+    store_plan_result before = r;
+    di_error e;
+    store_plan_input in = example();
+    in.tokens_per_day = 1e300; /* held bytes overflow to inf */
+    cr_assert_eq(store_plan_compute(&in, &r, &e), DI_ERANGE);
+    cr_assert(strstr(e.msg, "servers") || strstr(e.msg, "bytes"), "%s", e.msg);
+    in = example();
+    in.server.ssd_tb = 1e-300; /* finite bytes, but 1e300 servers */
+    cr_assert_eq(store_plan_compute(&in, &r, &e), DI_ERANGE);
+    in = example();
+    in.avg_request_tokens = 1e-300; /* window states per request overflow */
+    cr_assert_eq(store_plan_compute(&in, &r, &e), DI_ERANGE);
+    cr_assert_eq(memcmp(&r, &before, sizeof r), 0, "output untouched on failure");
+}
+
 Test(store_plan, defaults_come_from_the_kv_layout)
 {
     store_plan_input in;
