@@ -90,12 +90,44 @@ Test(sim, a_seed_repeats_the_run, .timeout = 60)
     int rc;
     json_t *a = run_sim(SMALL " --async", &rc);
     json_t *b = run_sim(SMALL " --async", &rc);
+    json_t *c = run_sim(SMALL " --async --seed 8", &rc);
     const char *same[] = {"sim_seconds", "output_tokens", "ttft_ms.p99", "tpot_ms.p50",
                           "steps.group", "cache_usage.max", "draft_acceptance"};
-    for (size_t i = 0; i < sizeof(same) / sizeof(same[0]); i++)
+    int differ = 0;
+    for (size_t i = 0; i < sizeof(same) / sizeof(same[0]); i++) {
         cr_assert_eq(num(a, same[i]), num(b, same[i]), "%s differs between runs", same[i]);
+        differ += num(a, same[i]) != num(c, same[i]);
+    }
+    cr_assert_geq(differ, 5, "another seed gives another run (%d figures differ)", differ);
     json_decref(a);
     json_decref(b);
+    json_decref(c);
+}
+
+/* Whole-number options take what they say: 1e4 steps is 10,000, not 1; the largest seed is
+ * a seed; a value that is not a whole number, or is out of range, is refused. */
+Test(sim, whole_number_options_mean_their_value, .timeout = 60)
+{
+    int rc;
+    json_t *j = run_sim("--requests 5 --max-steps 1e4", &rc);
+    cr_assert_eq(rc, 0, "--max-steps 1e4 read as 1 step");
+    json_decref(j);
+    j = run_sim("--requests 5 --seed 18446744073709551615", &rc);
+    cr_assert_eq(rc, 0, "the largest seed is refused");
+    json_decref(j);
+    j = run_sim("--requests 5 --seed 1e3", &rc);
+    cr_assert_eq(rc, 0);
+    json_t *k = run_sim("--requests 5 --seed 1000", &rc);
+    cr_assert_eq(num(j, "sim_seconds"), num(k, "sim_seconds"), "1e3 and 1000 are one seed");
+    cr_assert_eq(num(j, "config.seed"), 1000);
+    json_decref(j);
+    json_decref(k);
+    const char *bad[] = {"--seed 18446744073709551616", "--seed 1.5", "--seed nan",
+                         "--requests nan", "--max-steps -1", "--seed ''"};
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        cr_assert_null(run_sim(bad[i], &rc), "%s accepted", bad[i]);
+        cr_assert_eq(rc, 2, "%s", bad[i]);
+    }
 }
 
 Test(sim, a_small_cache_preempts, .timeout = 60)

@@ -3,6 +3,7 @@
  * Options are one table (below): --help, defaults and validation all come from it. */
 #include <errno.h>
 #include <jansson.h>
+#include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,12 +122,28 @@ static int bad(const char *fmt, const char *a, const char *b)
     return -1;
 }
 
+/* The whole number v says: exact for plain decimal digits (up to 2^64 - 1), else the value of
+ * an integral number below 2^53 ("1e6"). False when it is not one. */
+static bool whole_number(const char *v, double d, uint64_t *out)
+{
+    if (v[0] && v[strspn(v, "0123456789")] == '\0') {
+        errno = 0;
+        unsigned long long x = strtoull(v, NULL, 10);
+        *out = x;
+        return errno == 0;
+    }
+    if (strchr(v, '-') || !(d >= 0 && d == floor(d) && d <= 9007199254740992.0))
+        return false;
+    *out = (uint64_t)d;
+    return true;
+}
+
 static int parse_number(const opt *o, const char *v, void *field)
 {
     char *end;
     errno = 0;
     double d = strtod(v, &end);
-    if (end == v || *end || errno)
+    if (end == v || *end || errno || isnan(d))
         return bad("--%s: '%s' is not a number", o->name, v);
     if (d < o->min || d > o->max) {
         char range[96];
@@ -137,9 +154,9 @@ static int parse_number(const opt *o, const char *v, void *field)
         *(double *)field = d;
         return 0;
     }
-    if (d != (double)(uint64_t)d || strchr(v, '-'))
-        return bad("--%s: '%s' is not a whole number", o->name, v);
-    uint64_t u = o->kind == OPT_U64 ? strtoull(v, NULL, 10) : (uint64_t)d;
+    uint64_t u;
+    if (!whole_number(v, d, &u) || (double)u < o->min || (double)u > o->max)
+        return bad("--%s: '%s' is not a whole number in range", o->name, v);
     if (o->kind == OPT_U32)
         *(uint32_t *)field = (uint32_t)u;
     else
