@@ -5,6 +5,7 @@
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 static json_t *run_sim(const char *args, int *rc)
 {
@@ -143,6 +144,36 @@ Test(sim, a_small_cache_preempts, .timeout = 60)
                  "preempted requests stop early");
     cr_assert_gt(num(j, "cache_usage.max"), 0.9);
     json_decref(j);
+}
+
+/* Runs di-sim under an address-space limit (so a missing check cannot take the machine's
+ * memory) and returns its exit status with its stderr in err. */
+static int run_sim_limited(const char *args, char *err, size_t cap)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof(cmd), "ulimit -v 4000000; %s/tools/sim/di-sim --quiet %s 2>&1 >/dev/null",
+             getenv("DI_BUILD_ROOT"), args);
+    FILE *f = popen(cmd, "r");
+    cr_assert_not_null(f);
+    size_t n = fread(err, 1, cap - 1, f);
+    err[n] = 0;
+    int st = pclose(f);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+/* A configuration whose bookkeeping alone would take more than this machine has is refused
+ * up front with the figure, before anything is allocated (the kernel would otherwise kill
+ * the process halfway, or the machine would swap). */
+Test(sim, configurations_beyond_memory_are_refused, .timeout = 60)
+{
+    char err[1024];
+    cr_assert_eq(run_sim_limited("--blocks 2147483648 --ranks 256 --requests 5", err,
+                                 sizeof(err)), 2, "%s", err);
+    cr_assert(strstr(err, "GB of memory"), "%s", err);
+    cr_assert_eq(run_sim_limited("--max-waiting 4194304 --ranks 256 --requests 5", err,
+                                 sizeof(err)), 2, "%s", err);
+    cr_assert(strstr(err, "GB of memory"), "%s", err);
+    cr_assert_eq(run_sim_limited("--requests 5", err, sizeof(err)), 0, "%s", err);
 }
 
 Test(sim, bad_flags_exit_non_zero)

@@ -5,6 +5,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/engine/synth.h"
 #include "common/engine/vote.h"
@@ -366,6 +367,32 @@ static void *sim_thread(void *arg)
 
 /* ---- workload and results ---- */
 
+/* The longest length a distribution draws (exponential: unbounded, so the cap). */
+static double sim_dist_max(const sim_dist *d, double cap)
+{
+    double m = d->kind == SIM_UNIFORM ? d->b : d->kind == SIM_FIXED ? d->a : cap;
+    return m < cap ? m : cap;
+}
+
+/* Bytes the run takes at most, about: per rank the block pool (3 counters a block), the
+ * scheduler's queues and id map per live request, the prompt buffer, and the live sequences
+ * themselves (tokens and block table); plus the workload. */
+static double sim_memory_bytes(const sim_config *c)
+{
+    const sched_config *e = &c->engine;
+    double live = (double)e->max_waiting + 4.0 * e->max_num_seqs + e->num_slots;
+    double per_rank_reqs = ceil((double)c->requests / c->ranks);
+    double seqs = per_rank_reqs < live ? per_rank_reqs : live;
+    double len = sim_dist_max(&c->prompt_len, e->max_model_len) +
+                 sim_dist_max(&c->output_len, e->max_model_len);
+    if (len > e->max_model_len)
+        len = e->max_model_len;
+    double table = (double)e->max_model_len / 128.0 + 2.0;
+    double per_rank = 12.0 * e->num_blocks + 64.0 * live + 4.0 * e->max_model_len +
+                      seqs * (256.0 + 4.0 * (len + table));
+    return c->ranks * per_rank + 64.0 * c->requests;
+}
+
 static di_status sim_check(const sim_config *c, di_error *err)
 {
     if (c->requests == 0 || c->requests > 10000000)
@@ -386,7 +413,17 @@ static di_status sim_check(const sim_config *c, di_error *err)
     if (c->engine.max_num_seqs > 4096)
         return di_fail(err, DI_EINVAL, "max_num_seqs %u above di-sim's 4096",
                        c->engine.max_num_seqs);
-    return sched_config_validate(&c->engine, err);
+    di_status st = sched_config_validate(&c->engine, err);
+    if (st != DI_OK)
+        return st;
+    double need = sim_memory_bytes(c);
+    double have = (double)sysconf(_SC_PHYS_PAGES) * (double)sysconf(_SC_PAGE_SIZE);
+    if (have > 0 && need > have / 2)
+        return di_fail(err, DI_EINVAL, "%u ranks with %u blocks, %u waiting and these lengths "
+                       "need about %.1f GB of memory, more than half of this machine's %.1f GB",
+                       c->ranks, c->engine.num_blocks, c->engine.max_waiting, need / 1e9,
+                       have / 1e9);
+    return DI_OK;
 }
 
 static void sim_workload(const sim_config *c, sim_req *reqs)

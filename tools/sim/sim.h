@@ -81,7 +81,8 @@ typedef struct sim_result {
     double wall_seconds;            /* wall-clock time of the run */
 } sim_result;
 
-/* Runs the simulation. DI_OK with *out filled; DI_EINVAL (config); DI_ENOMEM; DI_EINTERNAL
+/* Runs the simulation. DI_OK with *out filled; DI_EINVAL (config, or one whose bookkeeping
+ * would take more than half of the machine's memory); DI_ENOMEM; DI_EINTERNAL
  * (a scheduler call failed, or max_steps reached: the message says which). */
 di_status sim_run(const sim_config *cfg, sim_result *out, di_error *err);
 
