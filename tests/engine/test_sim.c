@@ -176,6 +176,20 @@ Test(sim, configurations_beyond_memory_are_refused, .timeout = 60)
     cr_assert_eq(run_sim_limited("--requests 5", err, sizeof(err)), 0, "%s", err);
 }
 
+/* A report that cannot be written (disk full, reader gone) is a failure, not a success. */
+Test(sim, an_unwritable_report_fails, .timeout = 60)
+{
+    const char *forms[] = {"", "--json", "--help"};
+    for (size_t i = 0; i < sizeof(forms) / sizeof(forms[0]); i++) {
+        char cmd[1024];
+        snprintf(cmd, sizeof(cmd), "%s/tools/sim/di-sim --quiet --requests 5 %s >/dev/full "
+                 "2>/dev/null", getenv("DI_BUILD_ROOT"), forms[i]);
+        int st = system(cmd);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1, "'%s' exited %d", forms[i],
+                  WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    }
+}
+
 Test(sim, bad_flags_exit_non_zero)
 {
     int rc;

@@ -327,6 +327,9 @@ Test(mkmodel, command_line)
     cr_assert_eq(run("--engram-tables maybe tiny x", out, sizeof out), 2);
     cr_assert_eq(run("--dry-run v41-flash", out, sizeof out), 0);
     cr_assert(strstr(out, "762720031570 parameters") && strstr(out, "needs --force"), "%s", out);
+    /* output that cannot be written is a failure (stderr goes to /dev/full as well here) */
+    cr_assert_eq(run("--dry-run tiny >/dev/full", out, sizeof out), 1, "%s", out);
+    cr_assert_eq(run("--help >/dev/full", out, sizeof out), 1, "%s", out);
     snprintf(args, sizeof args, "v41-flash '%s/v41'", g_dir);
     cr_assert_eq(run(args, out, sizeof out), 1);
     cr_assert(strstr(out, "exceeds the 64.0 GB limit"), "%s", out);

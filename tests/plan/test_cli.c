@@ -143,6 +143,21 @@ Test(cli, usage_errors_exit_2)
 }
 
 /* The example input printed by each --help runs as shown. */
+/* Output that cannot be written is a failure, for the result and for --help. */
+Test(cli, an_unwritable_output_fails)
+{
+    const char *forms[] = {"graphs", "--help", "graphs --help"};
+    for (size_t i = 0; i < sizeof(forms) / sizeof(forms[0]); i++) {
+        char cmd[1024];
+        snprintf(cmd, sizeof(cmd), "echo '{\"max_num_seqs\": 4, \"nextn\": 5}' | "
+                 "%s/tools/plan/di-plan %s >/dev/full 2>/dev/null", getenv("DI_BUILD_ROOT"),
+                 forms[i]);
+        int st = system(cmd);
+        cr_assert(WIFEXITED(st) && WEXITSTATUS(st) == 1, "'%s' exited %d", forms[i],
+                  WIFEXITED(st) ? WEXITSTATUS(st) : -1);
+    }
+}
+
 Test(cli, help_examples_run)
 {
     const char *cmds[] = {"eplb", "varlen", "graphs", "store"};

@@ -167,6 +167,16 @@ static void print_plan(const char *config, const mkmodel_plan *p)
 
 /* ---- main --------------------------------------------------------------------------------- */
 
+/* Exit status once everything is printed: rc, or 1 with a line on stderr when stdout could
+ * not be written (disk full, reader gone): lost output is never a success. */
+static int finish_stdout(int rc)
+{
+    if (fflush(stdout) == 0 && !ferror(stdout))
+        return rc;
+    fprintf(stderr, "di-mkmodel: writing to stdout failed\n");
+    return 1;
+}
+
 static int parse_args(int argc, char **argv, cli *c, const char **config, const char **out)
 {
     struct option lopts[N_OPTS + 1];
@@ -226,7 +236,7 @@ int main(int argc, char **argv)
     const char *config = NULL, *out = NULL;
     int rc = parse_args(argc, argv, &c, &config, &out);
     if (rc >= 0)
-        return rc;
+        return rc == 0 ? finish_stdout(0) : rc;
     c.opt.progress = on_progress;
     c.opt.progress_userdata = &c;
     model_config *cfg = malloc(sizeof *cfg);
@@ -251,5 +261,5 @@ int main(int argc, char **argv)
         fprintf(stderr, "di-mkmodel: %s\n", e.msg);
     free(cfg);
     free(plan);
-    return st == DI_OK ? 0 : 1;
+    return finish_stdout(st == DI_OK ? 0 : 1);
 }

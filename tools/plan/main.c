@@ -38,6 +38,16 @@ static void print_command_help(const plan_command *c)
            c->name);
 }
 
+/* Exit status once everything is printed: 0, or 1 with a line on stderr when stdout could not
+ * be written (disk full, reader gone): partial output is never a success. */
+static int finish_stdout(const char *who)
+{
+    if (fflush(stdout) == 0 && !ferror(stdout))
+        return 0;
+    fprintf(stderr, "%s: error: writing the output failed\n", who);
+    return EXIT_BAD_INPUT;
+}
+
 static const plan_command *find_command(const char *name)
 {
     for (size_t i = 0; i < plan_num_commands; i++)
@@ -106,7 +116,7 @@ int main(int argc, char **argv)
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
         print_usage(stdout);
-        return 0;
+        return finish_stdout("di-plan");
     }
     const plan_command *c = find_command(argv[1]);
     if (!c) {
@@ -117,7 +127,7 @@ int main(int argc, char **argv)
     for (int i = 2; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             print_command_help(c);
-            return 0;
+            return finish_stdout("di-plan");
         } else if (strcmp(argv[i], "--pretty") == 0) {
             flags |= JSON_INDENT(2);
         } else {
@@ -132,11 +142,10 @@ int main(int argc, char **argv)
         fprintf(stderr, "di-plan %s: error: %s\n", c->name, err.msg);
         return EXIT_BAD_INPUT;
     }
-    int rc = json_dumpf(out, stdout, flags);
+    json_dumpf(out, stdout, flags);
     json_decref(out);
-    if (rc != 0 || fputc('\n', stdout) == EOF || fflush(stdout) != 0) {
-        fprintf(stderr, "di-plan %s: error: writing the output failed\n", c->name);
-        return EXIT_BAD_INPUT;
-    }
-    return 0;
+    fputc('\n', stdout);
+    char who[64];
+    snprintf(who, sizeof(who), "di-plan %s", c->name);
+    return finish_stdout(who);
 }

@@ -360,12 +360,22 @@ static int print_text(const cli *c, const sim_result *r)
     return 0;
 }
 
+/* Exit status once everything is printed: 0, or 1 with a line on stderr when stdout could not
+ * be written (disk full, reader gone): a partial report is never a success. */
+static int finish_stdout(void)
+{
+    if (fflush(stdout) == 0 && !ferror(stdout))
+        return 0;
+    fprintf(stderr, "di-sim: writing the report failed\n");
+    return 1;
+}
+
 int main(int argc, char **argv)
 {
     static cli c;
     int rc = parse_args(argc, argv, &c);
     if (rc)
-        return rc > 0 ? 0 : 2;
+        return rc > 0 ? finish_stdout() : 2;
     c.wall0 = c.last = di_mono_ns();
     c.sim.progress = progress;
     c.sim.progress_userdata = &c;
@@ -376,5 +386,6 @@ int main(int argc, char **argv)
         fprintf(stderr, "di-sim: %s\n", e.msg);
         return st == DI_EINVAL ? 2 : 1;
     }
-    return c.json ? print_json(&c, &r) : print_text(&c, &r);
+    rc = c.json ? print_json(&c, &r) : print_text(&c, &r);
+    return rc ? rc : finish_stdout();
 }
