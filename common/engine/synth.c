@@ -67,9 +67,11 @@ static void synth_one(synth *y, const sched_plan *plan, const sched_seq_plan *e,
     }
     uint32_t accepted = 0;
     if (!plan->prompt_run) {
-        uint32_t drafts = e->seqlen_q - 1;
-        while (accepted < drafts && e->tokens[1 + accepted] != y->cfg.pad_token &&
-               di_rng_uniform(&y->rng) < y->cfg.accept_rate)
+        /* real drafts come first; a pad row (no draft proposed) ends them */
+        uint32_t drafts = 0;
+        while (drafts + 1 < e->seqlen_q && e->tokens[1 + drafts] != y->cfg.pad_token)
+            drafts++;
+        while (accepted < drafts && di_rng_uniform(&y->rng) < y->cfg.accept_rate)
             accepted++;
         y->drafts_checked += drafts;
         y->drafts_accepted += accepted;

@@ -105,6 +105,24 @@ Test(sim, a_seed_repeats_the_run, .timeout = 60)
     json_decref(c);
 }
 
+/* Draft acceptance counts real drafts only: a request admitted to decode without drafts pads
+ * its draft rows, and those pads are not drafts that failed. With every draft accepted the
+ * figure is exactly 1, on every engine. */
+Test(sim, acceptance_counts_real_drafts_only, .timeout = 60)
+{
+    const char *engines[] = {"normal", "completion", "normal --async"};
+    for (size_t i = 0; i < sizeof(engines) / sizeof(engines[0]); i++) {
+        char args[128];
+        snprintf(args, sizeof(args), "--requests 40 --accept 1 --engine %s", engines[i]);
+        int rc;
+        json_t *j = run_sim(args, &rc);
+        cr_assert_eq(rc, 0);
+        cr_assert_eq(num(j, "draft_acceptance"), 1.0, "%s: %g", engines[i],
+                     num(j, "draft_acceptance"));
+        json_decref(j);
+    }
+}
+
 /* Whole-number options take what they say: 1e4 steps is 10,000, not 1; the largest seed is
  * a seed; a value that is not a whole number, or is out of range, is refused. */
 Test(sim, whole_number_options_mean_their_value, .timeout = 60)
