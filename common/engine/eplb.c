@@ -56,6 +56,18 @@ static di_status check_shape(uint32_t num_gpus, uint32_t slots_per_gpu, di_error
     return DI_OK;
 }
 
+/* DI_EINVAL when a stage would take more than EPLB_MAX_WORK steps. */
+static di_status check_work(const char *stage, uint64_t a, uint64_t b, uint64_t c, di_error *err)
+{
+    double work = (double)a * (double)b * (double)c;
+    if (work > (double)EPLB_MAX_WORK)
+        return di_fail(err, DI_EINVAL, "%s: %llu x %llu x %llu = %.3g steps of work, above the "
+                       "%.3g this planner takes: use a shorter window or fewer slots", stage,
+                       (unsigned long long)a, (unsigned long long)b, (unsigned long long)c, work,
+                       (double)EPLB_MAX_WORK);
+    return DI_OK;
+}
+
 static size_t layout_slots(const eplb_layout *l)
 {
     return (size_t)l->num_gpus * l->slots_per_gpu;
@@ -281,6 +293,9 @@ di_status eplb_replicate(const eplb_window *w, uint32_t redundant, uint32_t *cop
     if ((uint64_t)w->num_experts + redundant > EPLB_MAX_SLOTS)
         return di_fail(err, DI_EINVAL, "%u experts + %u redundant exceed %u slots",
                        w->num_experts, redundant, EPLB_MAX_SLOTS);
+    if ((st = check_work("stage A (redundant x steps x experts)", redundant, w->num_steps,
+                         w->num_experts, err)) != DI_OK)
+        return st;
     uint32_t *cnt = malloc(w->num_experts * sizeof(*cnt));
     double *score = malloc(w->num_experts * sizeof(*score));
     step_top *top = malloc(w->num_steps * sizeof(*top));
@@ -406,7 +421,9 @@ di_status eplb_place(const eplb_window *w, const uint32_t *copies, uint32_t num_
     if (st != DI_OK || (st = check_shape(num_gpus, slots_per_gpu, err)) != DI_OK)
         return st;
     size_t n = (size_t)num_gpus * slots_per_gpu;
-    if ((st = check_copies(w, copies, n, err)) != DI_OK)
+    if ((st = check_copies(w, copies, n, err)) != DI_OK ||
+        (st = check_work("stage B (slots x GPUs x steps)", n, num_gpus, w->num_steps, err)) !=
+            DI_OK)
         return st;
     if (!out)
         return di_fail(err, DI_EINVAL, "layout output is NULL");

@@ -52,6 +52,10 @@
 #define EPLB_MAX_STEPS (1u << 20)
 #define EPLB_MAX_WINDOW_CELLS (1u << 26)  /* steps x experts */
 #define EPLB_MAX_SLOTS (1u << 20)         /* GPUs x slots per GPU */
+/* Most elementary steps one stage may take: stage A costs redundant x steps x experts, stage B
+ * slots x GPUs x steps (about half a minute on one core at the bound). Larger shapes are
+ * refused rather than left to run for hours. */
+#define EPLB_MAX_WORK (1ull << 33)
 /* Relative tolerance under which two scores tie. */
 #define EPLB_TIE_REL 1e-9
 
@@ -109,13 +113,14 @@ di_status eplb_layout_check(const eplb_layout *l, uint32_t num_experts, bool all
 di_status eplb_moe_lb(const eplb_window *w, const eplb_layout *l, double *out, di_error *err);
 
 /* Stage A: copies[e] (>= 1, summing to E + redundant) for the window. copies is caller-owned
- * with num_experts entries, written only on success. DI_EINVAL for a bad window. */
+ * with num_experts entries, written only on success. DI_EINVAL for a bad window or work above
+ * EPLB_MAX_WORK. */
 di_status eplb_replicate(const eplb_window *w, uint32_t redundant, uint32_t *copies,
                          di_error *err);
 
 /* Stage B: places copies[e] copies of each expert on num_gpus x slots_per_gpu slots. The copy
- * counts must be >= 1 and sum to exactly num_gpus * slots_per_gpu. DI_EINVAL, DI_ENOMEM;
- * *out untouched on failure. */
+ * counts must be >= 1 and sum to exactly num_gpus * slots_per_gpu. DI_EINVAL (also for work
+ * above EPLB_MAX_WORK), DI_ENOMEM; *out untouched on failure. */
 di_status eplb_place(const eplb_window *w, const uint32_t *copies, uint32_t num_gpus,
                      uint32_t slots_per_gpu, eplb_layout *out, di_error *err);
 

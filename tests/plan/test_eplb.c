@@ -6,6 +6,7 @@
  * fit every number its prose gives, and each is worked by hand in its test's comment. */
 #include <criterion/criterion.h>
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/engine/eplb.h"
@@ -408,6 +409,30 @@ Test(eplb, bad_windows_and_layouts_are_errors)
 /* ---- properties on random windows ----------------------------------------------------------- */
 
 /* Random loads: often zero, sometimes a hot expert, sometimes hot only at some steps. */
+/* The work of a plan grows with slots x steps x experts; a request whose work would run for
+ * hours (here a million slots on a 1,000-step window of 384 experts: 10^12 steps of stage A)
+ * is refused at once, while a production-sized one (EP63, 504 slots, 10,000 steps) plans. */
+Test(eplb, work_beyond_the_bound_is_refused, .timeout = 10)
+{
+    uint32_t steps = 1000, experts = 384;
+    double *load = malloc(sizeof(double) * steps * experts);
+    for (size_t i = 0; i < (size_t)steps * experts; i++)
+        load[i] = (double)(1 + i % 7);
+    eplb_window w = {.load = load, .num_steps = steps, .num_experts = experts};
+    eplb_layout l = {0};
+    di_error e;
+    cr_assert_eq(eplb_plan(&w, 1024, 1024, &l, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "work"), "%s", e.msg);
+    cr_assert_null(l.slot_expert);
+    uint32_t *copies = malloc(sizeof(uint32_t) * experts);
+    cr_assert_eq(eplb_replicate(&w, (1u << 20) - experts, copies, &e), DI_EINVAL);
+    free(copies);
+    /* a shape in production range is within the bound */
+    cr_assert_eq(eplb_plan(&w, 63, 8, &l, &e), DI_OK, "%s", e.msg);
+    eplb_layout_free(&l);
+    free(load);
+}
+
 static void random_window(di_rng *rng, double *load, uint32_t steps, uint32_t experts)
 {
     uint32_t hot = (uint32_t)di_rng_below(rng, experts);
