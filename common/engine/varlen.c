@@ -57,9 +57,10 @@ static di_status sorted_table(const varlen_graph_time *times, size_t ntimes, uin
     for (size_t i = 0; i < ntimes; i++) {
         if (times[i].rows == 0)
             return di_fail(err, DI_EINVAL, "step_ms: graph size 0");
-        if (!(isfinite(times[i].step_ms) && times[i].step_ms > 0.0))
-            return di_fail(err, DI_EINVAL, "step_ms: %u rows take %g ms, must be > 0",
-                           times[i].rows, times[i].step_ms);
+        if (!(times[i].step_ms >= VARLEN_MIN_MS && times[i].step_ms <= VARLEN_MAX_MS))
+            return di_fail(err, DI_EINVAL, "step_ms: %u rows take %g ms, must be > 0, between "
+                           "%g and %g ms", times[i].rows, times[i].step_ms, VARLEN_MIN_MS,
+                           VARLEN_MAX_MS);
     }
     varlen_graph_time *t = malloc(ntimes * sizeof(*t));
     if (!t)
@@ -147,8 +148,9 @@ di_status varlen_schedule(const varlen_request *reqs, uint32_t n, const varlen_g
         return di_fail(err, DI_EINVAL, "confidences: no requests to plan");
     if (n > VARLEN_MAX_REQUESTS)
         return di_fail(err, DI_EINVAL, "%u requests, more than %u", n, VARLEN_MAX_REQUESTS);
-    if (!(isfinite(sampler_ms) && sampler_ms >= 0.0))
-        return di_fail(err, DI_EINVAL, "sampler_ms %g must be finite and >= 0", sampler_ms);
+    if (!(sampler_ms >= 0.0 && sampler_ms <= VARLEN_MAX_MS))
+        return di_fail(err, DI_EINVAL, "sampler_ms %g must be between 0 and %g ms", sampler_ms,
+                       VARLEN_MAX_MS);
     di_status st;
     for (uint32_t i = 0; i < n; i++)
         if ((st = check_request(&reqs[i], i, err)) != DI_OK)

@@ -32,6 +32,10 @@
 /* Most requests and most drafts per request one call accepts (bounds the work and memory). */
 #define VARLEN_MAX_REQUESTS (1u << 20)
 #define VARLEN_MAX_DRAFTS 64u
+/* Step and sampler times a table may hold (ms): below a nanosecond or above 11 days the
+ * tokens-per-ms figure stops being a finite number. */
+#define VARLEN_MIN_MS 1e-6
+#define VARLEN_MAX_MS 1e9
 
 /* One request's drafts, written by the caller. */
 typedef struct varlen_request {
@@ -43,7 +47,7 @@ typedef struct varlen_request {
 /* One measured graph size, written by the caller (the start-up measurement). */
 typedef struct varlen_graph_time {
     uint32_t rows;  /* rows of the recorded graph; >= 1, unique within a table */
-    double step_ms; /* measured time of one step on it (ms); finite and > 0 */
+    double step_ms; /* measured time of one step on it (ms); VARLEN_MIN_MS..VARLEN_MAX_MS */
 } varlen_graph_time;
 
 /* The chosen verify lengths, written by varlen_schedule. */
@@ -58,7 +62,7 @@ typedef struct varlen_plan {
 } varlen_plan;
 
 /* Runs the greedy scan over n requests against a step-time table of ntimes graph sizes (any
- * order). sampler_ms is the sampler's time per step (finite, >= 0).
+ * order). sampler_ms is the sampler's time per step (0..VARLEN_MAX_MS).
  * Returns DI_OK and fills *out; DI_EINVAL when n is 0 or above VARLEN_MAX_REQUESTS, a request
  * has more than VARLEN_MAX_DRAFTS drafts, a confidence is outside [0, 1] or increases within
  * its request, the table is empty, has a repeated or zero size or a bad time, or its largest

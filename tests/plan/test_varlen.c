@@ -237,6 +237,12 @@ Test(varlen, bad_tables_and_sampler_are_errors)
     varlen_graph_time ok[] = {{4, 1.0}};
     expect_einval(&c, ok, 1, -0.1, "sampler_ms");
     expect_einval(&c, ok, 1, NAN, "sampler_ms");
+    /* times whose rate or sum is not a finite number of tokens per ms */
+    varlen_graph_time tiny[] = {{4, 1e-320}};
+    expect_einval(&c, tiny, 1, 0.0, "1e-06");
+    varlen_graph_time huge[] = {{4, 1e308}};
+    expect_einval(&c, huge, 1, 0.0, "1e+09");
+    expect_einval(&c, ok, 1, 1e308, "sampler_ms");
 }
 
 /* ---- property: the scan's choice is the best of every allocation ------------------------ */
