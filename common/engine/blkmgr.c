@@ -102,7 +102,7 @@ di_status blkmgr_fork(blkmgr *bm, const uint32_t *src, uint32_t num_tokens, uint
 void blkmgr_check_begin(blkmgr *bm)
 {
     memset(bm->scratch, 0, (size_t)bm->n_blocks * sizeof(uint32_t));
-    bm->check_bad = 0;
+    bm->check_bad = false;
 }
 
 void blkmgr_check_owner(blkmgr *bm, const uint32_t *blocks, uint32_t n)
@@ -111,7 +111,8 @@ void blkmgr_check_owner(blkmgr *bm, const uint32_t *blocks, uint32_t n)
         uint32_t b = blocks[i];
         if (b == 0 || b >= bm->n_blocks) {
             if (!bm->check_bad)
-                bm->check_bad = b + 1;
+                bm->check_bad_id = b;
+            bm->check_bad = true;
             continue;
         }
         bm->scratch[b]++;
@@ -122,7 +123,7 @@ di_status blkmgr_check_end(blkmgr *bm, di_error *err)
 {
     if (bm->check_bad)
         return di_fail(err, DI_EINTERNAL, "a block table names block %u (pool of %u, 0 reserved)",
-                       bm->check_bad - 1, bm->n_blocks);
+                       bm->check_bad_id, bm->n_blocks);
     if (bm->refcount[0] != 0)
         return di_fail(err, DI_EINTERNAL, "block 0 has %u owners", bm->refcount[0]);
     uint32_t cap = bm->n_blocks - 1;

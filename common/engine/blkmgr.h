@@ -34,7 +34,8 @@ typedef struct blkmgr {
     uint32_t head;         /* ring index of the next block handed out */
     uint32_t n_free;       /* blocks on the free list */
     uint32_t *scratch;     /* [n_blocks] owner counts, used by the check only */
-    uint32_t check_bad;    /* check: first out-of-range block named by an owner, + 1; 0 none */
+    bool check_bad;        /* check: an owner named an out-of-range block (or block 0) */
+    uint32_t check_bad_id; /* check: the first such block */
     const di_alloc *alloc; /* allocator the arrays came from (NULL = libc) */
 } blkmgr;
 

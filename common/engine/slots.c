@@ -67,14 +67,15 @@ void slots_release(slots *p, int32_t slot)
 void slots_check_begin(slots *p)
 {
     memset(p->claims, 0, (size_t)p->n * sizeof(uint32_t));
-    p->check_bad = 0;
+    p->check_bad = false;
 }
 
 void slots_check_claim(slots *p, int32_t slot, uint64_t owner)
 {
     if (slot < 0 || (uint32_t)slot >= p->n) {
         if (!p->check_bad)
-            p->check_bad = (uint32_t)slot + 1;
+            p->check_bad_id = slot;
+        p->check_bad = true;
         return;
     }
     /* a claim by someone other than the recorded owner counts as a second claim */
@@ -84,8 +85,8 @@ void slots_check_claim(slots *p, int32_t slot, uint64_t owner)
 di_status slots_check_end(slots *p, di_error *err)
 {
     if (p->check_bad)
-        return di_fail(err, DI_EINTERNAL, "a sequence claims slot %d of %u",
-                       (int32_t)(p->check_bad - 1), p->n);
+        return di_fail(err, DI_EINTERNAL, "a sequence claims slot %d of %u", p->check_bad_id,
+                       p->n);
     if (p->n_free > p->n)
         return di_fail(err, DI_EINTERNAL, "%u free slots in a pool of %u", p->n_free, p->n);
     const uint32_t mark = 1u << 31;

@@ -30,7 +30,8 @@ typedef struct slots {
     uint64_t *owner;       /* [n] request id of the owner (valid while in_use) */
     uint8_t *in_use;       /* [n] 1 while owned */
     uint32_t *claims;      /* [n] check: owners naming each slot */
-    uint32_t check_bad;    /* check: first out-of-range slot named, + 1; 0 none */
+    bool check_bad;        /* check: a sequence named an out-of-range slot */
+    int32_t check_bad_id;  /* check: the first such slot */
     const di_alloc *alloc; /* allocator (NULL = libc) */
 } slots;
 

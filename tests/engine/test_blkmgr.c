@@ -165,6 +165,13 @@ Test(blkmgr, check_finds_leaks_and_miscounts)
     cr_assert_eq(blkmgr_check_end(bm, &e), DI_EINTERNAL);
     cr_assert(strstr(e.msg, "block 0"), "%s", e.msg);
 
+    uint32_t wild = UINT32_MAX; /* an out-of-range entry besides a consistent table */
+    blkmgr_check_begin(bm);
+    blkmgr_check_owner(bm, t, 2);
+    blkmgr_check_owner(bm, &wild, 1);
+    cr_assert_eq(blkmgr_check_end(bm, &e), DI_EINTERNAL, "block 4294967295 went unnoticed");
+    cr_assert(strstr(e.msg, "block 4294967295"), "%s", e.msg);
+
     uint32_t free_one = bm->ring[bm->head];
     blkmgr_check_begin(bm); /* a table naming a free block */
     blkmgr_check_owner(bm, t, 2);

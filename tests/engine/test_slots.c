@@ -83,6 +83,13 @@ Test(slots, check_each_slot_held_once)
     cr_assert_eq(slots_check_end(p, &e), DI_EINTERNAL);
     cr_assert(strstr(e.msg, "owner 2"), "%s", e.msg);
 
+    slots_check_begin(p); /* slot -1 ("none") claimed besides the real ones */
+    slots_check_claim(p, a, 1);
+    slots_check_claim(p, b, 2);
+    slots_check_claim(p, -1, 3);
+    cr_assert_eq(slots_check_end(p, &e), DI_EINTERNAL, "slot -1 went unnoticed");
+    cr_assert(strstr(e.msg, "slot -1"), "%s", e.msg);
+
     slots_check_begin(p); /* a free slot claimed */
     slots_check_claim(p, a, 1);
     slots_check_claim(p, b, 2);
