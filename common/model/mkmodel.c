@@ -403,7 +403,7 @@ static di_status write_token_map(const char *dir, const model_config *c, uint64_
         }
         json_array_append_new(map, json_integer(id));
     }
-    json_t *root = json_pack("{s:i,s:i,s:i,s:o}", "vocab_size", (json_int_t)c->vocab_size,
+    json_t *root = json_pack("{s:I,s:I,s:I,s:o}", "vocab_size", (json_int_t)c->vocab_size,
                              "compressed_vocab_size", (json_int_t)cv, "pad_token_id",
                              (json_int_t)c->pad_token_id, "map", map);
     char path[4200];

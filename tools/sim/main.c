@@ -265,7 +265,7 @@ static json_t *config_json(const cli *c)
 {
     const sim_config *s = &c->sim;
     const sched_config *e = &s->engine;
-    return json_pack("{s:i,s:f,s:i,s:s,s:i,s:i,s:i,s:i,s:i,s:i,s:f,s:s,s:b,s:b,s:f,s:f,s:f,s:f,"
+    return json_pack("{s:I,s:f,s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:f,s:s,s:b,s:b,s:f,s:f,s:f,s:f,"
                      "s:I}",
                      "requests", (json_int_t)s->requests, "rate", s->rate, "ranks",
                      (json_int_t)s->ranks, "engine", sched_engine_type_name(e->type), "blocks",
@@ -287,7 +287,7 @@ static int print_json(const cli *c, const sim_result *r)
         json_object_set_new(fin, sched_finish_name((sched_finish)f),
                             json_integer(r->by_finish[f]));
     json_t *o = json_pack(
-        "{s:o,s:i,s:i,s:i,s:o,s:I,s:I,s:I,s:f,s:f,s:f,s:o,s:o,s:i,s:{s:I,s:I,s:I,s:I,s:I},"
+        "{s:o,s:I,s:I,s:I,s:o,s:I,s:I,s:I,s:f,s:f,s:f,s:o,s:o,s:I,s:{s:I,s:I,s:I,s:I,s:I},"
         "s:{s:I,s:I},s:{s:f,s:f},s:f,s:f,s:f,s:o}",
         "config", config_json(c), "requests", (json_int_t)r->requests, "finished",
         (json_int_t)r->finished, "rejected", (json_int_t)r->rejected, "finish", fin,
