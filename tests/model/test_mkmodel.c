@@ -349,6 +349,11 @@ Test(mkmodel, command_line)
     write_ckpt("tiny", "lib", 9, 1 << 20);
     cr_assert_eq(differing_files("t", "lib", false), 0, "binary and library write the same");
     cr_assert_eq(differing_files("opt", "lib", false), 0);
+    /* numbers are decimal: --seed 010 is seed 10, not octal 8 */
+    snprintf(args, sizeof args, "--quiet --seed 010 --shard-mb 1 tiny '%s/oct'", g_dir);
+    cr_assert_eq(run(args, out, sizeof out), 0, "%s", out);
+    write_ckpt("tiny", "ten", 10, 1 << 20);
+    cr_assert_eq(differing_files("oct", "ten", false), 0, "--seed 010 is not seed 10");
     char dir[512];
     snprintf(dir, sizeof dir, "%s/t", g_dir);
     model_weights *w;

@@ -44,9 +44,11 @@ typedef struct opt_row {
 static di_status parse_u64(const char *arg, const char *what, uint64_t lo, uint64_t hi,
                            uint64_t *out, di_error *err)
 {
+    /* decimal, or hexadecimal with 0x; never octal (a seed of 010 is ten) */
+    int base = arg[0] == '0' && (arg[1] == 'x' || arg[1] == 'X') ? 16 : 10;
     char *end;
     errno = 0;
-    unsigned long long v = strtoull(arg, &end, 0);
+    unsigned long long v = strtoull(arg, &end, base);
     if (errno || end == arg || *end || arg[0] == '-' || v < lo || v > hi)
         return di_fail(err, DI_EINVAL, "%s '%s': expected an integer in [%" PRIu64 ", %" PRIu64
                        "]", what, arg, lo, hi);
