@@ -428,6 +428,26 @@ static const bad_case bad_cases[] = {
      "beyond what can be planned"},
 };
 
+/* A request length whose paged KV passes 2^63 bytes (a wide inline config at 2^53 tokens) is
+ * an error, not a wrapped negative byte count. */
+Test(cli, kv_bytes_beyond_int64_are_refused)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/common/model/configs/tiny.json", getenv("DI_SOURCE_ROOT"));
+    json_t *cfg = json_load_file(path, 0, NULL);
+    cr_assert_not_null(cfg, "%s", path);
+    json_object_set_new(cfg, "head_dim", json_integer(65536));
+    json_object_set_new(cfg, "index_head_dim", json_integer(65536));
+    json_object_set_new(cfg, "max_position_embeddings", json_integer(1ll << 53));
+    json_t *in = json_pack("{s:o,s:[I,I]}", "config", cfg, "tokens", (json_int_t)(1ll << 40),
+                           (json_int_t)(1ll << 53));
+    char *text = json_dumps(in, JSON_COMPACT);
+    run_bad("kv", text, "tokens");
+    run_bad("kv", text, "2^63");
+    free(text);
+    json_decref(in);
+}
+
 Test(cli, bad_inputs_exit_1_with_one_line_naming_the_key)
 {
     for (size_t i = 0; i < sizeof(bad_cases) / sizeof(bad_cases[0]); i++)

@@ -57,6 +57,19 @@ static di_status read_lengths(const json_t *in, uint64_t limit, uint64_t **out, 
     return DI_OK;
 }
 
+/* Every request's paged KV bytes fit a JSON integer (int64): DI_ERANGE naming the length
+ * otherwise. */
+static di_status check_lengths(const kv_geometry *g, const uint64_t *lens, size_t n,
+                               di_error *err)
+{
+    uint64_t block = kv_block_bytes(g);
+    for (size_t i = 0; i < n; i++)
+        if (kv_blocks_for_tokens(g, lens[i]) > (uint64_t)INT64_MAX / block)
+            return di_fail(err, DI_ERANGE, "key 'tokens': %" PRIu64 " tokens need more than "
+                           "2^63 bytes of paged KV in %" PRIu64 "-byte blocks", lens[i], block);
+    return DI_OK;
+}
+
 static json_t *request_row(const kv_geometry *g, uint64_t tokens)
 {
     uint64_t blocks = kv_blocks_for_tokens(g, tokens);
@@ -89,6 +102,10 @@ di_status plan_cmd_kv(const json_t *in, json_t **out, di_error *err)
     size_t n = 0;
     if ((st = read_lengths(in, cfg.max_position_embeddings, &lens, &n, err)))
         return st;
+    if ((st = check_lengths(&g, lens, n, err))) {
+        free(lens);
+        return st;
+    }
 
     json_t *o = json_object(), *reqs = json_array();
     if (!o || !reqs) {
