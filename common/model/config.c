@@ -847,6 +847,8 @@ di_status model_config_load(const char *path, model_config *out, di_error *err)
     if (S_ISDIR(sb.st_mode) && stat(file, &sb) != 0)
         return di_fail(err, errno == ENOENT ? DI_ENOENT : DI_EIO, "config %s: %s", file,
                        strerror(errno));
+    if (!S_ISREG(sb.st_mode)) /* a FIFO would block, a device never ends */
+        return di_fail(err, DI_EINVAL, "config %s: not a regular file", file);
     json_t *root = NULL;
     di_status st = di_json_load_file(file, &root, err);
     if (st != DI_OK)

@@ -208,7 +208,8 @@ di_status model_config_from_json(const json_t *root, const char *name, model_con
 /* Same from text (len bytes). Parse errors give the line and column. */
 di_status model_config_parse(const char *text, size_t len, const char *name, model_config *out,
                              di_error *err);
-/* Same from a file path, or from a directory holding config.json. DI_ENOENT when missing. */
+/* Same from a file path, or from a directory holding config.json. DI_ENOENT when missing,
+ * DI_EINVAL when it is not a regular file (a FIFO, a device). */
 di_status model_config_load(const char *path, model_config *out, di_error *err);
 /* A shipped config by name ("v41-flash", "tiny", "small"). DI_ENOENT for other names (the
  * message lists the known ones). */

@@ -3,6 +3,8 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "common/model/config.h"
 #include "common/util/philox.h"
@@ -372,6 +374,25 @@ Test(config, bad_text_reports_line_and_column)
     cr_assert_eq(model_config_parse("[1, 2]", 6, "arr", &c, &e), DI_EINVAL);
     cr_assert(strstr(e.msg, "expected a JSON object"), "%s", e.msg);
     cr_assert_eq(model_config_load("/nonexistent/config.json", &c, &e), DI_ENOENT);
+}
+
+/* A config path that is not a regular file (a pipe nobody writes, a device) is refused at
+ * once rather than read from: a FIFO would block the caller forever. */
+Test(config, special_files_are_refused, .timeout = 10)
+{
+    model_config c;
+    di_error e = {0};
+    char dir[] = "/tmp/di_config_fifo_XXXXXX", fifo[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(fifo, sizeof fifo, "%s/config.json", dir);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    cr_assert_eq(model_config_load(fifo, &c, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "not a regular file"), "%s", e.msg);
+    cr_assert_eq(model_config_load(dir, &c, &e), DI_EINVAL, "a directory whose config.json is "
+                 "a FIFO");
+    cr_assert_eq(model_config_load("/dev/null", &c, &e), DI_EINVAL);
+    unlink(fifo);
+    rmdir(dir);
 }
 
 /* ---- layouts: nested, flat, reference names ------------------------------------------------- */
