@@ -653,7 +653,10 @@ di_status st_index_load(const char *dir, st_index **out, di_error *err)
     if (!idx)
         return di_fail(err, DI_ENOMEM, "out of memory");
     di_status st;
-    if (access(path, F_OK) == 0) {
+    struct stat sb;
+    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) { /* a FIFO would block */
+        st = di_fail(err, DI_ECORRUPT, "%s: not a regular file", path);
+    } else if (access(path, F_OK) == 0) {
         json_error_t je;
         json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
         if (!root)

@@ -2,6 +2,7 @@
 
 #include <math.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 
 const char *di_json_type_name(const json_t *v)
 {
@@ -260,6 +261,9 @@ di_status di_json_parse(const char *text, size_t len, const char *what, json_t *
 
 di_status di_json_load_file(const char *path, json_t **out, di_error *err)
 {
+    struct stat sb;
+    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) /* a FIFO would block, a device never ends */
+        return di_fail(err, DI_EINVAL, "%s: not a regular file", path);
     json_error_t je;
     json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &je);
     if (!root) {

@@ -40,7 +40,8 @@ di_status di_json_object(const json_t *obj, const char *key, json_t **out, di_er
 di_status di_json_int_array(const json_t *obj, const char *key, int64_t **out, size_t *n,
                             di_error *err);
 
-/* Parses a whole buffer or file, failing with "line L column C: <jansson text>". The caller
+/* Parses a whole buffer or file, failing with "line L column C: <jansson text>". A path that
+ * is missing is DI_ENOENT, one that is not a regular file (FIFO, device) DI_EINVAL. The caller
  * owns the result (json_decref). */
 di_status di_json_parse(const char *text, size_t len, const char *what, json_t **out,
                         di_error *err);

@@ -22,7 +22,7 @@ static void remove_dir(void)
     tmpdir_remove(g_dir);
 }
 
-TestSuite(safetensors, .init = make_dir, .fini = remove_dir);
+TestSuite(safetensors, .init = make_dir, .fini = remove_dir, .timeout = 30);
 
 static void path_in_dir(char *out, size_t cap, const char *name)
 {
@@ -392,6 +392,12 @@ Test(safetensors, shard_index)
     fclose(fp);
     cr_assert_eq(st_index_load(g_dir, &idx, &e), DI_ECORRUPT);
     cr_assert(strstr(e.msg, "'weight_map' missing or not an object"), "%s", e.msg);
+
+    /* an index that is not a regular file is refused, not read (a FIFO would block) */
+    unlink(path);
+    cr_assert_eq(mkfifo(path, 0600), 0);
+    cr_assert_eq(st_index_load(g_dir, &idx, &e), DI_ECORRUPT);
+    cr_assert(strstr(e.msg, "not a regular file"), "%s", e.msg);
 
     /* no index: a single model.safetensors is indexed from its header */
     unlink(path);

@@ -1,4 +1,7 @@
 #include <criterion/criterion.h>
+#include <stdio.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <string.h>
 
 #include "common/util/json_read.h"
@@ -57,4 +60,22 @@ Test(json_read, parse_errors_name_the_place)
     cr_assert_null(j);
     cr_assert_eq(di_json_parse("{\"a\":1,\"a\":2}", 13, "input", &j, &e), DI_EINVAL);
     cr_assert_eq(di_json_load_file("/nonexistent/file.json", &j, &e), DI_ENOENT);
+}
+
+/* A path that is not a regular file (a FIFO nobody writes, a device) is refused at once
+ * rather than read: a FIFO would block forever. */
+Test(json_read, special_files_are_refused, .timeout = 10)
+{
+    char dir[] = "/tmp/di_json_fifo_XXXXXX", fifo[64];
+    cr_assert_not_null(mkdtemp(dir));
+    snprintf(fifo, sizeof fifo, "%s/x.json", dir);
+    cr_assert_eq(mkfifo(fifo, 0600), 0);
+    json_t *j = NULL;
+    di_error e;
+    cr_assert_eq(di_json_load_file(fifo, &j, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "not a regular file"), "%s", e.msg);
+    cr_assert_eq(di_json_load_file("/dev/zero", &j, &e), DI_EINVAL);
+    cr_assert_null(j);
+    unlink(fifo);
+    rmdir(dir);
 }
