@@ -335,6 +335,13 @@ static const bad_case bad_cases[] = {
     {"eplb", "{\"num_gpus\": 2,", "invalid JSON"},
     {"eplb", "[1, 2]", "expected an object"},
     {"graphs", "{\"max_num_seqs\": 4, \"nextn\": 5, \"extra\": 1}", "unknown key 'extra'"},
+    {"graphs", "{\"max_num_seqs\": NaN, \"nextn\": 5}", "invalid JSON"},
+    {"graphs", "{\"max_num_seqs\": Infinity, \"nextn\": 5}", "invalid JSON"},
+    {"graphs", "{\"max_num_seqs\": 4, \"max_num_seqs\": 5, \"nextn\": 5}", "duplicate"},
+    {"graphs", "{\"max_num_seqs\": 99999999999999999999999, \"nextn\": 5}", "too big"},
+    {"graphs", "{\"max_num_seqs\": 4, \"nextn\": 5} {}", "invalid JSON"},
+    {"graphs", "{\"max_num_seqs\": 1e300, \"nextn\": 5}", "'max_num_seqs'"},
+    {"graphs", "{\"max_num_seqs\": 4, \"nextn\": 5, \"x\\u0000y\": 1}", "NUL"},
     /* eplb */
     {"eplb", "{\"slots_per_gpu\": 3, \"load\": [[1]]}", "missing key 'num_gpus'"},
     {"eplb", EP "\"lod\": [[1]]}", "unknown key 'lod'"},
@@ -452,4 +459,22 @@ Test(cli, bad_inputs_exit_1_with_one_line_naming_the_key)
 {
     for (size_t i = 0; i < sizeof(bad_cases) / sizeof(bad_cases[0]); i++)
         run_bad(bad_cases[i].cmd, bad_cases[i].input, bad_cases[i].needle);
+}
+
+/* Nesting deeper than the parser's limit, and input past the 256 MiB cap, are one-line errors. */
+Test(cli, deep_and_oversized_inputs_are_refused, .timeout = 60)
+{
+    size_t depth = 100000;
+    char *deep = malloc(2 * depth + 1);
+    memset(deep, '[', depth);
+    memset(deep + depth, ']', depth);
+    deep[2 * depth] = 0;
+    run_bad("graphs", deep, "maximum parsing depth");
+    free(deep);
+    size_t big = (256u << 20) + 1;
+    char *spaces = malloc(big + 1);
+    memset(spaces, ' ', big);
+    spaces[big] = 0;
+    run_bad("graphs", spaces, "input larger than");
+    free(spaces);
 }
