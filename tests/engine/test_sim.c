@@ -164,13 +164,16 @@ Test(sim, a_small_cache_preempts, .timeout = 60)
     json_decref(j);
 }
 
-/* Runs di-sim under an address-space limit (so a missing check cannot take the machine's
- * memory) and returns its exit status with its stderr in err. */
+/* Runs di-sim under a memory limit (so a missing check cannot take the machine's memory) and
+ * returns its exit status with its stderr in err. The limit is an address-space limit, or
+ * the sanitizer's own malloc limit in a sanitizer build (which cannot start under one). */
 static int run_sim_limited(const char *args, char *err, size_t cap)
 {
-    char cmd[1024];
-    snprintf(cmd, sizeof(cmd), "ulimit -v 4000000; %s/tools/sim/di-sim --quiet %s 2>&1 >/dev/null",
-             getenv("DI_BUILD_ROOT"), args);
+    char bin[512], cmd[2048];
+    snprintf(bin, sizeof(bin), "%s/tools/sim/di-sim", getenv("DI_BUILD_ROOT"));
+    snprintf(cmd, sizeof(cmd), "if ldd '%s' | grep -q libasan; then export ASAN_OPTIONS="
+             "\"$ASAN_OPTIONS:malloc_limit_mb=4000:allocator_may_return_null=1\"; else ulimit "
+             "-v 4000000; fi; '%s' --quiet %s 2>&1 >/dev/null", bin, bin, args);
     FILE *f = popen(cmd, "r");
     cr_assert_not_null(f);
     size_t n = fread(err, 1, cap - 1, f);
