@@ -367,10 +367,12 @@ static void *sim_thread(void *arg)
 
 /* ---- workload and results ---- */
 
-/* The longest length a distribution draws (exponential: unbounded, so the cap). */
+/* A length to budget memory with: the longest a bounded distribution draws; for the
+ * exponential, whose longest draw is unbounded, four times its mean (many live sequences are
+ * summed, so their mean is what counts). At most cap. */
 static double sim_dist_max(const sim_dist *d, double cap)
 {
-    double m = d->kind == SIM_UNIFORM ? d->b : d->kind == SIM_FIXED ? d->a : cap;
+    double m = d->kind == SIM_UNIFORM ? d->b : d->kind == SIM_FIXED ? d->a : 4.0 * d->a;
     return m < cap ? m : cap;
 }
 
