@@ -378,9 +378,9 @@ static void rcase_run(const rcase *c)
     uint64_t steps = ranks[0].steps;
     for (uint32_t r = 0; r < c->ranks; r++) {
         rrank *rk = &ranks[r];
-        cr_assert(!rk->failed, "%s engine, async %d, %s, %u ranks: %s",
+        cr_assert(!rk->failed, "%s engine, async %d, %s, %u ranks, seed %llu: %s",
                   sched_engine_type_name(c->type), c->async, sched_preempt_mode_name(c->mode),
-                  c->ranks, rk->msg);
+                  c->ranks, (unsigned long long)c->seed, rk->msg);
         cr_assert_eq(rk->steps, steps, "ranks run the same number of steps");
         cr_assert_gt(rk->outputs, 200, "the workload ran (%llu outputs)",
                      (unsigned long long)rk->outputs);
@@ -401,10 +401,12 @@ static void rcases(uint32_t ranks)
         {SCHED_PROMPT, SCHED_PREEMPT_STOP},
         {SCHED_COMPLETION, SCHED_PREEMPT_STOP},
     };
-    /* DI_SOAK_SEEDS=n runs n seeds per case (a longer soak); the suite runs one */
-    const char *env = getenv("DI_SOAK_SEEDS");
+    /* DI_SOAK_SEEDS=n runs n seeds per case (a longer soak); the suite runs one.
+     * DI_SOAK_FIRST=f starts at seed round f (to rerun a failure a soak reported). */
+    const char *env = getenv("DI_SOAK_SEEDS"), *first = getenv("DI_SOAK_FIRST");
     uint64_t seeds = env ? strtoull(env, NULL, 10) : 1;
-    for (uint64_t seed = 0; seed < (seeds ? seeds : 1); seed++)
+    uint64_t seed0 = first ? strtoull(first, NULL, 10) : 0;
+    for (uint64_t seed = seed0; seed < seed0 + (seeds ? seeds : 1); seed++)
         for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++)
             for (int async = 0; async <= 1; async++) {
                 rcase c = {kinds[k].type, async != 0, kinds[k].mode, ranks,
