@@ -237,6 +237,19 @@ void sched_wq_push_front(sched *s, seq *q)
     q->where = SEQ_IN_WAITING;
 }
 
+void sched_wq_push_after_reserved(sched *s, seq *q)
+{
+    sched_wq_push_front(s, q);
+    /* move it behind the leading run of reserved sequences, which keep their order */
+    for (uint32_t i = 0; i + 1 < s->wq_len; i++) {
+        uint32_t a = (s->wq_head + i) % s->wq_cap, b = (s->wq_head + i + 1) % s->wq_cap;
+        if (!s->wq[b]->reserved)
+            break;
+        s->wq[a] = s->wq[b];
+        s->wq[b] = q;
+    }
+}
+
 void sched_wq_pop_front(sched *s, uint32_t n)
 {
     assert(n <= s->wq_len);
@@ -748,7 +761,7 @@ di_status sched_fork(sched *s, uint64_t parent_id, const sched_request *child, d
         return st;
     sched_fork_take(s, par, q);
     sched_all_add(s, q);
-    sched_wq_push_back(s, q);
+    sched_wq_push_after_reserved(s, q); /* it holds its blocks: never behind a stalled head */
     s->stats.requests_added++;
     return DI_OK;
 }
@@ -844,9 +857,14 @@ static di_status sched_check_queues(const sched *s, const uint32_t *n_where, uin
         return di_fail(err, DI_EINTERNAL, "%u waiting / %u running sequences, queues hold %u / "
                        "%u", n_where[SEQ_IN_WAITING], n_where[SEQ_IN_RUNNING], s->wq_len,
                        s->n_run);
-    for (uint32_t i = 0; i < s->wq_len; i++)
-        if (sched_wq_at(s, i)->where != SEQ_IN_WAITING)
+    for (uint32_t i = 0; i < s->wq_len; i++) {
+        const seq *q = sched_wq_at(s, i);
+        if (q->where != SEQ_IN_WAITING)
             return di_fail(err, DI_EINTERNAL, "waiting[%u] is not marked waiting", i);
+        if (i > 0 && q->reserved && !sched_wq_at(s, i - 1)->reserved)
+            return di_fail(err, DI_EINTERNAL, "waiting[%u] (request %llu) holds a reservation "
+                           "behind one that does not", i, (unsigned long long)q->id);
+    }
     if (active != s->n_active || active > s->cfg.max_num_seqs)
         return di_fail(err, DI_EINTERNAL, "%u sequences hold a slot (counter %u, max_num_seqs "
                        "%u)", active, s->n_active, s->cfg.max_num_seqs);

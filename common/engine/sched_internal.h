@@ -84,6 +84,10 @@ struct sched {
 /* sched.c */
 seq *sched_map_get(const sched *s, uint64_t id);
 void sched_wq_push_front(sched *s, seq *q);
+/* Inserts q behind the leading run of waiting sequences that hold a reservation (prompts
+ * between chunks, fork children), so those are always first: they need no new block, and a
+ * head that waits for blocks must not stall them (they are what would free blocks). */
+void sched_wq_push_after_reserved(sched *s, seq *q);
 seq *sched_wq_at(const sched *s, uint32_t i);
 void sched_wq_pop_front(sched *s, uint32_t n);
 void sched_run_add(sched *s, seq *q);
@@ -101,5 +105,8 @@ sched_finish sched_finish_of(seq_status st);
 
 /* sched_step.c */
 bool sched_head_ready(const sched *s);
+/* The head of waiting is ready and may start now: cache usage is at or below the threshold,
+ * or it already holds its reservation (continuing it takes no new block). */
+bool sched_head_may_start(const sched *s);
 
 #endif

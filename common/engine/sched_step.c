@@ -21,6 +21,12 @@ bool sched_head_ready(const sched *s)
     return q->schedulable && q->inflight_steps == 0 && !q->release_pending;
 }
 
+bool sched_head_may_start(const sched *s)
+{
+    return sched_head_ready(s) && (sched_wq_at(s, 0)->reserved ||
+                                   sched_cache_usage(s) <= s->cfg.cache_usage_threshold);
+}
+
 static bool sched_seq_ready(const seq *q)
 {
     return q->schedulable && q->inflight_steps == 0 && !q->release_pending;
@@ -293,7 +299,7 @@ static uint32_t sched_preempt(sched *s, sched_step *st, seq *q)
     q->load_window = false;
     q->window_start = 0;
     q->reserved = false;
-    sched_wq_push_front(s, q);
+    sched_wq_push_after_reserved(s, q);
     sched_settle(s, q);
     return deferred;
 }
@@ -336,8 +342,7 @@ static void sched_decode_short(sched *s, sched_step *st)
  * max_num_seqs and the cache threshold allow; the head blocks the queue. */
 static void sched_admit(sched *s, sched_step *st)
 {
-    while (s->wq_len && sched_cache_usage(s) <= s->cfg.cache_usage_threshold &&
-           sched_head_ready(s)) {
+    while (s->wq_len && sched_head_may_start(s)) {
         seq *q = sched_wq_at(s, 0);
         uint32_t want = seq_blocks_for((uint64_t)q->num_tokens + sched_decode_rows(s, q));
         uint32_t need = want > q->n_blocks ? want - q->n_blocks : 0;
@@ -405,7 +410,7 @@ static di_status sched_normal_vote(sched *s, bool *prompt, uint32_t *n, di_error
         point = s->vote.any;
     if (!point)
         return DI_OK;
-    bool want = sched_cache_usage(s) <= s->cfg.cache_usage_threshold && sched_head_ready(s);
+    bool want = sched_head_may_start(s);
     bool agree;
     s->stats.votes++;
     di_status st = point(s->vote.userdata, want, &agree, err);

@@ -59,8 +59,10 @@
  * NORMAL: a step is all prefill or all decode. Every prefill_attempt_interval (70) decode
  *   steps is an ALL point, every prefill_any_attempt_interval (100) an ANY point (ALL wins
  *   when both); a prompt step resets the count to 0, so the step after a prompt step is an
- *   ALL point. At a point a rank wants prefill when cache usage <= cache_usage_threshold and
- *   the head of waiting is schedulable; the group votes (AND at ALL, OR at ANY). If the vote
+ *   ALL point. At a point a rank wants prefill when the head of waiting is schedulable and
+ *   cache usage <= cache_usage_threshold, or the head already holds its reservation (a prompt
+ *   between chunks: continuing it takes no new block, and stopping it at a full cache could
+ *   stall the engine with nothing running); the group votes (AND at ALL, OR at ANY). If the vote
  *   passes, each rank picks its chunks and a second vote asks whether any rank picked any: if
  *   none did, the step is decode; if another rank did and this one did not, this rank runs an
  *   empty (placeholder) prompt step. A cut prompt ends the step.
@@ -69,19 +71,23 @@
  *   keeps its blocks and slot until sched_release (the service has saved its KV).
  * COMPLETION: decode only, no vote. Requests arrive with their prompt KV in the store
  *   (kv_cached = len - 1) and are admitted into running when blocks and a slot allow (and
- *   cache usage <= the threshold); preemption can only stop.
+ *   cache usage <= the threshold, unless it holds its reservation: a fork child); preemption
+ *   can only stop.
  * Prefill: chunks fill max_num_batched_tokens in waiting order. A new prompt reserves all its
  *   blocks, ceil((len + inflight + drafts) / 128), and a state slot on its first chunk;
  *   max_num_seqs caps the sequences holding a slot (running, or between chunks). A cut prompt
  *   goes back to the front of waiting; when the head of waiting cannot be scheduled (blocks,
- *   slot, max_num_seqs, not schedulable, still in flight) the queue waits behind it.
+ *   slot, max_num_seqs, not schedulable, still in flight) the queue waits behind it. Waiting
+ *   sequences that hold a reservation (cut prompts, fork children) always come first, so no
+ *   head waiting for blocks stands in front of what would free them.
  * Decode: every running sequence gets 1 + nextn rows (its newest token + drafts, padded with
  *   pad_token), or fewer when it may produce fewer tokens (max_tokens, max_model_len; 1 row
  *   at least); advance_optimistically(rows) at schedule time, commit(accepted + 1) at process
  *   time; blocks beyond what its next step needs go back. When the free list cannot serve a
  *   sequence: sort running by output length, longest first; serve from the back; preempt from
  *   the front (stop: FINISHED_PREEMPTED, blocks freed; recompute, NORMAL only: back to the
- *   front of waiting, its outputs kept as prompt continuation, KV dropped). Unlike the
+ *   front of waiting, behind the prompts between chunks, its outputs kept as prompt
+ *   continuation, KV dropped). Unlike the
  *   original, a sequence that needs no new block never causes a preemption. Under async, a
  *   victim still in flight frees its blocks only after that step; a sequence those blocks would
  *   serve sits this step out instead of preempting more.
@@ -318,8 +324,9 @@ di_status sched_abort(sched *s, uint64_t id, sched_output *out, di_error *err);
  * the parent's state slot (window rings, compressor state); the next plan carries the copies,
  * which the runner does before that step's forward, so the parent's next rows cannot
  * overwrite what is copied. The child holds its blocks and slot from now on (it counts against
- * max_num_seqs) and enters waiting with the parent's KV counted: its prefill is the one
- * position without KV (in a COMPLETION engine it is admitted straight to decode).
+ * max_num_seqs) and enters waiting, ahead of requests without a reservation, with the
+ * parent's KV counted: its prefill is the one position without KV (in a COMPLETION engine it
+ * is admitted straight to decode).
  * child->prompt is ignored; its limits apply.
  * DI_OK; DI_ENOENT (no parent); DI_ESTATE (parent not decoding); DI_EEXIST; DI_EFULL (waiting
  * full, max_num_seqs, no slot or block, too many forks before the next step); DI_EINVAL;

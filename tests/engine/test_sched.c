@@ -353,6 +353,87 @@ Test(sched, preemption_by_recompute_keeps_the_output)
     sched_destroy(s);
 }
 
+/* Prompts that hold their reservation between chunks must always be able to finish: they
+ * need no new block. Here R decodes until a 640-token prompt A takes its 5 blocks and stops
+ * after its first chunk (cache use 10 of 11 blocks, above the 0.9 threshold); R then runs out
+ * of blocks and is preempted by recompute. Neither R's recompute nor the threshold may stall
+ * A: before, R went in front of A and needed 7 of the 6 free blocks (the queue waited behind
+ * it), or took its own reservation and pushed use to 11 of 11, which stopped every prefill
+ * vote with nothing left running. Either way the engine ran empty steps forever (a soak found
+ * it at seed 93304). */
+static void assert_not_stalled(const sched *s)
+{
+    cr_assert(!sched_has_work(s), "stalled: %u waiting, %u running, %u free blocks",
+              sched_num_waiting(s), sched_num_running(s), sched_free_blocks(s));
+}
+
+Test(sched, prompts_between_chunks_never_deadlock)
+{
+    sched_config c;
+    h_config(&c);
+    c.num_blocks = 12; /* 11 usable */
+    c.nextn = 0;
+    c.max_num_batched_tokens = 128;
+    c.preempt_mode = SCHED_PREEMPT_RECOMPUTE;
+    sched *s = h_make(&c);
+    memset(&lg, 0, sizeof lg);
+    h_add(s, 1, 100, 1000); /* R */
+    bool added_a = false;
+    uint32_t steps = 0;
+    while (sched_has_work(s) && steps < 20000) {
+        const seq *r = sched_find(s, 1);
+        if (!added_a && r && r->n_blocks == 5) {
+            h_add(s, 2, 640, 10); /* A */
+            added_a = true;
+        }
+        h_step(s, &lg);
+        steps++;
+    }
+    cr_assert(added_a);
+    assert_not_stalled(s);
+    cr_assert_eq(lg.finals[1], 1);
+    cr_assert_eq(lg.finals[2], 1);
+    cr_assert_eq(lg.finish[2], SCHED_FINISH_LENGTH);
+    cr_assert_eq(sched_free_blocks(s), 11);
+    sched_destroy(s);
+}
+
+/* A fork child holds its blocks from the fork on, so it must not queue behind a request that
+ * waits for blocks: here (COMPLETION, 11 blocks) W needs 8 of the 6 free blocks, and once the
+ * parent ends only the child could free any. Behind W the child never started: nothing ran
+ * and the engine stalled. */
+Test(sched, a_fork_child_never_waits_behind_a_stalled_head)
+{
+    sched_config c;
+    h_config(&c);
+    c.type = SCHED_COMPLETION;
+    c.num_blocks = 12; /* 11 usable */
+    c.nextn = 0;
+    sched *s = h_make(&c);
+    memset(&lg, 0, sizeof lg);
+    static int32_t tok[1000];
+    for (int i = 0; i < 1000; i++)
+        tok[i] = 5;
+    sched_request p = {.id = 1, .prompt = tok, .prompt_len = 600, .max_tokens = 5,
+                       .kv_cached = 599, .window_cached = true};
+    h_add_req(s, &p);
+    h_step(s, &lg); /* P decodes with 5 blocks */
+    sched_request w = {.id = 2, .prompt = tok, .prompt_len = 900, .max_tokens = 5,
+                       .kv_cached = 899, .window_cached = true};
+    h_add_req(s, &w);
+    di_error e;
+    sched_request child = {.id = 3, .max_tokens = 5};
+    cr_assert_eq(sched_fork(s, 1, &child, &e), DI_OK, "%s", e.msg);
+    h_check(s);
+    for (uint32_t steps = 0; sched_has_work(s) && steps < 1000; steps++)
+        h_step(s, &lg);
+    assert_not_stalled(s);
+    for (uint64_t id = 1; id <= 3; id++)
+        cr_assert_eq(lg.finals[id], 1, "request %llu", (unsigned long long)id);
+    cr_assert_eq(sched_free_blocks(s), 11);
+    sched_destroy(s);
+}
+
 /* Explainer Pass 3, "When the verifier says no": a request with KV for 1,999 of 2,000 tokens
  * (a COMPLETION engine's handoff) decodes 6 rows; d1, d2 pass, d3 fails: 2,005 then 2,002. */
 Test(sched, draft_commit_after_a_rejection)

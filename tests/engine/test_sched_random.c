@@ -431,7 +431,7 @@ Test(sched_random, three_ranks_in_lockstep)
 Test(sched_random, the_workload_reaches_preemption_and_aborts, .timeout = 60)
 {
     static rrank rk;
-    rcase c = {SCHED_NORMAL, true, SCHED_PREEMPT_RECOMPUTE, 1, 99};
+    rcase c = {SCHED_NORMAL, true, SCHED_PREEMPT_RECOMPUTE, 1, 91};
     memset(&rk, 0, sizeof(rk));
     rk.c = &c;
     cr_assert_eq(rrun(&rk), 0, "%s", rk.msg);
