@@ -302,16 +302,18 @@ typedef struct kern_sparse_attn {
 } kern_sparse_attn;
 
 /* Indexer scores (MODEL.md §2.7): for row t and entry j < n_visible[t],
- * I = bf16( sum_h w[t,h] * max(0, q[t,h] . k_j) ) with k_j the dequantised index key of entry
+ * I = bf16( sum_h (w[t,h] * w_scale) * max(0, q[t,h] . k_j) ) with k_j the dequantised key of entry
  * j of the row's sequence (paged blocks); entries j >= n_visible[t] and entries outside the
- * candidate mask (when given) get -inf. q is already FP4 fake-quantised; w already scaled.
+ * candidate mask (when given) get -inf. q is already FP4 fake-quantised; w is the bf16
+ * weights_proj output, scaled in fp32 by w_scale (index_head_dim^-0.5 * index_n_heads^-0.5).
  * Only columns [0, max n_visible) are written. Tolerance: bf16 1ulp. */
 typedef struct kern_index_scores {
     uint32_t n_rows;
     uint32_t n_heads;           /* index_n_heads (32) */
     uint32_t head_dim;          /* index_head_dim (128) */
     const uint16_t *q;          /* [T, n_heads, head_dim] bf16 */
-    const float *w;             /* [T, n_heads] f32 head weights */
+    const uint16_t *w;          /* [T, n_heads] bf16 head weights (weights_proj output) */
+    float w_scale;              /* fp32 factor applied to each weight */
     const int32_t *n_visible;   /* [T] visible entries (host) */
     const int32_t *row_seq;     /* [T] sequence of each row (host) */
     const kern_seq *seqs;       /* (host) */
@@ -462,15 +464,17 @@ typedef struct kern_engram_gate {
     float clamp;                /* 1e-6 */
 } kern_engram_gate;
 
-/* Row gather / strided copy: dst[i, 0:n] = src[rows[i], 0:n] (rows NULL: row i), bf16. */
+/* Row gather: dst row i = src row rows[i] (rows NULL: row i), row_bytes bytes each. dst may
+ * be src itself for a compaction (rows strictly ascending, so rows[i] >= i): rows are then
+ * moved in ascending order. Otherwise the two must not overlap. Exact. */
 typedef struct kern_copy_rows {
     uint32_t n_rows;
-    uint32_t n;
-    const uint16_t *src;
-    size_t src_stride;
+    size_t row_bytes;
+    const void *src;
+    size_t src_stride;          /* bytes */
     const int32_t *rows;        /* [n_rows] source rows (host); NULL = identity */
-    uint16_t *dst;
-    size_t dst_stride;
+    void *dst;
+    size_t dst_stride;          /* bytes */
 } kern_copy_rows;
 
 /* ---- the table ----------------------------------------------------------------------------- */

@@ -52,7 +52,8 @@ static di_status cpu_rmsnorm(void *ctx, const kern_rmsnorm *p)
 
 /* ---- rope ---- */
 
-/* The rope_dim/2 frequencies of MODEL.md §2.4, computed in double and rounded once. */
+/* The rope_dim/2 frequencies of MODEL.md §2.4: f_i = fp32(base^(-2i/d)); with YaRN,
+ * fp32(f_i * (1 - ramp) + fp32(f_i / factor) * ramp), the blend in double. */
 static void rope_freqs(const kern_rope *p, float *f)
 {
     uint32_t half = p->rope_dim / 2;
@@ -66,12 +67,14 @@ static void rope_freqs(const kern_rope *p, float *f)
         hi = ceil(cs) < d - 1 ? ceil(cs) : d - 1;
     }
     for (uint32_t i = 0; i < half; i++) {
-        double fi = pow(b, -2.0 * i / d);
+        float f32 = (float)pow(b, -2.0 * i / d);
+        double fi = f32;
         if (p->yarn) {
             double span = hi - lo > 0.001 ? hi - lo : 0.001;
             double ramp = ((double)i - lo) / span;
             ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
-            fi = fi * (1.0 - ramp) + (fi / p->yarn_factor) * ramp;
+            double scaled = (float)(fi / p->yarn_factor);
+            fi = fi * (1.0 - ramp) + scaled * ramp;
         }
         f[i] = (float)fi;
     }
@@ -294,7 +297,9 @@ static di_status cpu_copy_rows(void *ctx, const kern_copy_rows *p)
 {
     for (uint32_t i = 0; i < p->n_rows; i++) {
         size_t src = p->rows ? (size_t)p->rows[i] : i;
-        memmove(p->dst + i * p->dst_stride, p->src + src * p->src_stride, (size_t)p->n * 2);
+        assert(p->dst != p->src || src >= i);
+        memmove((uint8_t *)p->dst + i * p->dst_stride,
+                (const uint8_t *)p->src + src * p->src_stride, p->row_bytes);
     }
     return DI_OK;
 }

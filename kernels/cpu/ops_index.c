@@ -114,7 +114,7 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
         const iseq_buf *b = &j->bufs[p->row_seq[t]];
         int32_t nv = p->n_visible[t];
         float *out = p->scores + (size_t)t * p->stride;
-        const float *w = p->w + (size_t)t * nh;
+        const uint16_t *w = p->w + (size_t)t * nh;
         cpu_bf16_to_f32(p->q + (size_t)t * nh * hd, qf, (size_t)nh * hd);
         for (int32_t e = 0; e < j->max_vis; e++) {
             if (e >= nv || (p->cand_mask &&
@@ -126,7 +126,7 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
             float acc = 0.0f;
             for (uint32_t h = 0; h < nh; h++) {
                 float d = cpu_dot(qf + (size_t)h * hd, k, hd);
-                acc += w[h] * (d > 0.0f ? d : 0.0f);
+                acc += (bf(w[h]) * p->w_scale) * (d > 0.0f ? d : 0.0f);
             }
             out[e] = di_bf16_round(acc);
         }

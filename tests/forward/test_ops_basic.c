@@ -56,15 +56,17 @@ Test(ops_basic, rmsnorm_matches_double_and_zero_rows_stay_zero)
     kern_cpu_destroy(&be);
 }
 
-/* The spec's YaRN facts for base 160000: lo = 15, hi = 25 (MODEL.md §2.4). */
-static double yarn_freq(int i, double base, int yarn)
+/* The spec's YaRN facts for base 160000: lo = 15, hi = 25 (MODEL.md §2.4), with the op's
+ * rounding contract: fp32 base frequency, fp32(f / 16), blend in double rounded once. */
+static float yarn_freq(int i, double base, int yarn)
 {
-    double f = pow(base, -2.0 * i / 64.0);
+    float f = (float)pow(base, -2.0 * i / 64.0);
     if (!yarn)
         return f;
     double ramp = (i - 15.0) / 10.0;
     ramp = ramp < 0 ? 0 : (ramp > 1 ? 1 : ramp);
-    return f * (1 - ramp) + f / 16.0 * ramp;
+    double scaled = (float)((double)f / 16.0);
+    return (float)((double)f * (1 - ramp) + scaled * ramp);
 }
 
 Test(ops_basic, rope_rotates_adjacent_pairs_of_the_last_numbers_with_yarn)
@@ -89,7 +91,7 @@ Test(ops_basic, rope_rotates_adjacent_pairs_of_the_last_numbers_with_yarn)
                 const uint16_t *a = orig + (t * heads + h) * hd, *b = x + (t * heads + h) * hd;
                 cr_assert_eq(memcmp(a, b, (hd - 64) * 2), 0, "numbers before the rope part change");
                 for (int i = 0; i < 32; i++) {
-                    float ang = (float)pos[t] * (float)yarn_freq(i, base, yarn);
+                    float ang = (float)pos[t] * yarn_freq(i, base, yarn);
                     double c = cos((double)ang), s = sin((double)ang);
                     double x0 = bfd(a[hd - 64 + 2 * i]), x1 = bfd(a[hd - 64 + 2 * i + 1]);
                     double r0 = x0 * c - x1 * s, r1 = x0 * s + x1 * c;
@@ -259,19 +261,26 @@ Test(ops_basic, hc_collapse_and_expand_match_double)
     kern_cpu_destroy(&be);
 }
 
-Test(ops_basic, copy_rows_gathers)
+Test(ops_basic, copy_rows_gathers_and_compacts_in_place)
 {
     kern_backend be = test_backend(1);
     uint16_t src[4 * 3], dst[2 * 5] = {0};
     for (int i = 0; i < 12; i++)
         src[i] = (uint16_t)i;
     int32_t rows[2] = {3, 1};
-    kern_copy_rows p = {.n_rows = 2, .n = 3, .src = src, .src_stride = 3, .rows = rows,
-                        .dst = dst, .dst_stride = 5};
+    kern_copy_rows p = {.n_rows = 2, .row_bytes = 6, .src = src, .src_stride = 6, .rows = rows,
+                        .dst = dst, .dst_stride = 10};
     cr_assert_eq(be.ops.copy_rows(be.ctx, &p), DI_OK);
     cr_assert_eq(dst[0], 9);
     cr_assert_eq(dst[2], 11);
     cr_assert_eq(dst[5], 3);
     cr_assert_eq(dst[3], 0);
+    int32_t keep[2] = {1, 3};
+    kern_copy_rows c = {.n_rows = 2, .row_bytes = 6, .src = src, .src_stride = 6, .rows = keep,
+                        .dst = src, .dst_stride = 6};
+    cr_assert_eq(be.ops.copy_rows(be.ctx, &c), DI_OK);
+    cr_assert_eq(src[0], 3);
+    cr_assert_eq(src[3], 9);
+    cr_assert_eq(src[5], 11);
     kern_cpu_destroy(&be);
 }
