@@ -677,10 +677,15 @@ di_status st_index_load(const char *dir, st_index **out, di_error *err)
     return DI_OK;
 }
 
-int32_t st_index_find(const st_index *idx, const char *name)
+int32_t st_index_entry(const st_index *idx, const char *name)
 {
     if (!idx || !name)
         return -1;
-    int32_t i = find_sorted(idx->names, idx->n_entries, name);
+    return find_sorted(idx->names, idx->n_entries, name);
+}
+
+int32_t st_index_find(const st_index *idx, const char *name)
+{
+    int32_t i = st_index_entry(idx, name);
     return i < 0 ? -1 : (int32_t)idx->shard_of[i];
 }

@@ -148,6 +148,8 @@ typedef struct st_index {
 di_status st_index_load(const char *dir, st_index **out, di_error *err);
 /* The shard index of tensor name, or -1. */
 int32_t st_index_find(const st_index *idx, const char *name);
+/* The entry index of tensor name (into names/shard_of), or -1. */
+int32_t st_index_entry(const st_index *idx, const char *name);
 void st_index_free(st_index *idx);
 
 #endif

@@ -216,6 +216,79 @@ di_status model_weights_load(const char *dir, const model_load_options *opt, mod
 /* Unmaps and frees. NULL-safe. */
 void model_weights_free(model_weights *w);
 
+/* ---- the manifest: every tensor a config expects ---- */
+
+/* How di-mkmodel fills a tensor (MODEL.md §5's random-weight recipe). */
+typedef enum model_init {
+    MODEL_INIT_NORMAL = 0, /* N(0, std^2): Linear weights (std = 1/sqrt(fan_in)), embeddings
+                              (std 1), hc_*_fn (std 1e-4) */
+    MODEL_INIT_ONES,       /* norm gains, hc_*_scale, Engram q_weight/k_weight */
+    MODEL_INIT_ZEROS,      /* attn_sink, hc_*_base, gate bias_vl */
+    MODEL_INIT_GATE_BIAS,  /* router bias: 0, or N(0, s^2) with the generator's chosen s */
+    MODEL_INIT_ENGRAM,     /* Engram table: model_engram_seeded_row() */
+} model_init;
+
+enum {
+    MODEL_SPEC_OPTIONAL = 1u << 0, /* may be absent (gate bias_vl: image tokens only) */
+    MODEL_SPEC_SEEDABLE = 1u << 1, /* may be absent when config has engram_table_seed */
+};
+
+/* One tensor a config expects, in its logical shape; the disk layout follows from fmt
+ * (model_spec_disk). */
+typedef struct model_tensor_spec {
+    const char *name;        /* checkpoint name; valid during the callback only */
+    model_wfmt fmt;          /* storage format */
+    uint32_t ndim;           /* 1 or 2 */
+    uint64_t rows, cols;     /* logical shape (cols 1 for vectors) */
+    model_init init;         /* random-weight rule */
+    double std;              /* MODEL_INIT_NORMAL: standard deviation */
+    uint32_t flags;          /* MODEL_SPEC_* */
+    uint32_t engram_layer;   /* MODEL_INIT_ENGRAM: the Engram layer id */
+    model_tensor *dst;       /* the loader's destination view; NULL for other callers */
+} model_tensor_spec;
+
+/* On-disk layout of a spec: dtype and shape of the values, and of the `.scale` sibling
+ * (scale_ndim 0 when unquantised). */
+typedef struct model_disk_layout {
+    st_dtype dtype;
+    uint32_t ndim;
+    uint64_t shape[2];
+    uint32_t scale_ndim;
+    uint64_t scale_shape[2];
+} model_disk_layout;
+
+void model_spec_disk(const model_tensor_spec *spec, model_disk_layout *out);
+/* "<module>.scale" for "<module>.weight" (and "<name>.scale" for other names), into out. */
+void model_scale_name(const char *name, char *out, size_t cap);
+
+/* Calls fn once per tensor the (validated) config expects, in a fixed order: embed, layers
+ * 0..n-1 (norms, mHC, attention, compressor, indexer, router, experts, shared expert,
+ * Engram), draft stages, final norm, head. Stops at and returns the first error of fn. */
+typedef di_status (*model_spec_fn)(void *userdata, const model_tensor_spec *spec,
+                                   di_error *err);
+di_status model_weights_manifest(const model_config *cfg, model_spec_fn fn, void *userdata,
+                                 di_error *err);
+
+/* Totals over the manifest: tensors (scales counted separately), parameters (logical
+ * elements, scales and optional image-only tensors excluded, Engram tables included) and
+ * bytes on disk (values and scales; Engram tables included). */
+typedef struct model_manifest_totals {
+    uint64_t tensors;
+    uint64_t params;
+    uint64_t bytes;
+    uint64_t engram_table_bytes;  /* part of bytes held by Engram tables */
+    uint64_t engram_table_tensors; /* tensors (tables and their scales) */
+} model_manifest_totals;
+void model_manifest_count(const model_config *cfg, model_manifest_totals *out);
+
+/* ---- random values (di-mkmodel and the seeded Engram table) ---- */
+
+/* Element `index` of a standard normal sequence keyed by `key`: Philox-4x32-10 at counter
+ * (index / 2), two uniforms, Box-Muller; pure function of (key, index). */
+double model_random_normal(uint64_t key, uint64_t index);
+/* The key of a named tensor under a generator seed (stable across runs and platforms). */
+uint64_t model_tensor_key(uint64_t seed, const char *name);
+
 /* ---- reading values ---- */
 
 /* Writes row r of t (cols values) as fp32: decodes BF16/F32, dequantises FP8 and FP4 with
