@@ -176,7 +176,7 @@ static const cfg_row k_rows[] = {
     {"engram_pad_token_id", "engram_pad_id", CFG_U32, OFF(engram_pad_id), 0, 0, NEED_ENGRAM, 0, 0,
      1 << 29, NULL, F_ID},
     {"engram_table_seed", NULL, CFG_U64_OPT, OFF(engram_table_seed), OFF(has_engram_table_seed),
-     0, NEED_NO, 0, 0, BIG, NULL, F_ID | F_OMIT},
+     0, NEED_NO, 0, 0, BIG, NULL, F_OMIT},
     {"dspark_block_size", NULL, CFG_U32, OFF(dspark_block_size), 0, 0, NEED_MTP, 0, 1, 64, NULL,
      F_ID},
     {"dspark_noise_token_id", NULL, CFG_U32, OFF(dspark_noise_token_id), 0, 0, NEED_MTP, 0, 0,

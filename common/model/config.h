@@ -190,7 +190,9 @@ typedef struct model_config {
                                            default_rng(10007 * layer_id) as the reference draws
                                            them; only s < engram_max_ngram_size used */
     uint64_t model_id;                  /* fingerprint of every math-relevant key (not the
-                                           token ids or the name); stable across runs */
+                                           token ids, the name or engram_table_seed, which
+                                           describe tokens and weights, not the geometry);
+                                           stable across runs */
 } model_config;
 
 /* ---- parsing ---- */

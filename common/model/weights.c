@@ -348,22 +348,44 @@ void model_manifest_count(const model_config *cfg, model_manifest_totals *out)
 
 /* ---- random values ------------------------------------------------------------------------ */
 
-double model_random_normal(uint64_t key, uint64_t index)
+/* The two normals of pair `pair` (elements 2 pair and 2 pair + 1). */
+static void normal_pair(uint64_t key, uint64_t pair, double out[2])
 {
-    uint64_t pair = index / 2;
     const uint32_t ctr[4] = {(uint32_t)pair, (uint32_t)(pair >> 32), 0x6e6f726du /* "norm" */,
                              0};
     const uint32_t k[2] = {(uint32_t)key, (uint32_t)(key >> 32)};
     uint32_t o[4];
     philox4x32_10(ctr, k, o);
     /* two uniforms with 53 bits; u1 in (0, 1] keeps the logarithm finite */
-    uint64_t a = ((uint64_t)o[0] << 21) ^ (o[1] >> 11), b = ((uint64_t)o[2] << 21) ^ (o[3] >> 11);
-    a &= (1ull << 53) - 1;
-    b &= (1ull << 53) - 1;
+    uint64_t a = (((uint64_t)o[0] << 32) | o[1]) >> 11, b = (((uint64_t)o[2] << 32) | o[3]) >> 11;
     double u1 = ((double)a + 1.0) / 9007199254740992.0, u2 = (double)b / 9007199254740992.0;
-    double r = sqrt(-2.0 * log(u1));
-    double t = 6.283185307179586 * u2;
-    return index % 2 ? r * sin(t) : r * cos(t);
+    double r = sqrt(-2.0 * log(u1)), t = 6.283185307179586 * u2;
+    out[0] = r * cos(t);
+    out[1] = r * sin(t);
+}
+
+double model_random_normal(uint64_t key, uint64_t index)
+{
+    double v[2];
+    normal_pair(key, index / 2, v);
+    return v[index % 2];
+}
+
+void model_random_normals(uint64_t key, uint64_t first, uint64_t n, double scale, float *out)
+{
+    uint64_t i = 0;
+    double v[2];
+    if (n > 0 && first % 2) {
+        normal_pair(key, first / 2, v);
+        out[i++] = (float)(scale * v[1]);
+    }
+    for (; i + 1 < n; i += 2) {
+        normal_pair(key, (first + i) / 2, v);
+        out[i] = (float)(scale * v[0]);
+        out[i + 1] = (float)(scale * v[1]);
+    }
+    if (i < n)
+        out[i] = (float)(scale * model_random_normal(key, first + i));
 }
 
 uint64_t model_tensor_key(uint64_t seed, const char *name)
@@ -377,8 +399,7 @@ void model_engram_seeded_row(uint64_t seed, uint32_t layer_id, uint64_t row, uin
     assert(width % 32 == 0 && width <= 4096);
     float x[4096];
     uint64_t key = seed ^ (0x656e6772616d0000ull + layer_id); /* "engram" + layer */
-    for (uint32_t i = 0; i < width; i++)
-        x[i] = (float)model_random_normal(key, row * width + i);
+    model_random_normals(key, row * width, width, 1.0, x);
     di_quant_fp8_b32(x, width, codes, scales);
 }
 

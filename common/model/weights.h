@@ -286,6 +286,8 @@ void model_manifest_count(const model_config *cfg, model_manifest_totals *out);
 /* Element `index` of a standard normal sequence keyed by `key`: Philox-4x32-10 at counter
  * (index / 2), two uniforms, Box-Muller; pure function of (key, index). */
 double model_random_normal(uint64_t key, uint64_t index);
+/* out[i] = scale * model_random_normal(key, first + i) for i < n, as floats (fast path). */
+void model_random_normals(uint64_t key, uint64_t first, uint64_t n, double scale, float *out);
 /* The key of a named tensor under a generator seed (stable across runs and platforms). */
 uint64_t model_tensor_key(uint64_t seed, const char *name);
 

@@ -81,9 +81,9 @@ static void prefault(loader *ld, const st_tensor *t)
     ld->sink ^= acc;
 }
 
-static void report(loader *ld, const char *name, uint64_t bytes)
+static void report(loader *ld, const char *name, uint32_t tensors, uint64_t bytes)
 {
-    ld->prog.tensors_done++;
+    ld->prog.tensors_done += tensors;
     ld->prog.bytes_done += bytes;
     ld->prog.current = name;
     if (ld->opt->progress)
@@ -131,7 +131,7 @@ static di_status check_spec(void *ud, const model_tensor_spec *s, di_error *err)
     ld->w->bytes += bytes;
     prefault(ld, t);
     prefault(ld, sc);
-    report(ld, s->name, bytes);
+    report(ld, s->name, sc ? 2 : 1, bytes);
     return DI_OK;
 }
 

@@ -7,21 +7,19 @@
 #include <unistd.h>
 
 #include "common/model/safetensors.h"
+#include "tests/model/tmpdir.h"
 #include "common/util/philox.h"
 
 static char g_dir[256];
 
 static void make_dir(void)
 {
-    snprintf(g_dir, sizeof g_dir, "/tmp/di_st_test_XXXXXX");
-    cr_assert_not_null(mkdtemp(g_dir));
+    tmpdir_make(g_dir, sizeof g_dir, "st");
 }
 
 static void remove_dir(void)
 {
-    char cmd[512];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", g_dir);
-    cr_assert_eq(system(cmd), 0);
+    tmpdir_remove(g_dir);
 }
 
 TestSuite(safetensors, .init = make_dir, .fini = remove_dir);
