@@ -275,7 +275,7 @@ static di_status check_options(const model_config *c, const fwd_options *o, di_e
     return DI_OK;
 }
 
-static di_status engram_setup(fwd_model *m, const int32_t *map, di_error *err)
+static di_status engram_setup(fwd_model *m, const int32_t *map, int32_t pad_token, di_error *err)
 {
     const model_config *c = m->cfg;
     uint32_t ne = c->n_engram_layers, cols = c->engram_cols, N = c->engram_max_ngram_size;
@@ -294,10 +294,11 @@ static di_status engram_setup(fwd_model *m, const int32_t *map, di_error *err)
                            "[0, %u)", t, v, c->engram_compressed_vocab_size);
         m->tmap[t] = v;
     }
-    if (c->engram_pad_id >= c->vocab_size)
-        return di_fail(err, DI_EINVAL, "Engram pad token %u outside the vocabulary",
-                       c->engram_pad_id);
-    m->engram_pad = m->tmap[c->engram_pad_id];
+    int64_t pad = pad_token >= 0 ? pad_token : (int64_t)c->engram_pad_id;
+    if (pad >= c->vocab_size)
+        return di_fail(err, DI_EINVAL, "Engram pad token %lld outside the vocabulary",
+                       (long long)pad);
+    m->engram_pad = m->tmap[pad];
     for (uint32_t e = 0; e < ne; e++) {
         memcpy(m->e_mult + (size_t)e * N, c->engram_multipliers[e], N * sizeof(uint64_t));
         memcpy(m->e_primes + (size_t)e * cols, c->engram_primes[e], cols * sizeof(uint64_t));
@@ -332,7 +333,7 @@ di_status fwd_model_create(const model_weights *w, const kern_backend *be,
     if (st == DI_OK)
         st = kv_geometry_validate(&m->geom, err);
     if (st == DI_OK)
-        st = engram_setup(m, opt->token_map, err);
+        st = engram_setup(m, opt->token_map, opt->token_map_pad, err);
     if (st == DI_OK) {
         resolver rs = {m, err, DI_OK};
         model_views(&rs);

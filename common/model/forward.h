@@ -75,6 +75,8 @@ typedef struct fwd_options {
     const int32_t *token_map;/* Engram compressed-token map [vocab_size] (copied), values in
                                 [0, engram_compressed_vocab_size); NULL: token id modulo the
                                 compressed vocabulary */
+    int32_t token_map_pad;   /* Engram pad token id (its map entry is the compressed pad);
+                                -1: the config's engram_pad_token_id */
     fwd_dump_fn dump;        /* called for every named intermediate; NULL = none */
     void *dump_userdata;
     const di_logger *log;    /* debug lines; may be NULL */

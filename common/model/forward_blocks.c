@@ -179,6 +179,9 @@ static di_status compress(fwd_run *r, fwd_kv *kv, const fwd_layer_w *L, di_error
     FWD_TRY(err, l, be->ops.copy_rows(be->ctx, &cp));
     if ((st = rope(r, ratio, r->cmain, E, 1, hd, r->emit_pos, 0, l, err)) != DI_OK)
         return st;
+    fwd_dump(r, "compress.main", l, FWD_BF16, r->cmain, E, hd, 0); /* [E, hd] before (C) */
+    if (L->role->owns_index_keys)
+        fwd_dump(r, "compress.key", l, FWD_BF16, r->ckey, E, id, 0); /* [E, id] before (B) */
     kern_compressed_store cs = {.n_entries = E, .dim = hd, .index_dim = id, .main = r->cmain,
                                 .index = L->role->owns_index_keys ? r->ckey : NULL,
                                 .entry_id = r->emit_id, .entry_seq = r->emit_seq,
