@@ -286,3 +286,270 @@ Test(forward, slot_layout_on_the_full_geometry)
                  "the slot ends with the last owner's pending tokens");
     cr_assert_eq(kv_ring_bytes(&g) * 20, 1415040, "layers below the boundary: 1,415,040 bytes");
 }
+
+/* ---- YOCO truncation ---- */
+
+static void open_yoco(fx *f, fwd_yoco mode, uint32_t keep)
+{
+    fwd_options o = fx_default_opts();
+    o.yoco = mode;
+    o.keep_tokens = keep;
+    fx_open_opts(f, "tiny", 29, o, 64, 8);
+}
+
+/* Prompt of 300 in chunks (one wholly before the keep window), keep 140: compact and mask
+ * give the same logits on the kept rows, and the same decode logits afterwards. */
+Test(forward, yoco_compact_equals_mask_on_kept_rows_and_after, .timeout = 120)
+{
+    fx fc, fm, fo;
+    open_yoco(&fc, FWD_YOCO_COMPACT, 140);
+    open_yoco(&fm, FWD_YOCO_MASK, 140);
+    open_yoco(&fo, FWD_YOCO_OFF, 0);
+    size_t V = vocab(&fc);
+    fx *all[3] = {&fc, &fm, &fo};
+    fx_seq s[3];
+    float *l[3];
+    static const uint32_t chunks[] = {100, 90, 110}; /* keep window starts at 160 */
+    for (int k = 0; k < 3; k++) {
+        fx_seq_new(all[k], &s[k], 310, 42);
+        s[k].prompt_len = 300;
+        l[k] = malloc(110 * V * 4);
+        for (int c = 0; c < 3; c++)
+            fx_step1(all[k], &s[k], chunks[c], c == 2 ? l[k] : NULL);
+    }
+    /* the last chunk is positions 190..299, all kept */
+    same_row(l[0], l[1], 110 * V, "compact vs mask, kept prompt rows", 190);
+    int differs = memcmp(l[0], l[2], 110 * V * 4) != 0;
+    cr_assert(differs, "truncation changes the kept rows' logits (windows are clipped)");
+    for (int k = 0; k < 3; k++)
+        s[k].prompt_len = 0;
+    for (int step = 0; step < 8; step++) {
+        for (int k = 0; k < 2; k++)
+            fx_step1(all[k], &s[k], 1, l[k]);
+        same_row(l[0], l[1], V, "compact vs mask, decode", s[0].len - 1);
+    }
+    for (int k = 0; k < 3; k++) {
+        free(l[k]);
+        fx_close(all[k]);
+    }
+}
+
+Test(forward, yoco_compact_refuses_logits_of_dropped_prompt_rows, .timeout = 60)
+{
+    fx f;
+    open_yoco(&f, FWD_YOCO_COMPACT, 140);
+    fx_seq s;
+    fx_seq_new(&f, &s, 300, 43);
+    s.prompt_len = 300;
+    fwd_seq q = fx_rows(&f, &s, 300);
+    int32_t rows[2] = {299, 10};
+    float *l = malloc(2 * vocab(&f) * 4);
+    fwd_step st = {.n_seqs = 1, .seqs = &q, .n_logit_rows = 2, .logit_rows = rows};
+    di_error e;
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st, l, &e), DI_EUNSUPPORTED);
+    cr_assert(strstr(e.msg, "prompt logprobs") != NULL, "%s", e.msg);
+    st.n_logit_rows = 1; /* the last row alone is fine */
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st, l, &e), DI_OK, "%s", e.msg);
+    free(l);
+    fx_close(&f);
+}
+
+Test(forward, yoco_keep_tokens_below_the_ring_is_rejected, .timeout = 60)
+{
+    kern_backend be;
+    runner_model rm;
+    di_error e;
+    cr_assert_eq(kern_cpu_create(1, &be, &e), DI_OK);
+    cr_assert_eq(runner_model_random("tiny", 1, NULL, NULL, &rm, &e), DI_OK, "%s", e.msg);
+    fwd_options o = fx_default_opts();
+    fwd_model *m = NULL;
+    for (int mode = FWD_YOCO_COMPACT; mode <= FWD_YOCO_MASK; mode++) {
+        o.yoco = (fwd_yoco)mode;
+        o.keep_tokens = 133; /* ring = 128 + 5 + 1 = 134 */
+        cr_assert_eq(fwd_model_create(rm.w, &be, &o, &m, &e), DI_EINVAL);
+        cr_assert(strstr(e.msg, "134") != NULL, "%s", e.msg);
+        cr_assert_null(m);
+        o.keep_tokens = 134;
+        cr_assert_eq(fwd_model_create(rm.w, &be, &o, &m, &e), DI_OK, "%s", e.msg);
+        fwd_model_free(m);
+        m = NULL;
+    }
+    runner_model_free(&rm);
+    kern_cpu_destroy(&be);
+}
+
+/* ---- draft model ---- */
+
+static di_status greedy(void *ud, uint32_t req, uint32_t i, const float *logits, uint32_t V,
+                        int32_t *tok)
+{
+    uint32_t best = 0;
+    for (uint32_t v = 1; v < V; v++)
+        if (logits[v] > logits[best])
+            best = v;
+    *tok = (int32_t)best;
+    (*(int *)ud)++;
+    return DI_OK;
+}
+
+static void propose(fx *f, fx_seq *s, int32_t *tok, float *conf, float *cum, float *logits)
+{
+    fwd_draft_req q = {.slot = s->slot, .pos = s->len - 1, .next = s->toks[s->len]};
+    fwd_draft_out out = {.tokens = tok, .logits = logits, .confidence = conf, .cumulative = cum};
+    int calls = 0;
+    di_error e;
+    cr_assert_eq(fwd_draft(f->run, f->kv, 1, &q, 5, greedy, &calls, &out, &e), DI_OK, "%s",
+                 e.msg);
+    cr_assert_eq(calls, 5, "one sampler call per draft");
+}
+
+Test(forward, draft_confidences_are_probabilities_and_the_draft_is_deterministic, .timeout = 60)
+{
+    fx f1, f2;
+    fx_open(&f1, 31);
+    fx_open(&f2, 31);
+    fx_seq a, b;
+    fx_seq_new(&f1, &a, 200, 9);
+    fx_seq_new(&f2, &b, 200, 9);
+    fx_step1(&f1, &a, 150, NULL);
+    fx_step1(&f2, &b, 150, NULL);
+    int32_t t1[5], t2[5];
+    float c1[5], c2[5], u1[5], u2[5];
+    size_t V = vocab(&f1);
+    float *l1 = malloc(5 * V * 4), *l2 = malloc(5 * V * 4);
+    propose(&f1, &a, t1, c1, u1, l1);
+    propose(&f2, &b, t2, c2, u2, l2);
+    for (int i = 0; i < 5; i++) {
+        cr_assert(c1[i] > 0.0f && c1[i] < 1.0f, "confidence %d = %g", i, c1[i]);
+        cr_assert(u1[i] <= (i ? u1[i - 1] : 1.0f), "cumulative products never increase");
+        cr_assert(t1[i] >= 0 && (uint32_t)t1[i] < V);
+    }
+    cr_assert_eq(memcmp(t1, t2, sizeof(t1)), 0, "same seed, same drafts");
+    cr_assert_eq(memcmp(c1, c2, sizeof(c1)), 0);
+    cr_assert_eq(memcmp(l1, l2, 5 * V * 4), 0);
+    /* proposing again from the same state gives the same result (the draft writes no KV) */
+    int32_t t3[5];
+    float c3[5], u3[5];
+    propose(&f1, &a, t3, c3, u3, l2);
+    cr_assert_eq(memcmp(t1, t3, sizeof(t1)), 0);
+    cr_assert_eq(memcmp(l1, l2, 5 * V * 4), 0);
+    /* a different context changes the drafts' logits */
+    fx_step1(&f1, &a, 1, NULL);
+    propose(&f1, &a, t3, c3, u3, l2);
+    cr_assert_neq(memcmp(l1, l2, 5 * V * 4), 0);
+    free(l1);
+    free(l2);
+    fx_close(&f1);
+    fx_close(&f2);
+}
+
+Test(forward, draft_of_a_request_is_independent_of_its_batch, .timeout = 60)
+{
+    fx f;
+    fx_open(&f, 37);
+    fx_seq a, b;
+    fx_seq_new(&f, &a, 200, 10);
+    fx_seq_new(&f, &b, 200, 11);
+    fx_step1(&f, &a, 170, NULL);
+    fx_step1(&f, &b, 90, NULL);
+    size_t V = vocab(&f);
+    int32_t t1[5], t2[10];
+    float c1[5], u1[5], c2[10], u2[10];
+    float *l1 = malloc(5 * V * 4), *l2 = malloc(10 * V * 4);
+    propose(&f, &a, t1, c1, u1, l1);
+    fwd_draft_req q[2] = {{.slot = b.slot, .pos = b.len - 1, .next = b.toks[b.len]},
+                          {.slot = a.slot, .pos = a.len - 1, .next = a.toks[a.len]}};
+    fwd_draft_out out = {.tokens = t2, .logits = l2, .confidence = c2, .cumulative = u2};
+    int calls = 0;
+    di_error e;
+    cr_assert_eq(fwd_draft(f.run, f.kv, 2, q, 5, greedy, &calls, &out, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(memcmp(t1, t2 + 5, sizeof(t1)), 0);
+    cr_assert_eq(memcmp(c1, c2 + 5, sizeof(c1)), 0);
+    cr_assert_eq(memcmp(l1, l2 + 5 * V, 5 * V * 4), 0);
+    free(l1);
+    free(l2);
+    fx_close(&f);
+}
+
+/* ---- refused inputs ---- */
+
+Test(forward, bad_steps_are_refused_with_the_rule, .timeout = 60)
+{
+    fx f;
+    fx_open(&f, 41);
+    fx_seq s, t;
+    fx_seq_new(&f, &s, 20, 12);
+    fx_seq_new(&f, &t, 20, 13);
+    fwd_seq q = fx_rows(&f, &s, 10);
+    fwd_step st = {.n_seqs = 1, .seqs = &q};
+    di_error e;
+    int32_t bad[10];
+    memcpy(bad, s.toks, sizeof(bad));
+    bad[4] = (int32_t)f.c->vocab_size;
+    q.tokens = bad;
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st, NULL, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "outside the vocabulary") != NULL, "%s", e.msg);
+    q = fx_rows(&f, &s, 10);
+    q.n_blocks = 0;
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st, NULL, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "block table") != NULL, "%s", e.msg);
+    q = fx_rows(&f, &s, 10);
+    q.slot = 9999;
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st, NULL, &e), DI_EINVAL);
+    q = fx_rows(&f, &s, 10);
+    q.pos0 = 5;
+    q.n_history = 0; /* position 5 needs 2 lookback tokens */
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st, NULL, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "history") != NULL, "%s", e.msg);
+    q = fx_rows(&f, &s, 10);
+    q.pos0 = (int64_t)f.c->max_position_embeddings;
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st, NULL, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "context limit") != NULL, "%s", e.msg);
+    fwd_seq two[2] = {fx_rows(&f, &s, 5), fx_rows(&f, &t, 5)};
+    two[1].slot = two[0].slot;
+    fwd_step st2 = {.n_seqs = 2, .seqs = two};
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st2, NULL, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "share state slot") != NULL, "%s", e.msg);
+    q = fx_rows(&f, &s, 10);
+    int32_t rows[1] = {10};
+    float logits[1];
+    fwd_step st3 = {.n_seqs = 1, .seqs = &q, .n_logit_rows = 1, .logit_rows = rows};
+    cr_assert_eq(fwd_step_run(f.run, f.kv, &st3, logits, &e), DI_EINVAL);
+    cr_assert_eq(fwd_step_run(f.run, f.kv, NULL, NULL, &e), DI_EINVAL);
+    fx_close(&f);
+}
+
+Test(forward, bad_model_options_are_refused, .timeout = 60)
+{
+    kern_backend be;
+    runner_model rm;
+    di_error e;
+    cr_assert_eq(kern_cpu_create(1, &be, &e), DI_OK);
+    cr_assert_eq(runner_model_random("tiny", 1, NULL, NULL, &rm, &e), DI_OK, "%s", e.msg);
+    fwd_model *m = NULL;
+    fwd_options o = fx_default_opts();
+    o.nextn = 6; /* the draft block is 5 */
+    cr_assert_eq(fwd_model_create(rm.w, &be, &o, &m, &e), DI_EINVAL);
+    o = fx_default_opts();
+    o.max_rows = 0;
+    cr_assert_eq(fwd_model_create(rm.w, &be, &o, &m, &e), DI_EINVAL);
+    o = fx_default_opts();
+    int32_t *map = calloc(rm.w->config.vocab_size, sizeof(int32_t));
+    map[7] = (int32_t)rm.w->config.engram_compressed_vocab_size;
+    o.token_map = map;
+    cr_assert_eq(fwd_model_create(rm.w, &be, &o, &m, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "token 7") != NULL, "%s", e.msg);
+    /* a weight missing from the checkpoint view */
+    model_weights *w = rm.w;
+    model_tensor saved = w->layers[3].attn.wq_b;
+    w->layers[3].attn.wq_b.fmt = MODEL_WFMT_NONE;
+    o.token_map = NULL;
+    cr_assert_eq(fwd_model_create(w, &be, &o, &m, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "layer 3") && strstr(e.msg, "wq_b") && strstr(e.msg, "missing"),
+              "%s", e.msg);
+    w->layers[3].attn.wq_b = saved;
+    cr_assert_null(m);
+    free(map);
+    runner_model_free(&rm);
+    kern_cpu_destroy(&be);
+}
