@@ -120,8 +120,43 @@ void cpu_quant_fp8(const float *x, size_t n, uint8_t *codes, uint8_t *scales)
     }
 }
 
-void cpu_dequant_rows(const cpu_ctx *c, kern_wfmt fmt, const void *w, const uint8_t *scale,
-                      uint32_t k, uint32_t r0, uint32_t nr, float *out)
+/* 16 E4M3 codes as floats: the 7 low bits shifted into an fp32's exponent and mantissa give
+ * value * 2^-120 (subnormal codes land on fp32 subnormals), so one exact multiply by 2^120
+ * restores every code, subnormals included. */
+static inline __attribute__((always_inline)) v16f e4m3x16(const uint8_t *q)
+{
+    v16b b;
+    memcpy(&b, q, sizeof(b));
+    v16u u = __builtin_convertvector(b, v16u);
+    v16u bits = ((u & 0x80u) << 24) | ((u & 0x7fu) << 20);
+    return (v16f)bits * 0x1p120f;
+}
+
+/* 32 E2M1 values of 16 packed bytes (element 2i in the low nibble). */
+static inline __attribute__((always_inline)) void e2m1x32(const cpu_ctx *c, const uint8_t *q,
+                                                         v16f *a, v16f *b)
+{
+    v16b by;
+    memcpy(&by, q, sizeof(by));
+    v16i w = __builtin_convertvector(by, v16i);
+    v16f lut = v16_load(c->e2m1);
+    v16f lo = __builtin_shuffle(lut, w & 15), hi = __builtin_shuffle(lut, (w >> 4) & 15);
+    const v16i m0 = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23};
+    const v16i m1 = {8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+    *a = __builtin_shuffle(lo, hi, m0);
+    *b = __builtin_shuffle(lo, hi, m1);
+}
+
+static inline __attribute__((always_inline)) v16f bf16x16(const uint16_t *h)
+{
+    v16h x;
+    memcpy(&x, h, sizeof(x));
+    return (v16f)(__builtin_convertvector(x, v16u) << 16);
+}
+
+CPU_SIMD void cpu_dequant_rows(const cpu_ctx *c, kern_wfmt fmt, const void *w,
+                               const uint8_t *scale, uint32_t k, uint32_t r0, uint32_t nr,
+                               float *out)
 {
     uint32_t kb = k / 32;
     for (uint32_t r = 0; r < nr; r++) {
@@ -132,31 +167,35 @@ void cpu_dequant_rows(const cpu_ctx *c, kern_wfmt fmt, const void *w, const uint
             const uint8_t *s = scale + (size_t)(row / 32) * kb;
             for (uint32_t b = 0; b < kb; b++) {
                 float sv = c->ue8m0[s[b]];
-                for (uint32_t i = 0; i < 32; i++)
-                    o[b * 32 + i] = c->e4m3[q[b * 32 + i]] * sv;
+                v16_store(o + b * 32, e4m3x16(q + b * 32) * sv);
+                v16_store(o + b * 32 + 16, e4m3x16(q + b * 32 + 16) * sv);
             }
         } else if (fmt == KERN_W_FP4) {
             const uint8_t *q = (const uint8_t *)w + (size_t)row * (k / 2);
             const uint8_t *s = scale + (size_t)row * kb;
             for (uint32_t b = 0; b < kb; b++) {
                 float sv = c->ue8m0[s[b]];
-                for (uint32_t i = 0; i < 16; i++) {
-                    uint8_t byte = q[b * 16 + i];
-                    o[b * 32 + 2 * i] = c->e2m1[byte & 0x0f] * sv;
-                    o[b * 32 + 2 * i + 1] = c->e2m1[byte >> 4] * sv;
-                }
+                v16f lo, hi;
+                e2m1x32(c, q + b * 16, &lo, &hi);
+                v16_store(o + b * 32, lo * sv);
+                v16_store(o + b * 32 + 16, hi * sv);
             }
         } else {
-            cpu_bf16_to_f32((const uint16_t *)w + (size_t)row * k, o, k);
+            const uint16_t *h = (const uint16_t *)w + (size_t)row * k;
+            for (uint32_t i = 0; i < k; i += 16)
+                v16_store(o + i, bf16x16(h + i));
         }
     }
 }
 
-void cpu_decode_ring_entry(const cpu_ctx *c, const uint8_t *e, uint32_t dim, float *out)
+CPU_SIMD void cpu_decode_ring_entry(const cpu_ctx *c, const uint8_t *e, uint32_t dim, float *out)
 {
     const uint8_t *sc = e + dim;
-    for (uint32_t i = 0; i < dim; i++)
-        out[i] = c->e4m3[e[i]] * c->ue8m0[sc[i / 32]];
+    for (uint32_t i = 0; i < dim; i += 32) {
+        float sv = c->ue8m0[sc[i / 32]];
+        v16_store(out + i, e4m3x16(e + i) * sv);
+        v16_store(out + i + 16, e4m3x16(e + i + 16) * sv);
+    }
 }
 
 /* Packed E2M1 values then one scale byte per `block` values, decoded through `lut`. */

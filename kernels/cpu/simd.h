@@ -2,14 +2,21 @@
  *
  * A lane computes exactly what scalar code would for its indices, so results are the same on
  * every instruction set: CPU_SIMD builds a function for AVX-512, AVX2 and the baseline and picks
- * one at load time; there is no fused multiply-add (ISO C mode keeps contraction off).
+ * one at load time; there is no fused multiply-add (ISO C mode keeps contraction off). Helpers
+ * taking or returning vectors are always_inline: a call between clones of different vector
+ * ABIs would pass them wrongly.
  */
 #ifndef DI_KERNELS_CPU_SIMD_H
 #define DI_KERNELS_CPU_SIMD_H
 
+#include <stdint.h>
 #include <string.h>
 
 typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
 
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define CPU_SIMD __attribute__((target_clones("avx512f", "avx2", "default")))
