@@ -23,9 +23,18 @@
  *    the number of threads. This is what makes decode == prefill and batch invariance hold
  *    bit for bit on the CPU backend.
  *
+ * Arithmetic of the CPU backend: every dot product and sum is accumulated in double (products
+ * of two floats are exact there) and rounded once to fp32 where the math stores a value, then
+ * to bf16 where MODEL.md stores bf16; transcendental functions (exp, sigmoid, softplus, sqrt,
+ * cos/sin) are evaluated in double on fp32 inputs and rounded once. This makes results
+ * independent of summation order and equal, bit for bit, to the independent NumPy reference
+ * (tests/reference), which follows the same rule. The rounding points are named at each op.
+ *
  * Tolerances (device vs CPU) are per op below: "exact" means bit-identical; "bf16 1ulp" means
  * each output may differ from the CPU value by one bf16 unit in the last place (summation order
- * differs); attention and GEMMs state abs/rel/cosine bounds.
+ * differs); attention and GEMMs state abs/rel/cosine bounds. Note that FP8/FP4 quantisation
+ * turns a one-ulp difference into a step of a quantisation level, so whole-model logits of two
+ * backends agree only statistically, not within these per-op bounds.
  */
 #ifndef DI_KERNELS_KERNELS_H
 #define DI_KERNELS_KERNELS_H
@@ -80,8 +89,8 @@ typedef struct kern_embed {
     uint16_t *out;              /* [T, n_copies, D] bf16 */
 } kern_embed;
 
-/* RMSNorm: y = w * (x * 1/sqrt(mean(x^2) + eps)) in fp32, stored bf16. y may alias x.
- * Tolerance: bf16 1ulp. */
+/* RMSNorm: r = fp32(1/sqrt(fp32(mean(x^2)) + eps)), y = bf16(fp32(fp32(x * r) * w)). y may
+ * alias x. Tolerance: bf16 1ulp. */
 typedef struct kern_rmsnorm {
     uint32_t n_rows;
     uint32_t dim;
@@ -118,10 +127,10 @@ typedef struct kern_rope {
 } kern_rope;
 
 /* Hyper-connection mixes of one site for every row (MODEL.md §2.3 steps 1-7):
- * v = flatten(h[t]) as fp32; r = 1/sqrt(mean(v^2) + norm_eps); m = (fn @ v) * r;
- * pre = sigmoid(m[0:hc]*scale[0] + base) + eps; post = 2*sigmoid(m[hc:2hc]*scale[1] + base);
- * comb = Sinkhorn(m[2hc:]*scale[2] + base) with `iters` iterations ending on columns.
- * Tolerance: abs 1e-5 on pre/post/comb. */
+ * v = flatten(h[t]); r = fp32(1/sqrt(fp32(mean(v^2)) + norm_eps)); m = fp32(fp32(fn @ v) * r);
+ * pre = fp32(sigmoid(m[0:hc]*scale[0] + base)) + eps; post = fp32(2*sigmoid(m[hc:2hc]*scale[1]
+ * + base)); comb = fp32(Sinkhorn(m[2hc:]*scale[2] + base)) with `iters` iterations ending on
+ * columns, in double. Tolerance: abs 1e-5 on pre/post/comb. */
 typedef struct kern_hc_mixes {
     uint32_t n_rows;
     uint32_t n_copies;          /* hc (4) */
@@ -131,14 +140,14 @@ typedef struct kern_hc_mixes {
     const float *base;          /* [(2+hc)*hc] f32 */
     const float *scale;         /* [3] f32 */
     uint32_t sinkhorn_iters;    /* 20 */
-    float eps;                  /* hc_eps, 1e-6 */
+    double eps;                 /* hc_eps, 1e-6: Sinkhorn's in double, pre's as fp32 */
     float norm_eps;             /* rms_norm_eps, 1e-20 */
     float *pre;                 /* [T, hc] f32 */
     float *post;                /* [T, hc] f32 */
     float *comb;                /* [T, hc, hc] f32, comb[t][i][j] (input copy i -> output j) */
 } kern_hc_mixes;
 
-/* Collapse: out[t, :] = bf16( sum_c pre[t, c] * h[t, c, :] ), fp32, c ascending.
+/* Collapse: out[t, :] = bf16(fp32( sum_c pre[t, c] * h[t, c, :] )).
  * Also gives the draft taps (pre = 1/hc for every copy is the fp32 mean). Exact given pre. */
 typedef struct kern_hc_collapse {
     uint32_t n_rows;
@@ -151,8 +160,8 @@ typedef struct kern_hc_collapse {
     size_t out_stride;
 } kern_hc_collapse;
 
-/* Expand: out[t, j, :] = bf16( post[t, j] * y[t, :] + sum_i comb[t, i, j] * h[t, i, :] ),
- * the comb sum first (i ascending), fp32. out must not alias h. Exact given the inputs. */
+/* Expand: out[t, j, :] = bf16(fp32( post[t, j] * y[t, :] + sum_i comb[t, i, j] * h[t, i, :] )).
+ * out must not alias h. Exact given the inputs. */
 typedef struct kern_hc_expand {
     uint32_t n_rows;
     uint32_t n_copies;
@@ -238,8 +247,8 @@ typedef struct kern_ring_store {
  * compressor state slot p mod state_tokens (fp32 a[dim] then g[dim]) at state_offset of its
  * state slot. For each emitted entry e (a row whose position p has (p+1) % r == 0), group
  * j = p / r covers positions j*r .. j*r+r-1; tokens before the sequence's pos0 come from the
- * state, later ones from a/g. latent[e][d] = bf16( sum_t softmax_t(g[., d]) * a[t][d] ).
- * Exact given the inputs (fp32 in a fixed order). */
+ * state, later ones from a/g. latent[e][d] = bf16(fp32( sum_t fp32(softmax_t(g[., d])) * a[t][d]
+ * )), softmax and sum in double. Exact given the inputs. */
 typedef struct kern_compress_pool {
     uint32_t n_rows;
     uint32_t dim;               /* head_dim */
@@ -278,9 +287,9 @@ typedef struct kern_compressed_store {
  *           0; position q >= pos0 is read from local[row0 + q - pos0], else from the ring slot
  *           q mod ring_positions (draft blocks: see kern_seq.ring_hi);
  *   compressed: the ids topk[t, 0..topk_n) that are >= 0, read from the paged blocks.
- * s_e = (q_h . kv_e) * scale in fp32; M = max(-1e30, max_e s_e);
- * o_h = sum_e exp(s_e - M) kv_e / (sum_e exp(s_e - M) + exp(sink_h - M)), stored bf16.
- * Entries are summed window first (ascending position), then compressed (list order).
+ * s_e = fp32(fp32(q_h . kv_e) * scale); M = max(-1e30, max_e s_e);
+ * o_h = bf16(fp32( sum_e exp(s_e - M) kv_e / (sum_e exp(s_e - M) + exp(sink_h - M)) )), the
+ * softmax in double. Keys: window first (ascending position), then compressed (list order).
  * Tolerance: abs 2e-2, cosine >= 0.9999 per head. */
 typedef struct kern_sparse_attn {
     uint32_t n_rows;
@@ -302,10 +311,10 @@ typedef struct kern_sparse_attn {
 } kern_sparse_attn;
 
 /* Indexer scores (MODEL.md §2.7): for row t and entry j < n_visible[t],
- * I = bf16( sum_h (w[t,h] * w_scale) * max(0, q[t,h] . k_j) ) with k_j the dequantised key of entry
+ * I = bf16( sum_h fp32(w[t,h] * w_scale) * max(0, fp32(q[t,h] . k_j)) ) with k_j the key of entry
  * j of the row's sequence (paged blocks); entries j >= n_visible[t] and entries outside the
  * candidate mask (when given) get -inf. q is already FP4 fake-quantised; w is the bf16
- * weights_proj output, scaled in fp32 by w_scale (index_head_dim^-0.5 * index_n_heads^-0.5).
+ * weights_proj output; w_scale = index_head_dim^-0.5 * index_n_heads^-0.5 exactly (double).
  * Only columns [0, max n_visible) are written. Tolerance: bf16 1ulp. */
 typedef struct kern_index_scores {
     uint32_t n_rows;
@@ -313,7 +322,7 @@ typedef struct kern_index_scores {
     uint32_t head_dim;          /* index_head_dim (128) */
     const uint16_t *q;          /* [T, n_heads, head_dim] bf16 */
     const uint16_t *w;          /* [T, n_heads] bf16 head weights (weights_proj output) */
-    float w_scale;              /* fp32 factor applied to each weight */
+    double w_scale;             /* factor applied to each weight (product rounded to fp32) */
     const int32_t *n_visible;   /* [T] visible entries (host) */
     const int32_t *row_seq;     /* [T] sequence of each row (host) */
     const kern_seq *seqs;       /* (host) */
@@ -352,9 +361,9 @@ typedef struct kern_index_topk {
 } kern_index_topk;
 
 /* MoE router (MODEL.md §2.8) on precomputed fp32 logits z = x @ W_gate^T:
- * s = sqrt(softplus(z / temp)); pick the top_k of s + bias (ties: lower expert);
- * w = route_scale * s / (sum of picked s + 1e-20). ids ascending by rank. Tolerance: exact ids
- * except at near-ties, weights abs 1e-6. */
+ * s = fp32(sqrt(fp32(softplus(z / temp)))) (double); pick the top_k of fp32(s + bias) (ties:
+ * lower expert); w = fp32(fp32(s / fp32(sum of picked s + 1e-20)) * route_scale). ids in rank
+ * order. Tolerance: exact ids except at near-ties, weights abs 1e-6. */
 typedef struct kern_moe_gate {
     uint32_t n_rows;
     uint32_t n_experts;
@@ -367,8 +376,9 @@ typedef struct kern_moe_gate {
     float *weights;             /* [T, top_k] routing weights */
 } kern_moe_gate;
 
-/* SwiGLU with the asymmetric clamp: h = bf16( silu(min(g, limit)) * clamp(u, -limit, limit)
- * * w[row] ) in fp32 (limit 0 = no clamp; w NULL = 1). Exact given the inputs. */
+/* SwiGLU with the asymmetric clamp: with g' = min(g, limit) and u' = clamp(u, -limit, limit),
+ * silu = fp32(g' * sigmoid(g')) (double), h = bf16(fp32(fp32(silu * u') * w[row])) (limit 0 =
+ * no clamp; w NULL = 1). Exact given the inputs. */
 typedef struct kern_swiglu {
     uint32_t n_rows;
     uint32_t n;
@@ -388,7 +398,7 @@ typedef struct kern_expert {
 } kern_expert;
 
 /* Routed experts + shared expert + combine (MODEL.md §2.8): for each row,
- * y = bf16( sum over its experts in ascending expert id of out_e + out_shared ) in fp32, where
+ * y = bf16( sum over its experts of out_e + out_shared ) (the sum in double), where
  * out_e = bf16(W2_e bf16(swiglu(W1_e x, W3_e x, w_e))) with FP8 activations (linear_fp4) and
  * the shared expert the same with FP8 weights and weight 1. Tolerance: as kern_linear. */
 typedef struct kern_moe_experts {
@@ -451,7 +461,9 @@ typedef struct kern_engram_lookup {
 /* Engram gate and residual update (MODEL.md §2.9 module steps 3-4), in place on h:
  * for copy c: w = qw[c]*kw[c]; rstd = rsqrt(mean(h_c^2)+eps) * rsqrt(mean(key_c^2)+eps);
  * dot = (sum_d h_c*w*key_c) * rstd / sqrt(D); gate = sigmoid(sign(dot)*sqrt(max(|dot|, clamp)));
- * h_c <- bf16(h_c + gate * value). Tolerance: bf16 1ulp. */
+ * h_c <- bf16(fp32(h_c + gate * value)); the rounding points are those of the reference:
+ * dot = fp32(fp32(fp32(sum) * fp32(r_h * r_k)) / fp32(sqrt(D))), gate = fp32(sigmoid(.)).
+ * Tolerance: bf16 1ulp. */
 typedef struct kern_engram_gate {
     uint32_t n_rows;
     uint32_t n_copies;
@@ -460,8 +472,8 @@ typedef struct kern_engram_gate {
     const uint16_t *kv;         /* [T, (hc+1)*D] bf16: key copy c at c*D, value at hc*D */
     const uint16_t *q_weight;   /* [hc, D] bf16 */
     const uint16_t *k_weight;   /* [hc, D] bf16 */
-    float eps;                  /* 1e-20 */
-    float clamp;                /* 1e-6 */
+    double eps;                 /* rms_norm_eps 1e-20, added in double */
+    double clamp;               /* 1e-6 */
 } kern_engram_gate;
 
 /* Row gather: dst row i = src row rows[i] (rows NULL: row i), row_bytes bytes each. dst may

@@ -325,8 +325,8 @@ di_status fwd_model_create(const model_weights *w, const kern_backend *be,
     m->opt = *opt;
     m->opt.token_map = NULL;
     model_config_kv_geometry(m->cfg, opt->nextn, &m->geom);
-    m->index_w_scale = (float)(1.0 / sqrt((double)m->cfg->index_head_dim) /
-                               sqrt((double)m->cfg->index_n_heads));
+    m->index_w_scale = pow((double)m->cfg->index_head_dim, -0.5) *
+                       pow((double)m->cfg->index_n_heads, -0.5);
     m->layers = calloc(m->cfg->n_layers + m->cfg->n_mtp, sizeof(fwd_layer_w));
     if (!m->layers)
         st = di_fail(err, DI_ENOMEM, "forward model layers");

@@ -80,7 +80,7 @@ di_status fwd_hc_site_in(fwd_run *r, uint32_t T, const fwd_site_w *site, const u
     const model_config *c = m->cfg;
     kern_hc_mixes mx = {.n_rows = T, .n_copies = c->hc_mult, .dim = c->dim, .h = r->h,
                         .fn = site->fn, .base = site->base, .scale = site->scale,
-                        .sinkhorn_iters = c->hc_sinkhorn_iters, .eps = (float)c->hc_eps,
+                        .sinkhorn_iters = c->hc_sinkhorn_iters, .eps = c->hc_eps,
                         .norm_eps = (float)c->norm_eps, .pre = pre_out, .post = post,
                         .comb = comb};
     FWD_TRY(err, layer, m->be->ops.hc_mixes(m->be->ctx, &mx)); /* [T, hc], [T, hc], [T, hc, hc] */
@@ -310,6 +310,7 @@ di_status fwd_attention(fwd_run *r, fwd_kv *kv, const fwd_layer_w *L, size_t rin
         (st = linear_fp8(r, r->qr, T, qlr, L->wq_b, L->wq_b_s, H * hd, r->q, l, err)) != DI_OK ||
         (st = rope(r, role->ratio, r->q, T, H, hd, pos, 0, l, err)) != DI_OK)
         return st;
+    fwd_dump(r, "attn.q", l, FWD_BF16, r->q, T, H, hd);
     /* window KV [T, hd]: norm, RoPE at p, FP8 (A) entries for this step's rows */
     if ((st = linear_fp8(r, r->x, T, c->dim, L->wkv, L->wkv_s, hd, r->kv, l, err)) != DI_OK ||
         (st = rmsnorm(r, r->kv, T, hd, L->kv_norm, l, err)) != DI_OK ||
@@ -335,6 +336,7 @@ di_status fwd_attention(fwd_run *r, fwd_kv *kv, const fwd_layer_w *L, size_t rin
                            .seqs = r->rows.seqs, .sink = L->sink,
                            .scale = (float)(1.0 / sqrt((double)hd)), .out = r->o};
     FWD_TRY(err, l, be->ops.sparse_attn(be->ctx, &at)); /* o [T, H, hd] */
+    fwd_dump(r, "attn.o", l, FWD_BF16, r->o, T, H, hd);
     if (commit) { /* after the reads: a long chunk must not overwrite what its first rows read */
         rs.kv = NULL;
         rs.commit = 1;
@@ -406,8 +408,8 @@ di_status fwd_engram(fwd_run *r, const fwd_layer_w *L, di_error *err)
     if (st != DI_OK)
         return st;
     kern_engram_gate gt = {.n_rows = T, .n_copies = hc, .dim = c->dim, .h = r->h, .kv = r->ekv,
-                           .q_weight = L->e_q, .k_weight = L->e_k, .eps = (float)c->norm_eps,
-                           .clamp = 1e-6f};
+                           .q_weight = L->e_q, .k_weight = L->e_k, .eps = c->norm_eps,
+                           .clamp = 1e-6};
     FWD_TRY(err, l, be->ops.engram_gate(be->ctx, &gt)); /* H [T, hc, D] */
     fwd_dump(r, "engram_H", l, FWD_BF16, r->h, T, hc, c->dim);
     return DI_OK;

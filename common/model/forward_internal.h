@@ -65,7 +65,7 @@ struct fwd_model {
     const uint16_t *main_norm, *draft_norm;        /* [D] */
     const uint16_t *markov_embed, *markov_head;    /* [V, rank] */
     const uint16_t *conf_proj;                     /* [1, D + rank] */
-    float index_w_scale;             /* index_head_dim^-0.5 * index_n_heads^-0.5 */
+    double index_w_scale;            /* index_head_dim^-0.5 * index_n_heads^-0.5 */
     /* copies made for alignment or format */
     void **owned;
     uint32_t n_owned, cap_owned;

@@ -14,48 +14,63 @@ void *cpu_xmalloc(size_t bytes)
     return p;
 }
 
-/* Adds the tail a[i]*b[i] (i >= n16) into lanes i % 16 after the vector part. */
-static inline __attribute__((always_inline)) float fold_tail(v16f acc, const float *a, const float *b, size_t n16, size_t n)
+/* Products of two floats are exact in double, so these sums carry no fp32 rounding: the caller
+ * rounds the result once, as the reference's "computed in double, rounded once" rule wants.
+ * Lane j of 8 accumulates the elements i with i % 8 == j in order; the tail goes to its lane;
+ * the lanes fold in a fixed order. */
+static inline __attribute__((always_inline)) double fold_tail_d(v8d acc, const float *a,
+                                                                const float *b, size_t n8,
+                                                                size_t n)
 {
-    if (n16 == n)
-        return v16_fold(acc);
-    float l[16];
-    v16_store(l, acc);
-    for (size_t i = n16; i < n; i++)
-        l[i % 16] += a[i] * b[i];
-    return v16_fold(v16_load(l));
+    if (n8 == n)
+        return v8d_fold(acc);
+    double l[8];
+    memcpy(l, &acc, sizeof(l));
+    for (size_t i = n8; i < n; i++)
+        l[i % 8] += (double)a[i] * (double)b[i];
+    v8d v;
+    memcpy(&v, l, sizeof(v));
+    return v8d_fold(v);
 }
 
-CPU_SIMD float cpu_dot(const float *a, const float *b, size_t n)
+CPU_SIMD double cpu_dot(const float *a, const float *b, size_t n)
 {
-    v16f acc = v16_zero();
-    size_t n16 = n & ~(size_t)15;
-    for (size_t i = 0; i < n16; i += 16)
-        acc += v16_load(a + i) * v16_load(b + i);
-    return fold_tail(acc, a, b, n16, n);
+    v8d acc = v8d_zero();
+    size_t n8 = n & ~(size_t)7;
+    for (size_t i = 0; i < n8; i += 8)
+        acc += v8d_lo(a + i) * v8d_lo(b + i);
+    return fold_tail_d(acc, a, b, n8, n);
 }
 
 CPU_SIMD void cpu_dot4(const float *a, const float *b0, const float *b1, const float *b2,
-                       const float *b3, size_t n, float out[4])
+                       const float *b3, size_t n, double out[4])
 {
-    v16f c0 = v16_zero(), c1 = v16_zero(), c2 = v16_zero(), c3 = v16_zero();
-    size_t n16 = n & ~(size_t)15;
-    for (size_t i = 0; i < n16; i += 16) {
-        v16f x = v16_load(a + i);
-        c0 += x * v16_load(b0 + i);
-        c1 += x * v16_load(b1 + i);
-        c2 += x * v16_load(b2 + i);
-        c3 += x * v16_load(b3 + i);
+    v8d c0 = v8d_zero(), c1 = v8d_zero(), c2 = v8d_zero(), c3 = v8d_zero();
+    size_t n8 = n & ~(size_t)7;
+    for (size_t i = 0; i < n8; i += 8) {
+        v8d x = v8d_lo(a + i);
+        c0 += x * v8d_lo(b0 + i);
+        c1 += x * v8d_lo(b1 + i);
+        c2 += x * v8d_lo(b2 + i);
+        c3 += x * v8d_lo(b3 + i);
     }
-    out[0] = fold_tail(c0, a, b0, n16, n);
-    out[1] = fold_tail(c1, a, b1, n16, n);
-    out[2] = fold_tail(c2, a, b2, n16, n);
-    out[3] = fold_tail(c3, a, b3, n16, n);
+    out[0] = fold_tail_d(c0, a, b0, n8, n);
+    out[1] = fold_tail_d(c1, a, b1, n8, n);
+    out[2] = fold_tail_d(c2, a, b2, n8, n);
+    out[3] = fold_tail_d(c3, a, b3, n8, n);
 }
 
-float cpu_sumsq(const float *a, size_t n)
+double cpu_sumsq(const float *a, size_t n)
 {
     return cpu_dot(a, a, n);
+}
+
+/* 1 / sqrt(mean + eps) of a sum of squares, with the reference's roundings: the mean rounded
+ * to fp32, eps added in fp32, the reciprocal square root in double rounded to fp32. */
+float cpu_rms_scale(double sumsq, uint32_t n, float eps)
+{
+    float ms = (float)(sumsq / (double)n);
+    return (float)(1.0 / sqrt((double)(ms + eps)));
 }
 
 void cpu_bf16_to_f32(const uint16_t *x, float *out, size_t n)

@@ -32,14 +32,24 @@ static inline uint16_t to_bf(float f)
     return di_f32_to_bf16(f);
 }
 
-/* Fixed-order dot product: lane j sums the products of indices i with i % 16 == j in order,
- * then the lanes fold as v[j] += v[j + s] for s = 8, 4, 2, 1. */
-float cpu_dot(const float *a, const float *b, size_t n);
-/* Four dot products of a with b0..b3 (same result as four cpu_dot calls). */
+/* Dot product of two float vectors accumulated in double (every product is exact), lanes in
+ * a fixed order: the caller rounds the sum once. The results do not depend on the vector
+ * width of the machine. */
+double cpu_dot(const float *a, const float *b, size_t n);
+/* Four dot products of a with b0..b3 (each the same as cpu_dot). */
 void cpu_dot4(const float *a, const float *b0, const float *b1, const float *b2, const float *b3,
-              size_t n, float out[4]);
-/* Fixed-order sum of squares (same lane rule). */
-float cpu_sumsq(const float *a, size_t n);
+              size_t n, double out[4]);
+/* Sum of squares, as cpu_dot(a, a, n). */
+double cpu_sumsq(const float *a, size_t n);
+/* RMS scale 1/sqrt(mean + eps): mean rounded to fp32, + eps in fp32, rsqrt in double, rounded
+ * to fp32 (RMSNorm, the mHC mixes). */
+float cpu_rms_scale(double sumsq, uint32_t n, float eps);
+
+/* sigmoid in double. */
+static inline double sigmoid_d(double x)
+{
+    return 1.0 / (1.0 + exp(-x));
+}
 
 void cpu_bf16_to_f32(const uint16_t *x, float *out, size_t n);
 /* Procedure (A) applied to a bf16 row of n numbers (multiple of 32): out = dequant(quant(x)). */
@@ -72,11 +82,6 @@ static inline uint8_t *cpu_entry_addr(const kern_kv_pool *pool, const kern_seq *
     if (index)
         return blk + pool->index_offset + (size_t)e * pool->index_entry_bytes;
     return blk + pool->main_offset + (size_t)e * pool->main_entry_bytes;
-}
-
-static inline float sigmoidf_(float x)
-{
-    return 1.0f / (1.0f + expf(-x));
 }
 
 /* 64-byte aligned scratch (uninitialised); free() it. NULL on exhaustion. */

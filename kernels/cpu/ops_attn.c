@@ -140,23 +140,26 @@ static di_status plan_seq(attn_job *j, uint32_t s, dec_item **items, uint32_t *n
     return DI_OK;
 }
 
-/* o[d] += pe * kv[d] over d, in lanes: each o[d] sums its entries in entry order. */
-CPU_SIMD static void axpy(float *o, const float *kv, float pe, uint32_t n)
+/* o[d] += pe * kv[d] over d in double (each o[d] sums its entries in entry order). */
+CPU_SIMD static void axpy_d(double *o, const float *kv, double pe, uint32_t n)
 {
     uint32_t i = 0;
-    v16f pv = {0};
-    pv += pe;
-    for (; i + 16 <= n; i += 16)
-        v16_store(o + i, v16_load(o + i) + pv * v16_load(kv + i));
+    v8d pv = v8d_zero() + pe;
+    for (; i + 8 <= n; i += 8) {
+        v8d acc;
+        memcpy(&acc, o + i, sizeof(acc));
+        acc += pv * v8d_lo(kv + i);
+        memcpy(o + i, &acc, sizeof(acc));
+    }
     for (; i < n; i++)
-        o[i] += pe * kv[i];
+        o[i] += pe * (double)kv[i];
 }
 
 typedef struct row_scratch {
     const float **ents;
     float *s;
     float *qf;
-    float *o;
+    double *o;
 } row_scratch;
 
 static void attn_row(attn_job *j, uint32_t t, row_scratch *sc)
@@ -183,23 +186,24 @@ static void attn_row(attn_job *j, uint32_t t, row_scratch *sc)
     for (uint32_t h = 0; h < p->n_heads; h++) {
         const uint16_t *qh = p->q + ((size_t)t * p->n_heads + h) * hd;
         cpu_bf16_to_f32(qh, sc->qf, hd);
+        /* s_e = fp32(fp32(q . kv_e) * scale); softmax with the sink in double */
         float mx = -1e30f;
         for (uint32_t e = 0; e < n; e++) {
-            sc->s[e] = cpu_dot(sc->qf, sc->ents[e], hd) * p->scale;
+            sc->s[e] = (float)cpu_dot(sc->qf, sc->ents[e], hd) * p->scale;
             if (sc->s[e] > mx)
                 mx = sc->s[e];
         }
-        memset(sc->o, 0, hd * sizeof(float));
-        float sum = 0.0f;
+        memset(sc->o, 0, hd * sizeof(double));
+        double sum = 0.0;
         for (uint32_t e = 0; e < n; e++) {
-            float pe = expf(sc->s[e] - mx);
+            double pe = exp((double)sc->s[e] - (double)mx);
             sum += pe;
-            axpy(sc->o, sc->ents[e], pe, hd);
+            axpy_d(sc->o, sc->ents[e], pe, hd);
         }
-        float denom = sum + expf(p->sink[h] - mx);
+        double denom = sum + exp((double)p->sink[h] - (double)mx);
         uint16_t *out = p->out + ((size_t)t * p->n_heads + h) * hd;
         for (uint32_t d = 0; d < hd; d++)
-            out[d] = to_bf(sc->o[d] / denom);
+            out[d] = to_bf((float)(sc->o[d] / denom));
     }
 }
 
@@ -211,7 +215,7 @@ static void attn_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     sc.ents = malloc((size_t)j->max_ents * sizeof(float *));
     sc.s = malloc((size_t)j->max_ents * sizeof(float));
     sc.qf = cpu_xmalloc((size_t)hd * sizeof(float));
-    sc.o = cpu_xmalloc((size_t)hd * sizeof(float));
+    sc.o = cpu_xmalloc((size_t)hd * sizeof(double));
     assert(sc.ents && sc.s && sc.qf && sc.o);
     for (uint32_t t = r0; t < r1; t++)
         attn_row(j, t, &sc);

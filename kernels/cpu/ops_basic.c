@@ -32,8 +32,7 @@ static void rms_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     assert(x);
     for (uint32_t r = r0; r < r1; r++) {
         cpu_bf16_to_f32(p->x + (size_t)r * p->x_stride, x, p->dim);
-        float ms = cpu_sumsq(x, p->dim) / (float)p->dim;
-        float inv = 1.0f / sqrtf(ms + p->eps);
+        float inv = cpu_rms_scale(cpu_sumsq(x, p->dim), p->dim, p->eps);
         uint16_t *y = p->y + (size_t)r * p->y_stride;
         for (uint32_t i = 0; i < p->dim; i++) {
             float w = p->weight ? bf(p->weight[i]) : 1.0f;
@@ -125,15 +124,16 @@ static di_status cpu_rope(void *ctx, const kern_rope *p)
 
 #define HC_MAX 8
 
-/* Sinkhorn normalisation of an hc x hc matrix in place (MODEL.md §2.3 step 7). */
-static void sinkhorn(float *s, uint32_t hc, uint32_t iters, float eps)
+/* Sinkhorn normalisation of an hc x hc matrix in place (MODEL.md §2.3 step 7), in double:
+ * row softmax + eps, a column step, then (iters - 1) x (row step, column step). */
+static void sinkhorn(double *s, uint32_t hc, uint32_t iters, double eps)
 {
     for (uint32_t i = 0; i < hc; i++) {
-        float *row = s + i * hc, mx = row[0], sum = 0.0f;
+        double *row = s + i * hc, mx = row[0], sum = 0.0;
         for (uint32_t j = 1; j < hc; j++)
             mx = row[j] > mx ? row[j] : mx;
         for (uint32_t j = 0; j < hc; j++) {
-            row[j] = expf(row[j] - mx);
+            row[j] = exp(row[j] - mx);
             sum += row[j];
         }
         for (uint32_t j = 0; j < hc; j++)
@@ -142,7 +142,7 @@ static void sinkhorn(float *s, uint32_t hc, uint32_t iters, float eps)
     for (uint32_t it = 0; it < iters; it++) {
         if (it > 0) {
             for (uint32_t i = 0; i < hc; i++) {
-                float sum = 0.0f;
+                double sum = 0.0;
                 for (uint32_t j = 0; j < hc; j++)
                     sum += s[i * hc + j];
                 for (uint32_t j = 0; j < hc; j++)
@@ -150,7 +150,7 @@ static void sinkhorn(float *s, uint32_t hc, uint32_t iters, float eps)
             }
         }
         for (uint32_t j = 0; j < hc; j++) {
-            float sum = 0.0f;
+            double sum = 0.0;
             for (uint32_t i = 0; i < hc; i++)
                 sum += s[i * hc + j];
             for (uint32_t i = 0; i < hc; i++)
@@ -172,17 +172,22 @@ static void mixes_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     float m[(2 + HC_MAX) * HC_MAX];
     for (uint32_t t = r0; t < r1; t++) {
         cpu_bf16_to_f32(p->h + (size_t)t * width, v, width);
-        float rs = 1.0f / sqrtf(cpu_sumsq(v, width) / (float)width + p->norm_eps);
+        float rs = cpu_rms_scale(cpu_sumsq(v, width), width, p->norm_eps);
         for (uint32_t i = 0; i < n_mix; i++)
-            m[i] = cpu_dot(p->fn + (size_t)i * width, v, width) * rs;
+            m[i] = (float)cpu_dot(p->fn + (size_t)i * width, v, width) * rs;
         for (uint32_t c = 0; c < hc; c++) {
-            p->pre[t * hc + c] = sigmoidf_(m[c] * p->scale[0] + p->base[c]) + p->eps;
-            p->post[t * hc + c] = 2.0f * sigmoidf_(m[hc + c] * p->scale[1] + p->base[hc + c]);
+            float zp = m[c] * p->scale[0] + p->base[c];
+            float zq = m[hc + c] * p->scale[1] + p->base[hc + c];
+            p->pre[t * hc + c] = (float)sigmoid_d(zp) + (float)p->eps;
+            p->post[t * hc + c] = (float)(2.0 * sigmoid_d(zq));
         }
+        double z[HC_MAX * HC_MAX];
+        for (uint32_t i = 0; i < hc * hc; i++)
+            z[i] = m[2 * hc + i] * p->scale[2] + p->base[2 * hc + i]; /* fp32, then exact */
+        sinkhorn(z, hc, p->sinkhorn_iters, p->eps);
         float *comb = p->comb + (size_t)t * hc * hc;
         for (uint32_t i = 0; i < hc * hc; i++)
-            comb[i] = m[2 * hc + i] * p->scale[2] + p->base[2 * hc + i];
-        sinkhorn(comb, hc, p->sinkhorn_iters, p->eps);
+            comb[i] = (float)z[i];
     }
     free(v);
 }
@@ -207,10 +212,10 @@ static void collapse_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
         const uint16_t *h = p->h + (size_t)t * p->n_copies * p->dim;
         uint16_t *o = p->out + (size_t)t * p->out_stride;
         for (uint32_t d = 0; d < p->dim; d++) {
-            float acc = pre[0] * bf(h[d]);
+            double acc = (double)pre[0] * bf(h[d]);
             for (uint32_t c = 1; c < p->n_copies; c++)
-                acc += pre[c] * bf(h[(size_t)c * p->dim + d]);
-            o[d] = to_bf(acc);
+                acc += (double)pre[c] * bf(h[(size_t)c * p->dim + d]);
+            o[d] = to_bf((float)acc);
         }
     }
 }
@@ -236,10 +241,10 @@ static void expand_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
         uint16_t *o = p->out + (size_t)t * hc * D;
         for (uint32_t j = 0; j < hc; j++) {
             for (uint32_t d = 0; d < D; d++) {
-                float s = comb[j] * bf(h[d]);
+                double s = (double)comb[j] * bf(h[d]);
                 for (uint32_t i = 1; i < hc; i++)
-                    s += comb[i * hc + j] * bf(h[(size_t)i * D + d]);
-                o[(size_t)j * D + d] = to_bf(post[j] * bf(y[d]) + s);
+                    s += (double)comb[i * hc + j] * bf(h[(size_t)i * D + d]);
+                o[(size_t)j * D + d] = to_bf((float)((double)post[j] * bf(y[d]) + s));
             }
         }
     }

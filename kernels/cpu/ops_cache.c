@@ -83,19 +83,20 @@ static void pool_emit(void *arg, uint32_t e0, uint32_t e1, uint32_t worker)
         for (uint32_t i = 0; i < p->ratio; i++)
             pool_token(p, q, start + i, &a[i], &g[i]);
         uint16_t *out = p->latent + (size_t)e * p->dim;
+        /* per channel: weights fp32(softmax over the group, in double), sum in double */
         for (uint32_t d = 0; d < p->dim; d++) {
-            float mx = g[0][d];
+            double mx = g[0][d];
             for (uint32_t i = 1; i < p->ratio; i++)
                 mx = g[i][d] > mx ? g[i][d] : mx;
-            float w[RMAX], sum = 0.0f;
+            double e[RMAX], sum = 0.0;
             for (uint32_t i = 0; i < p->ratio; i++) {
-                w[i] = expf(g[i][d] - mx);
-                sum += w[i];
+                e[i] = exp((double)g[i][d] - mx);
+                sum += e[i];
             }
-            float acc = 0.0f;
+            double acc = 0.0;
             for (uint32_t i = 0; i < p->ratio; i++)
-                acc += (w[i] / sum) * a[i][d];
-            out[d] = to_bf(acc);
+                acc += (double)(float)(e[i] / sum) * (double)a[i][d];
+            out[d] = to_bf((float)acc);
         }
     }
 }

@@ -118,16 +118,18 @@ static void gate_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
             uint16_t *h = p->h + ((size_t)t * hc + c) * D;
             cpu_bf16_to_f32(h, hf, D);
             cpu_bf16_to_f32(kv + (size_t)c * D, kf, D);
+            /* w = fp32(q * k) (exact); rstd per copy in double; dot = fp32(fp32(fp32(sum) *
+             * fp32(r_h * r_k)) / fp32(sqrt(D))); gate in double */
             for (uint32_t d = 0; d < D; d++)
                 hw[d] = hf[d] * (bf(p->q_weight[(size_t)c * D + d]) * bf(p->k_weight[(size_t)c * D + d]));
-            float rh = 1.0f / sqrtf(cpu_sumsq(hf, D) / (float)D + p->eps);
-            float rk = 1.0f / sqrtf(cpu_sumsq(kf, D) / (float)D + p->eps);
-            float dot = cpu_dot(hw, kf, D) * (rh * rk) / sqrtf((float)D);
-            float mag = fabsf(dot) > p->clamp ? fabsf(dot) : p->clamp;
-            float sgn = dot > 0.0f ? 1.0f : (dot < 0.0f ? -1.0f : 0.0f);
-            float gate = sigmoidf_(sgn * sqrtf(mag));
+            double rh = 1.0 / sqrt((double)(float)(cpu_sumsq(hf, D) / D) + p->eps);
+            double rk = 1.0 / sqrt((double)(float)(cpu_sumsq(kf, D) / D) + p->eps);
+            float dot = ((float)cpu_dot(hw, kf, D) * (float)(rh * rk)) / (float)sqrt((double)D);
+            double mag = fabs((double)dot) > p->clamp ? fabs((double)dot) : p->clamp;
+            double sgn = dot > 0.0f ? 1.0 : (dot < 0.0f ? -1.0 : 0.0);
+            double gate = (float)sigmoid_d(sgn * sqrt(mag));
             for (uint32_t d = 0; d < D; d++)
-                h[d] = to_bf(hf[d] + gate * bf(value[d]));
+                h[d] = to_bf((float)((double)hf[d] + gate * (double)bf(value[d])));
         }
     }
     free(hf);

@@ -115,6 +115,10 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
         int32_t nv = p->n_visible[t];
         float *out = p->scores + (size_t)t * p->stride;
         const uint16_t *w = p->w + (size_t)t * nh;
+        double hw[256];
+        assert(nh <= 256);
+        for (uint32_t h = 0; h < nh; h++) /* fp32(bf16 weight * the exact scale) */
+            hw[h] = (float)((double)bf(w[h]) * p->w_scale);
         cpu_bf16_to_f32(p->q + (size_t)t * nh * hd, qf, (size_t)nh * hd);
         for (int32_t e = 0; e < j->max_vis; e++) {
             if (e >= nv || (p->cand_mask &&
@@ -123,12 +127,12 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
                 continue;
             }
             const float *k = b->keys + (size_t)e * hd;
-            float acc = 0.0f;
+            double acc = 0.0;
             for (uint32_t h = 0; h < nh; h++) {
-                float d = cpu_dot(qf + (size_t)h * hd, k, hd);
-                acc += (bf(w[h]) * p->w_scale) * (d > 0.0f ? d : 0.0f);
+                float d = (float)cpu_dot(qf + (size_t)h * hd, k, hd);
+                acc += hw[h] * (double)(d > 0.0f ? d : 0.0f);
             }
-            out[e] = di_bf16_round(acc);
+            out[e] = di_bf16_round((float)acc);
         }
     }
     free(qf);

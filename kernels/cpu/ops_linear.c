@@ -2,7 +2,8 @@
  *
  * Each input row is dequantised once to fp32 (fake-quantised by procedure (A) for the FP8
  * and FP4 weights), each weight tile of 16 rows once per task to fp32; an output element is
- * then one fixed-order dot product (cpu_dot), whatever the number of rows in the call.
+ * then one dot product accumulated in double (cpu_dot) and rounded once to fp32 (then to bf16
+ * for bf16 outputs), whatever the number of rows in the call.
  */
 #include <stdlib.h>
 
@@ -33,8 +34,9 @@ static void lin_inputs(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     }
 }
 
-static void lin_store(const kern_linear *p, uint32_t m, size_t col, float v)
+static void lin_store(const kern_linear *p, uint32_t m, size_t col, double sum)
 {
+    float v = (float)sum;
     if (p->out_f32) {
         float *y = (float *)p->y + (size_t)m * p->y_stride + col;
         *y = p->accumulate ? *y + v : v;
@@ -56,7 +58,7 @@ static void lin_tile(void *arg, uint32_t task, uint32_t worker)
         size_t col = (size_t)g * p->n + n0;
         uint32_t i = 0;
         for (; i + 4 <= nt; i += 4) {
-            float r[4];
+            double r[4];
             cpu_dot4(x, w + (size_t)i * p->k, w + (size_t)(i + 1) * p->k,
                      w + (size_t)(i + 2) * p->k, w + (size_t)(i + 3) * p->k, p->k, r);
             for (int q = 0; q < 4; q++)

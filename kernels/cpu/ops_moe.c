@@ -5,9 +5,10 @@
 
 /* ---- router ---- */
 
-static float softplus(float z)
+/* log(1 + e^z) in double, stable for either sign (log-add-exp of 0 and z). */
+static double softplus_d(double z)
 {
-    return z > 20.0f ? z : log1pf(expf(z)); /* torch's threshold 20 */
+    return z > 0 ? z + log1p(exp(-z)) : log1p(exp(z));
 }
 
 static di_status cpu_moe_gate(void *ctx, const kern_moe_gate *p)
@@ -18,13 +19,15 @@ static di_status cpu_moe_gate(void *ctx, const kern_moe_gate *p)
     for (uint32_t t = 0; t < p->n_rows; t++) {
         const float *z = p->logits + (size_t)t * p->n_experts;
         for (uint32_t e = 0; e < p->n_experts; e++) {
-            s[e] = sqrtf(softplus(z[e] / p->temp));
+            float zt = z[e] / p->temp;
+            float sp = (float)softplus_d(zt);
+            s[e] = (float)sqrt((double)sp);
             sel[e] = s[e] + (p->bias ? p->bias[e] : 0.0f);
             used[e] = 0;
         }
         int32_t *ids = p->ids + (size_t)t * p->top_k;
         float *w = p->weights + (size_t)t * p->top_k;
-        float sum = 0.0f;
+        double sum = 0.0;
         for (uint32_t k = 0; k < p->top_k; k++) {
             int32_t best = -1;
             for (uint32_t e = 0; e < p->n_experts; e++)
@@ -34,8 +37,11 @@ static di_status cpu_moe_gate(void *ctx, const kern_moe_gate *p)
             ids[k] = best;
             sum += s[best];
         }
-        for (uint32_t k = 0; k < p->top_k; k++)
-            w[k] = s[ids[k]] / (sum + 1e-20f) * p->route_scale;
+        float norm = (float)(sum + 1e-20);
+        for (uint32_t k = 0; k < p->top_k; k++) {
+            float wk = (float)((double)s[ids[k]] / (double)norm);
+            w[k] = (float)((double)wk * (double)p->route_scale);
+        }
     }
     return DI_OK;
 }
@@ -54,9 +60,11 @@ static di_status cpu_swiglu(void *ctx, const kern_swiglu *p)
                 uv = uv < -p->limit ? -p->limit : (uv > p->limit ? p->limit : uv);
                 gv = gv > p->limit ? p->limit : gv;
             }
-            float act = gv * sigmoidf_(gv) * uv;
+            /* silu = fp32(g sigmoid(g)); h = bf16(fp32(fp32(silu * u) * w)) */
+            float silu = (float)((double)gv * sigmoid_d(gv));
+            float act = (float)((double)silu * (double)uv);
             if (p->w)
-                act = w * act;
+                act = (float)((double)act * (double)w);
             h[i] = to_bf(act);
         }
     }
@@ -103,7 +111,7 @@ static di_status cpu_moe_experts(void *ctx, const kern_moe_experts *p)
     uint32_t *count = calloc(p->n_experts + 1, sizeof(uint32_t));
     uint32_t *start = calloc(p->n_experts + 1, sizeof(uint32_t));
     int32_t *rows = malloc((size_t)(T ? T : 1) * p->top_k * sizeof(int32_t));
-    float *acc = cpu_xmalloc((size_t)(T ? T : 1) * D * sizeof(float));
+    double *acc = cpu_xmalloc((size_t)(T ? T : 1) * D * sizeof(double));
     expert_bufs b = {0};
     size_t nmax = T ? T : 1;
     b.x = cpu_xmalloc(nmax * D * 2);
@@ -115,7 +123,7 @@ static di_status cpu_moe_experts(void *ctx, const kern_moe_experts *p)
     di_status st = (count && start && rows && acc && b.x && b.g && b.u && b.h && b.o && b.w)
                        ? DI_OK : DI_ENOMEM;
     if (st == DI_OK) {
-        memset(acc, 0, (size_t)T * D * sizeof(float));
+        memset(acc, 0, (size_t)T * D * sizeof(double));
         /* bucket (row, slot) pairs by expert, rows ascending inside a bucket */
         for (size_t i = 0; i < (size_t)T * p->top_k; i++) {
             assert(p->ids[i] >= 0 && (uint32_t)p->ids[i] < p->n_experts);
@@ -140,7 +148,7 @@ static di_status cpu_moe_experts(void *ctx, const kern_moe_experts *p)
         }
         st = run_expert(c, p, &p->experts[e], KERN_W_FP4, n, p->inter, b.x, b.w, &b);
         for (uint32_t r = 0; st == DI_OK && r < n; r++) {
-            float *a = acc + (size_t)(rows[start[e] + r] / p->top_k) * D;
+            double *a = acc + (size_t)(rows[start[e] + r] / p->top_k) * D;
             const uint16_t *o = b.o + (size_t)r * D;
             for (uint32_t d = 0; d < D; d++)
                 a[d] += bf(o[d]);
@@ -152,7 +160,7 @@ static di_status cpu_moe_experts(void *ctx, const kern_moe_experts *p)
             acc[i] += bf(b.o[i]);
     }
     for (size_t i = 0; st == DI_OK && i < (size_t)T * D; i++)
-        p->y[i] = to_bf(acc[i]);
+        p->y[i] = to_bf((float)acc[i]);
     free(count);
     free(start);
     free(rows);

@@ -13,6 +13,8 @@
 #include <string.h>
 
 typedef float v16f __attribute__((vector_size(64)));
+typedef float v8f __attribute__((vector_size(32)));
+typedef double v8d __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef int32_t v16i __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
@@ -40,6 +42,31 @@ static inline __attribute__((always_inline)) v16f v16_zero(void)
 {
     v16f v = {0};
     return v;
+}
+
+static inline __attribute__((always_inline)) v8d v8d_zero(void)
+{
+    v8d v = {0};
+    return v;
+}
+
+/* The low and high 8 floats of 16 as doubles (exact). */
+static inline __attribute__((always_inline)) v8d v8d_lo(const float *p)
+{
+    v8f f;
+    memcpy(&f, p, sizeof(f));
+    return __builtin_convertvector(f, v8d);
+}
+
+/* Folds 8 double lanes in the fixed order v[j] += v[j + s], s = 4, 2, 1. */
+static inline __attribute__((always_inline)) double v8d_fold(v8d v)
+{
+    double a[8];
+    memcpy(a, &v, sizeof(a));
+    for (int s = 4; s >= 1; s /= 2)
+        for (int j = 0; j < s; j++)
+            a[j] += a[j + s];
+    return a[0];
 }
 
 /* Folds the lanes in the fixed order v[j] += v[j + s], s = 8, 4, 2, 1; returns lane 0. */
