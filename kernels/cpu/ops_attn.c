@@ -243,7 +243,7 @@ static di_status cpu_sparse_attn(void *ctx, const kern_sparse_attn *p)
     }
     j.max_ents = p->window + max_rows + (p->topk ? p->topk_n : 0);
     if (st == DI_OK) {
-        cpu_for(ctx, j.n_items, 64, decode_items, &j);
+        cpu_for(ctx, j.n_items, 256, decode_items, &j);
         cpu_for(ctx, p->n_rows, 1, attn_rows, &j);
     }
     for (uint32_t s = 0; j.bufs && s < p->n_seqs; s++) {

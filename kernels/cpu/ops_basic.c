@@ -45,7 +45,7 @@ static void rms_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
 static di_status cpu_rmsnorm(void *ctx, const kern_rmsnorm *p)
 {
     rms_job j = {ctx, p};
-    cpu_for(ctx, p->n_rows, 16, rms_rows, &j);
+    cpu_for(ctx, p->n_rows, 64, rms_rows, &j);
     return DI_OK;
 }
 
@@ -116,7 +116,7 @@ static di_status cpu_rope(void *ctx, const kern_rope *p)
     float f[256];
     rope_freqs(p, f);
     rope_job j = {p, f};
-    cpu_for(ctx, p->n_rows, 16, rope_rows, &j);
+    cpu_for(ctx, p->n_rows, 64, rope_rows, &j);
     return DI_OK;
 }
 
@@ -223,7 +223,7 @@ static void collapse_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
 static di_status cpu_hc_collapse(void *ctx, const kern_hc_collapse *p)
 {
     collapse_job j = {p};
-    cpu_for(ctx, p->n_rows, 16, collapse_rows, &j);
+    cpu_for(ctx, p->n_rows, 64, collapse_rows, &j);
     return DI_OK;
 }
 
@@ -254,7 +254,7 @@ static di_status cpu_hc_expand(void *ctx, const kern_hc_expand *p)
 {
     assert(p->out != p->h);
     expand_job j = {p};
-    cpu_for(ctx, p->n_rows, 16, expand_rows, &j);
+    cpu_for(ctx, p->n_rows, 32, expand_rows, &j);
     return DI_OK;
 }
 
@@ -292,7 +292,7 @@ static di_status cpu_fakequant(void *ctx, const kern_fakequant *p)
 {
     assert(p->n % (p->fmt == KERN_Q_FP4_B16 ? 16 : 32) == 0);
     fq_job j = {ctx, p};
-    cpu_for(ctx, p->n_rows, 16, fq_rows, &j);
+    cpu_for(ctx, p->n_rows, 64, fq_rows, &j);
     return DI_OK;
 }
 

@@ -29,7 +29,7 @@ static di_status cpu_ring_store(void *ctx, const kern_ring_store *p)
     assert(p->dim % 32 == 0 && p->ring_positions > 0);
     ring_job j = {p};
     if (p->kv)
-        cpu_for(ctx, p->n_rows, 8, ring_encode, &j);
+        cpu_for(ctx, p->n_rows, 64, ring_encode, &j);
     if (!p->commit)
         return DI_OK;
     size_t eb = (size_t)p->dim + p->dim / 32;
@@ -106,7 +106,7 @@ static di_status cpu_compress_pool(void *ctx, const kern_compress_pool *p)
     assert(p->ratio >= 2 && p->ratio <= 16 && p->state_tokens >= p->ratio - 1);
     pool_job j = {p};
     /* emit first: the state writes below may reuse slots that these groups read */
-    cpu_for(ctx, p->n_emit, 4, pool_emit, &j);
+    cpu_for(ctx, p->n_emit, 32, pool_emit, &j);
     size_t tok = (size_t)2 * p->dim;
     for (uint32_t s = 0; s < p->n_seqs; s++) {
         const kern_seq *q = &p->seqs[s];
@@ -151,7 +151,7 @@ static di_status cpu_compressed_store(void *ctx, const kern_compressed_store *p)
 {
     assert(p->dim % 32 == 0 && p->index_dim % 32 == 0);
     cstore_job j = {p};
-    cpu_for(ctx, p->n_entries, 8, cstore_entries, &j);
+    cpu_for(ctx, p->n_entries, 32, cstore_entries, &j);
     return DI_OK;
 }
 

@@ -93,7 +93,7 @@ static di_status cpu_engram_lookup(void *ctx, const kern_engram_lookup *p)
 {
     assert(p->head_dim % 32 == 0 && (p->table || p->row_fn));
     lookup_job j = {ctx, p};
-    cpu_for(ctx, p->n_rows, 8, lookup_rows, &j);
+    cpu_for(ctx, p->n_rows, 32, lookup_rows, &j);
     return DI_OK;
 }
 
@@ -140,7 +140,7 @@ static void gate_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
 static di_status cpu_engram_gate(void *ctx, const kern_engram_gate *p)
 {
     gate_job j = {p};
-    cpu_for(ctx, p->n_rows, 8, gate_rows, &j);
+    cpu_for(ctx, p->n_rows, 16, gate_rows, &j);
     return DI_OK;
 }
 

@@ -177,7 +177,7 @@ static di_status cpu_index_scores(void *ctx, const kern_index_scores *p)
                 j.item_seq[i] = s;
                 j.item_entry[i] = e;
             }
-        cpu_for(ctx, n_items, 64, iscore_decode, &j);
+        cpu_for(ctx, n_items, 512, iscore_decode, &j);
         cpu_for(ctx, p->n_rows, 1, iscore_rows, &j);
     }
     for (uint32_t s = 0; j.bufs && s < n_seqs; s++)

@@ -10,6 +10,9 @@
 #include "kernels/cpu/cpu_internal.h"
 
 #define LIN_TILE 16
+/* Below this many multiply-adds a call runs on the calling thread: waking the pool costs more
+ * than the work (decode steps are made of such calls). */
+#define LIN_PARALLEL_MACS ((uint64_t)1 << 20)
 
 typedef struct lin_job {
     const cpu_ctx *c;
@@ -87,8 +90,15 @@ di_status cpu_linear_run(const cpu_ctx *c, const kern_linear *p, kern_wfmt fmt)
         if (!(j.wbuf[i] = cpu_xmalloc((size_t)LIN_TILE * p->k * sizeof(float))))
             st = DI_ENOMEM;
     if (st == DI_OK) {
-        cpu_for(c, p->m, 8, lin_inputs, &j);
-        kpool_run(c->pool, groups * j.tiles, lin_tile, &j);
+        uint64_t macs = (uint64_t)p->m * p->n * p->k * groups;
+        if (macs < LIN_PARALLEL_MACS) {
+            lin_inputs(&j, 0, p->m, 0);
+            for (uint32_t t = 0; t < groups * j.tiles; t++)
+                lin_tile(&j, t, 0);
+        } else {
+            cpu_for(c, p->m, 8, lin_inputs, &j);
+            kpool_run(c->pool, groups * j.tiles, lin_tile, &j);
+        }
     }
     for (uint32_t i = 0; j.wbuf && i < workers; i++)
         free(j.wbuf[i]);
