@@ -109,6 +109,17 @@ typedef struct tok_step {
     bool add_prefix_space; /* BYTELEVEL: prepend ' ' to a piece not starting with one */
 } tok_step;
 
+/* A range of code points assigned after Unicode 14.0 (PCRE2 10.42's tables) and up to 16.0,
+ * with their general category: the regex translator adds them to \p{..} classes. */
+typedef struct tok_ucd_range {
+    uint32_t lo;  /* first code point */
+    uint32_t hi;  /* last code point */
+    char gc[3];   /* general category, two letters ("So") */
+} tok_ucd_range;
+
+extern const tok_ucd_range TOK_UCD_PATCH[]; /* tok_ucd_patch.c, generated */
+extern const size_t TOK_UCD_PATCH_N;
+
 /* Compiles a tokenizer.json pattern. is_regex false: a literal string. Returns DI_OK,
  * DI_EINVAL (PCRE2 rejected it: its message and offset), DI_EUNSUPPORTED (an Oniguruma
  * construct with no PCRE2 equivalent), DI_ENOMEM. */

@@ -1,17 +1,22 @@
 /* tok_regex.c: tokenizer.json patterns on PCRE2.
  *
- * HF tokenizers runs Split patterns with Oniguruma (Ruby syntax, UTF-8). PCRE2 with UTF and
- * UCP reads them the same way except for a few escapes, which are rewritten before compiling:
+ * HF tokenizers runs Split patterns with Oniguruma (Ruby syntax, UTF-8, Unicode 16.0 tables).
+ * PCRE2 with UTF and UCP reads them the same way except for a few escapes, which are rewritten
+ * before compiling:
  *
  *   escape  Oniguruma meaning              PCRE2 text written
  *   \s      White_Space: 9-13, 85, Z       [\t-\r\x{85}\p{Z}]  (PCRE2 adds U+180E)
  *   \w      letters, marks, Nd, Pc         [\p{L}\p{M}\p{Nd}\p{Pc}]
  *   \h      hexadecimal digit              [0-9A-Fa-f]         (PCRE2: horizontal space)
  *   \uHHHH  code point                     \x{HHHH}
+ *   \p{X}   general category X             [\p{X}...] plus the code points Unicode 15.0-16.0
+ *                                          gave category X (TOK_UCD_PATCH): PCRE2 10.42 has
+ *                                          Unicode 14.0 tables
  *
- * and their negations \S, \W, \H outside brackets. Inside a bracket the positive forms are
- * inlined; a negated one there, a nested bracket, `&&` and \Q...\E have no PCRE2 twin and are
- * refused. \b and \B keep PCRE2's word definition (letters, digits, underscore).
+ * and their negations \S, \W, \H, \P{X} outside brackets. Inside a bracket the positive forms
+ * are inlined; a negated one there (when it needs rewriting), a nested bracket, `&&` and
+ * \Q...\E have no PCRE2 twin and are refused. \b and \B keep PCRE2's word definition (letters,
+ * digits, underscore); \p{C} and \p{Cn} keep PCRE2's Unicode 14.0 view.
  */
 #include <stdio.h>
 #include <string.h>
@@ -19,18 +24,19 @@
 #include "common/tokenizer/tok_internal.h"
 
 typedef struct tok_escape_row {
-    char letter;         /* the escape letter after the backslash */
-    const char *inside;  /* text inside a bracket (positive forms only) */
-    bool negated;        /* the row is a complement (\S, \W, \H) */
+    char letter;           /* the escape letter after the backslash */
+    bool negated;          /* the row is a complement (\S, \W, \H) */
+    const char *literal;   /* bracket text besides the properties */
+    const char *props[4];  /* general categories it includes, NULL-terminated */
 } tok_escape_row;
 
 static const tok_escape_row ESCAPES[] = {
-    {'s', "\\t-\\r\\x{85}\\p{Z}", false},
-    {'S', "\\t-\\r\\x{85}\\p{Z}", true},
-    {'w', "\\p{L}\\p{M}\\p{Nd}\\p{Pc}", false},
-    {'W', "\\p{L}\\p{M}\\p{Nd}\\p{Pc}", true},
-    {'h', "0-9A-Fa-f", false},
-    {'H', "0-9A-Fa-f", true},
+    {'s', false, "\\t-\\r\\x{85}", {"Z", NULL}},
+    {'S', true, "\\t-\\r\\x{85}", {"Z", NULL}},
+    {'w', false, "", {"L", "M", "Nd", "Pc"}},
+    {'W', true, "", {"L", "M", "Nd", "Pc"}},
+    {'h', false, "0-9A-Fa-f", {NULL}},
+    {'H', true, "0-9A-Fa-f", {NULL}},
 };
 
 static const tok_escape_row *escape_row(char c)
@@ -46,6 +52,98 @@ static bool is_hex(char c)
     return (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f') || (c >= 'A' && c <= 'F');
 }
 
+/* True when the patch range's category belongs to the general category `name` ("L", "So"). */
+static bool gc_matches(const char *gc, const char *name, size_t n)
+{
+    return gc[0] == name[0] && (n == 1 || gc[1] == name[1]);
+}
+
+/* The number of patch ranges a property name takes in; 0 for names that are not patched
+ * (scripts, C and its subcategories, anything unknown). */
+static size_t patch_count(const char *name, size_t n)
+{
+    if (n < 1 || n > 2 || !strchr("LMNPSZ", name[0]) || (n == 2 && (name[1] < 'a' || name[1] > 'z')))
+        return 0;
+    size_t k = 0;
+    for (size_t i = 0; i < TOK_UCD_PATCH_N; i++)
+        k += gc_matches(TOK_UCD_PATCH[i].gc, name, n);
+    return k;
+}
+
+/* Bracket text for one general category: \p{X} and its patch ranges. */
+static di_status put_prop(tok_buf *out, const char *name, size_t n, di_error *err)
+{
+    char tmp[48];
+    snprintf(tmp, sizeof tmp, "\\p{%.*s}", (int)n, name);
+    di_status st = tok_buf_appends(out, tmp, err);
+    for (size_t i = 0; i < TOK_UCD_PATCH_N && !st; i++) {
+        const tok_ucd_range *r = &TOK_UCD_PATCH[i];
+        if (!gc_matches(r->gc, name, n))
+            continue;
+        if (r->lo == r->hi)
+            snprintf(tmp, sizeof tmp, "\\x{%X}", (unsigned)r->lo);
+        else
+            snprintf(tmp, sizeof tmp, "\\x{%X}-\\x{%X}", (unsigned)r->lo, (unsigned)r->hi);
+        st = tok_buf_appends(out, tmp, err);
+    }
+    return st;
+}
+
+/* Writes a row of ESCAPES: inlined in a bracket, or as a bracket of its own. */
+static di_status put_row(tok_buf *out, const tok_escape_row *row, bool in_class, size_t at,
+                         di_error *err)
+{
+    if (in_class && row->negated)
+        return di_fail(err, DI_EUNSUPPORTED, "unsupported regex: \\%c inside a bracket at offset %zu",
+                       row->letter, at);
+    di_status st = in_class ? DI_OK : tok_buf_appends(out, row->negated ? "[^" : "[", err);
+    if (!st)
+        st = tok_buf_appends(out, row->literal, err);
+    for (size_t k = 0; k < 4 && row->props[k] && !st; k++)
+        st = put_prop(out, row->props[k], strlen(row->props[k]), err);
+    if (!st && !in_class)
+        st = tok_buf_appends(out, "]", err);
+    return st;
+}
+
+/* \p{X}, \P{X}, \p{^X}, \pX at p[i]: patched when X is a general category with additions. */
+static di_status translate_prop(const char *p, size_t n, size_t i, bool in_class, tok_buf *out,
+                                size_t *adv, di_error *err)
+{
+    bool neg = p[i + 1] == 'P';
+    const char *name = p + i + 2;
+    size_t len = 1;
+    *adv = 3;
+    if (i + 2 < n && p[i + 2] == '{') {
+        const char *close = memchr(p + i + 3, '}', n - i - 3);
+        if (!close) { /* unterminated: PCRE2 will say so */
+            *adv = n - i;
+            return tok_buf_append(out, p + i, n - i, err);
+        }
+        name = p + i + 3;
+        len = (size_t)(close - name);
+        *adv = (size_t)(close - (p + i)) + 1;
+        if (len && name[0] == '^') {
+            neg = !neg;
+            name++;
+            len--;
+        }
+    } else if (i + 2 >= n) {
+        return di_fail(err, DI_EINVAL, "pattern ends inside \\%c", p[i + 1]);
+    }
+    if (patch_count(name, len) == 0)
+        return tok_buf_append(out, p + i, *adv, err);
+    if (in_class && neg)
+        return di_fail(err, DI_EUNSUPPORTED,
+                       "unsupported regex: negated property inside a bracket at offset %zu", i);
+    di_status st = in_class ? DI_OK : tok_buf_appends(out, neg ? "[^" : "[", err);
+    if (!st)
+        st = put_prop(out, name, len, err);
+    if (!st && !in_class)
+        st = tok_buf_appends(out, "]", err);
+    return st;
+}
+
 /* Writes the PCRE2 form of the escape at p[i] == '\\'; *adv receives the pattern bytes used. */
 static di_status translate_escape(const char *p, size_t n, size_t i, bool in_class,
                                   tok_buf *out, size_t *adv, di_error *err)
@@ -54,20 +152,14 @@ static di_status translate_escape(const char *p, size_t n, size_t i, bool in_cla
         return di_fail(err, DI_EINVAL, "pattern ends with a lone backslash");
     char c = p[i + 1];
     const tok_escape_row *row = escape_row(c);
-    char tmp[64];
     *adv = 2;
-    if (row && in_class) {
-        if (row->negated)
-            return di_fail(err, DI_EUNSUPPORTED,
-                           "unsupported regex: \\%c inside a bracket at offset %zu", c, i);
-        return tok_buf_appends(out, row->inside, err);
-    }
-    if (row) {
-        snprintf(tmp, sizeof tmp, "[%s%s]", row->negated ? "^" : "", row->inside);
-        return tok_buf_appends(out, tmp, err);
-    }
+    if (row)
+        return put_row(out, row, in_class, i, err);
+    if (c == 'p' || c == 'P')
+        return translate_prop(p, n, i, in_class, out, adv, err);
     if (c == 'u' && i + 5 < n && is_hex(p[i + 2]) && is_hex(p[i + 3]) && is_hex(p[i + 4]) &&
         is_hex(p[i + 5])) {
+        char tmp[16];
         snprintf(tmp, sizeof tmp, "\\x{%.4s}", p + i + 2);
         *adv = 6;
         return tok_buf_appends(out, tmp, err);
