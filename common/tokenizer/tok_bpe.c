@@ -171,32 +171,14 @@ static int32_t whole_word_id(const tok_tokenizer *t, const uint8_t *s, size_t n,
 #define CACHE_SLOTS 4096
 #define CACHE_BYTES (256 * 1024)
 
-di_status tok_cache_init(tok_tokenizer *t, di_error *err)
+void tok_cache_init(tok_tokenizer *t)
 {
+    /* shard memory comes with the first word stored in it */
     for (int k = 0; k < TOK_CACHE_SHARDS; k++) {
-        tok_cache_shard *c = &t->cache[k];
-        c->hash = calloc(CACHE_SLOTS, sizeof *c->hash);
-        c->off = calloc(CACHE_SLOTS, sizeof *c->off);
-        c->data = malloc(CACHE_BYTES);
-        if (!c->hash || !c->off || !c->data) {
-            free(c->hash);
-            free(c->off);
-            free(c->data);
-            for (int j = 0; j < k; j++) {
-                free(t->cache[j].hash);
-                free(t->cache[j].off);
-                free(t->cache[j].data);
-                pthread_mutex_destroy(&t->cache[j].lock);
-            }
-            memset(t->cache, 0, sizeof t->cache);
-            return di_fail(err, DI_ENOMEM, "out of memory for the word cache");
-        }
-        c->slots = CACHE_SLOTS;
-        c->data_cap = CACHE_BYTES;
-        pthread_mutex_init(&c->lock, NULL);
+        memset(&t->cache[k], 0, sizeof t->cache[k]);
+        pthread_mutex_init(&t->cache[k].lock, NULL);
     }
     t->cache_ready = true;
-    return DI_OK;
 }
 
 void tok_cache_free(tok_tokenizer *t)
@@ -210,6 +192,29 @@ void tok_cache_free(tok_tokenizer *t)
         pthread_mutex_destroy(&t->cache[k].lock);
     }
     t->cache_ready = false;
+}
+
+/* Gives an empty shard its memory (under its lock); false when there is none to be had: the
+ * word is then simply not cached. */
+static bool shard_alloc(tok_cache_shard *c)
+{
+    if (c->hash)
+        return true;
+    c->hash = calloc(CACHE_SLOTS, sizeof *c->hash);
+    c->off = calloc(CACHE_SLOTS, sizeof *c->off);
+    c->data = malloc(CACHE_BYTES);
+    if (!c->hash || !c->off || !c->data) {
+        free(c->hash);
+        free(c->off);
+        free(c->data);
+        c->hash = NULL;
+        c->off = NULL;
+        c->data = NULL;
+        return false;
+    }
+    c->slots = CACHE_SLOTS;
+    c->data_cap = CACHE_BYTES;
+    return true;
 }
 
 /* Entry layout in data: word length (1 byte), word, id count (1 byte), ids (int32 each). */
@@ -231,8 +236,8 @@ static bool cache_get(tok_tokenizer *tm, uint64_t h, const uint8_t *w, size_t n,
     tok_cache_shard *c = &tm->cache[h % TOK_CACHE_SHARDS];
     bool hit = false;
     pthread_mutex_lock(&c->lock);
-    size_t i = cache_probe(c, h, w, n);
-    if (c->hash[i]) {
+    size_t i = c->hash ? cache_probe(c, h, w, n) : 0;
+    if (c->hash && c->hash[i]) {
         const uint8_t *e = c->data + c->off[i] + 1 + n;
         size_t k = e[0];
         hit = true;
@@ -253,6 +258,10 @@ static void cache_put(tok_tokenizer *tm, uint64_t h, const uint8_t *w, size_t n,
     tok_cache_shard *c = &tm->cache[h % TOK_CACHE_SHARDS];
     size_t need = 2 + n + 4 * k;
     pthread_mutex_lock(&c->lock);
+    if (!shard_alloc(c)) {
+        pthread_mutex_unlock(&c->lock);
+        return;
+    }
     if (c->used * 2 >= c->slots || c->data_n + need > c->data_cap) {
         memset(c->hash, 0, c->slots * sizeof *c->hash); /* full: start over */
         c->used = 0;

@@ -227,7 +227,7 @@ di_status tok_bpe_word(const tok_tokenizer *t, const uint8_t *w, size_t n, tok_i
 /* Looks a merge up: rank or -1, and the merged id in *merged. */
 int32_t tok_merge_find(const tok_tokenizer *t, int32_t left, int32_t right, int32_t *merged);
 
-di_status tok_cache_init(tok_tokenizer *t, di_error *err);
+void tok_cache_init(tok_tokenizer *t);
 void tok_cache_free(tok_tokenizer *t);
 
 /* One Unicode normalisation form of s (valid UTF-8, may hold NUL) through utf8proc: a

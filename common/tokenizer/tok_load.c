@@ -588,7 +588,7 @@ static di_status build(tok_tokenizer *t, const json_t *root, di_error *err)
     if (!st)
         mark_special(t, added);
     if (!st)
-        st = tok_cache_init(t, err);
+        tok_cache_init(t);
     return st;
 }
 
