@@ -3,7 +3,8 @@
  * Files: tok_load.c (tokenizer.json -> tok_tokenizer), tok_regex.c (Oniguruma -> PCRE2 pattern
  * rewriting, splitting), tok_bpe.c (merges and the word cache), tok_encode.c (the encode
  * pipeline), tok_decode.c (decode and streams), tok_utf8.c (validation, lossy repair),
- * tok_smap.c (string -> id hash map), tok_chat.c, tok_engram.c.
+ * tok_smap.c (string -> id hash map, added-token trie), tok_chat.c, tok_engram.c, and the
+ * generated tok_ucd_patch.c (Unicode 15.0-16.0 categories for the regex translator).
  */
 #ifndef DI_TOKENIZER_TOK_INTERNAL_H
 #define DI_TOKENIZER_TOK_INTERNAL_H

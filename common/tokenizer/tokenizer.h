@@ -4,21 +4,22 @@
  * What a tokenizer.json may declare (anything else is refused at load with a message naming
  * it, e.g. "unsupported pre_tokenizer type 'Metaspace'"):
  *   model          BPE with a vocab and merges ("a b" strings or ["a", "b"] pairs), optional
- *                  ignore_merges; no dropout, byte_fallback, fuse_unk, continuing_subword_prefix
- *                  or end_of_word_suffix.
+ *                  ignore_merges and unk_token (stands for a byte with no token); no dropout,
+ *                  byte_fallback, fuse_unk, continuing_subword_prefix or end_of_word_suffix.
  *   normalizer     null, or a Sequence of NFC / NFD / NFKC / NFKD (utf8proc).
- *   pre_tokenizer  null, Split, ByteLevel, or a Sequence of them. Split takes a Regex or a
- *                  String pattern with behavior Isolated or Removed and any invert; ByteLevel
- *                  takes add_prefix_space and use_regex (the GPT-2 pattern) and must come last.
- *                  Regexes follow Oniguruma's meaning (what HF tokenizers runs): \s, \S, \w, \W,
- *                  \h, \H and \uHHHH are rewritten for PCRE2 before compiling with UTF, UCP and
- *                  JIT (see tok_regex.c).
+ *   pre_tokenizer  Split and ByteLevel steps, alone or in a Sequence, ending with exactly one
+ *                  ByteLevel (the bytes of each piece are what BPE merges). Split takes a
+ *                  Regex or a String pattern with behavior Isolated or Removed and any invert;
+ *                  ByteLevel takes add_prefix_space and use_regex (the GPT-2 pattern).
+ *                  Regexes follow Oniguruma's meaning, as HF tokenizers runs them: \s, \S, \w,
+ *                  \W, \h, \H, \uHHHH and \p{..} general categories are rewritten for PCRE2
+ *                  (UTF, UCP, JIT) before compiling; see tok_regex.c.
  *   added_tokens   matched before splitting, leftmost-longest, first those with
  *                  normalized=false on the raw text, then those with normalized=true on the
  *                  normalized text (as HF does); special marks them for TOK_DECODE_SKIP_SPECIAL.
  *                  lstrip, rstrip and single_word must be false.
  *   post_processor null or ByteLevel (no template: no token is ever added by encode).
- *   decoder        null or ByteLevel.
+ *   decoder        ByteLevel (required).
  *
  * Encoding never adds BOS: tok_bos_id() gives the id to prepend where the caller wants one.
  * A tokenizer is immutable once loaded except for its word cache, which has its own locks:
@@ -58,8 +59,9 @@ di_status tok_ids_push(tok_ids *ids, int32_t id, di_error *err);
  * bos_token, eos_token and pad_token (strings or {"content": ...} objects) name the ids that
  * tok_bos_id() and friends return; without it those are -1.
  * Returns DI_OK (*out owns a tokenizer, free with tok_free), DI_ENOENT (no such file),
- * DI_EINVAL (malformed JSON, a missing or mistyped field, an unknown token in a merge),
- * DI_EUNSUPPORTED (a type or option named in the message is not supported), DI_ENOMEM.
+ * DI_EIO (unreadable), DI_ERANGE (larger than 1 GiB), DI_EINVAL (malformed JSON, a missing
+ * or mistyped field, an unknown token in a merge, a bad tokenizer_config.json), DI_EUNSUPPORTED
+ * (a type or option named in the message is not supported), DI_ENOMEM.
  * On failure *out is untouched and nothing is leaked. */
 di_status tok_load_file(const char *path, tok_tokenizer **out, di_error *err);
 
