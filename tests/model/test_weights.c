@@ -282,7 +282,8 @@ static void rewrite_shard(const char *out, const char *tensor, tensor_edit edit,
         }
         n++;
     }
-    memcpy(w + n, extra, n_extra * sizeof *extra);
+    if (n_extra)
+        memcpy(w + n, extra, n_extra * sizeof *extra);
     n += n_extra;
     char tmp[1100];
     snprintf(tmp, sizeof tmp, "%s.new", path);
