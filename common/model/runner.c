@@ -76,11 +76,9 @@ di_status runner_model_load(const char *dir, const model_load_options *opt, runn
     di_status st = model_weights_load(dir, opt, &m.w, err);
     if (st != DI_OK)
         return st;
+    m.has_tokenizer = file_exists(dir, "tokenizer.json");
     if (m.w->config.n_engram_layers && file_exists(dir, "engram_token_map.json"))
         st = load_token_map(dir, &m.w->config, &m.token_map, &m.token_map_pad, err);
-    else if (m.w->config.n_engram_layers && file_exists(dir, "tokenizer.json"))
-        st = di_fail(err, DI_EUNSUPPORTED, "%s has tokenizer.json but no engram_token_map.json: "
-                     "building the Engram map from the tokenizer is not supported yet", dir);
     if (st != DI_OK) {
         runner_model_free(&m);
         return st;
@@ -133,6 +131,42 @@ di_status runner_model_random(const char *config, uint64_t seed, const char *tmp
         st = runner_model_load(dir, &lo, out, err);
     remove_dir(dir);
     return st;
+}
+
+di_status runner_model_set_token_map(runner_model *m, const int32_t *map, uint32_t vocab_size,
+                                     int32_t pad_token, di_error *err)
+{
+    const model_config *c = &m->w->config;
+    if (vocab_size != c->vocab_size)
+        return di_fail(err, DI_EINVAL, "token map of %u ids, the model's vocabulary has %u",
+                       vocab_size, c->vocab_size);
+    if (pad_token < 0 || (uint32_t)pad_token >= vocab_size)
+        return di_fail(err, DI_EINVAL, "token map pad token %d outside the vocabulary",
+                       pad_token);
+    for (uint32_t i = 0; i < vocab_size; i++)
+        if (map[i] < 0 || (uint32_t)map[i] >= c->engram_compressed_vocab_size)
+            return di_fail(err, DI_EINVAL, "token map: token %u maps to %d, outside [0, %u) "
+                           "(engram_compressed_vocab_size)", i, map[i],
+                           c->engram_compressed_vocab_size);
+    int32_t *copy = malloc((size_t)vocab_size * sizeof(int32_t));
+    if (!copy)
+        return di_fail(err, DI_ENOMEM, "token map");
+    memcpy(copy, map, (size_t)vocab_size * sizeof(int32_t));
+    free(m->token_map);
+    m->token_map = copy;
+    m->token_map_pad = pad_token;
+    m->has_tokenizer = false; /* satisfied */
+    return DI_OK;
+}
+
+di_status runner_model_check_token_map(const runner_model *m, const char *dir, di_error *err)
+{
+    if (m->w->config.n_engram_layers && m->has_tokenizer && !m->token_map)
+        return di_fail(err, DI_EUNSUPPORTED, "%s has tokenizer.json and no "
+                       "engram_token_map.json: the Engram token map must be built from the "
+                       "tokenizer, which needs a build with the tokenizer module",
+                       dir ? dir : "the model directory");
+    return DI_OK;
 }
 
 void runner_model_free(runner_model *m)

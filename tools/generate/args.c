@@ -70,6 +70,29 @@ static di_status o_ids(gen_args *a, const char *v, di_error *err)
     return add_prompt(a, &ids, err);
 }
 
+static di_status o_prompt(gen_args *a, const char *v, di_error *err)
+{
+#ifdef DI_HAVE_TOKENIZER
+    gen_ids p = {.text = v};
+    return add_prompt(a, &p, err);
+#else
+    return di_fail(err, DI_EUNSUPPORTED, "--prompt needs a build with the tokenizer module "
+                   "(PCRE2, utf8proc): give token ids with --ids");
+#endif
+}
+
+static di_status o_tokenizer(gen_args *a, const char *v, di_error *err)
+{
+    a->tokenizer = v;
+    return DI_OK;
+}
+
+static di_status o_no_bos(gen_args *a, const char *v, di_error *err)
+{
+    a->no_bos = true;
+    return DI_OK;
+}
+
 static di_status o_ids_file(gen_args *a, const char *v, di_error *err)
 {
     return gen_read_prompts(v, a, err);
@@ -178,6 +201,10 @@ static const gen_opt options[] = {
     {"--weights-seed", "N", o_wseed, "seed of the random weights (default 0, as di-mkmodel)"},
     {"--ids", "LIST", o_ids, "a prompt as token ids, e.g. 3,17,42 (repeat for more prompts)"},
     {"--ids-file", "FILE", o_ids_file, "one prompt of token ids per line; - reads stdin"},
+    {"--prompt", "TEXT", o_prompt, "a prompt as text (needs a tokenizer; repeat for more)"},
+    {"--tokenizer", "FILE", o_tokenizer,
+     "tokenizer.json for text prompts and output (default: the model directory's)"},
+    {"--no-bos", NULL, o_no_bos, "do not prepend the BOS token to text prompts"},
     {"--teacher-force", "LIST", o_teacher,
      "feed these ids as the continuation instead of sampling (default --max-tokens: count + 1)"},
     {"--dump-logits", "FILE", o_dump,

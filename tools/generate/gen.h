@@ -10,10 +10,11 @@
 #include "common/sampling/sampler.h"
 #include "common/util/status.h"
 
-/* A list of token ids. */
+/* A prompt: token ids, or text to encode once the tokenizer is loaded (ids NULL). */
 typedef struct gen_ids {
     int32_t *ids;
     uint32_t n;
+    const char *text;            /* --prompt TEXT (borrowed from argv), or NULL */
 } gen_ids;
 
 /* Everything the command line sets (defaults in gen_args_default). */
@@ -38,6 +39,8 @@ typedef struct gen_args {
     uint32_t keep_tokens;        /* --keep-tokens */
     bool json;                   /* --json */
     bool quiet;                  /* --quiet */
+    const char *tokenizer;       /* --tokenizer FILE; default: the model directory's */
+    bool no_bos;                 /* --no-bos: do not prepend BOS to text prompts */
 } gen_args;
 
 void gen_args_default(gen_args *a);
@@ -53,7 +56,8 @@ di_status gen_parse_ids(const char *text, gen_ids *out, di_error *err);
 /* One prompt per non-empty line of a file ("-" = stdin). */
 di_status gen_read_prompts(const char *path, gen_args *a, di_error *err);
 
-/* Runs the engine over every prompt and prints the outputs. */
-di_status gen_run(const gen_args *a, di_error *err);
+/* Runs the engine over every prompt and prints the outputs (text prompts are encoded into
+ * their ids here, so a is written). */
+di_status gen_run(gen_args *a, di_error *err);
 
 #endif

@@ -12,6 +12,9 @@
 #include "common/util/clock.h"
 #include "kernels/cpu/backend.h"
 #include "tools/generate/gen.h"
+#ifdef DI_HAVE_TOKENIZER
+#include "common/tokenizer/tokenizer.h"
+#endif
 
 /* ---- prompts ---- */
 
@@ -106,6 +109,7 @@ typedef struct gen_out {
 
 typedef struct gen_ctx {
     const gen_args *a;
+    void *tok;                   /* tok_tokenizer when loaded, else NULL */
     FILE *dump;
     uint32_t vocab;
     gen_out *outs;               /* [n_prompts] */
@@ -161,6 +165,21 @@ static di_status out_append(gen_out *o, int32_t tok, const sampler_result *res,
     return DI_OK;
 }
 
+/* The output tokens as text ("" without a tokenizer); malloc'd. */
+static char *output_text(const gen_ctx *g, const gen_out *o)
+{
+#ifdef DI_HAVE_TOKENIZER
+    if (g->tok) {
+        char *text = NULL;
+        size_t len;
+        if (tok_decode(g->tok, o->tokens, o->n, TOK_DECODE_SKIP_SPECIAL, &text, &len, NULL) ==
+            DI_OK)
+            return text;
+    }
+#endif
+    return NULL;
+}
+
 static void print_plain(const gen_ctx *g, FILE *f)
 {
     for (uint32_t i = 0; i < g->a->n_prompts; i++) {
@@ -171,6 +190,10 @@ static void print_plain(const gen_ctx *g, FILE *f)
         if (o->error[0])
             fprintf(f, " [error: %s]", o->error);
         fputc('\n', f);
+        char *text = output_text(g, o);
+        if (text)
+            fprintf(f, "text %u: %s\n", i + 1, text);
+        free(text);
     }
 }
 
@@ -192,6 +215,10 @@ static void print_json(const gen_ctx *g, const json_t *stats, FILE *f)
         if (o->tops)
             json_object_set(r, "top_logprobs", o->tops);
         json_object_set_new(r, "finish", json_string(sched_finish_name(o->finish)));
+        char *text = output_text(g, o);
+        if (text)
+            json_object_set_new(r, "text", json_string(text));
+        free(text);
         if (o->error[0])
             json_object_set_new(r, "error", json_string(o->error));
         json_array_append_new(reqs, r);
@@ -229,6 +256,76 @@ static di_status load_model(const gen_args *a, runner_model *rm, di_error *err)
         fprintf(stderr, "di-generate: building random weights for config %s (seed %llu)\n", cfg,
                 (unsigned long long)a->weights_seed);
     return runner_model_random(cfg, a->weights_seed, NULL, &lo, rm, err);
+}
+
+/* ---- tokenizer ---- */
+
+/* Loads the tokenizer (explicit or the model directory's), builds the Engram map from it when
+ * the model directory has one (MODEL.md: it takes precedence over engram_token_map.json), and
+ * encodes the text prompts. Without a tokenizer, text prompts are refused. */
+static di_status use_tokenizer(gen_args *a, runner_model *rm, gen_ctx *g, di_error *err)
+{
+    char path[4096];
+    const char *file = a->tokenizer;
+    if (!file && a->model_dir && rm->has_tokenizer) {
+        snprintf(path, sizeof path, "%s/tokenizer.json", a->model_dir);
+        file = path;
+    }
+    bool texts = false;
+    for (uint32_t i = 0; i < a->n_prompts; i++)
+        texts |= a->prompts[i].text != NULL;
+#ifdef DI_HAVE_TOKENIZER
+    di_status st;
+    if (file) {
+        tok_tokenizer *t;
+        if ((st = tok_load_file(file, &t, err)) != DI_OK) {
+            di_error_prefix(err, "tokenizer %s: ", file);
+            return st;
+        }
+        g->tok = t;
+        const model_config *c = &rm->w->config;
+        if (rm->has_tokenizer && c->n_engram_layers) {
+            tok_engram_map *map;
+            if ((st = tok_engram_map_build(t, (int32_t)c->vocab_size, (int32_t)c->engram_pad_id,
+                                           &map, err)) != DI_OK ||
+                (st = runner_model_set_token_map(rm, map->map, (uint32_t)map->vocab_size,
+                                                 map->pad_token_id, err)) != DI_OK) {
+                tok_engram_map_free(map);
+                di_error_prefix(err, "Engram token map from %s: ", file);
+                return st;
+            }
+            tok_engram_map_free(map);
+        }
+    }
+    for (uint32_t i = 0; i < a->n_prompts; i++) {
+        gen_ids *p = &a->prompts[i];
+        if (!p->text)
+            continue;
+        if (!g->tok)
+            return di_fail(err, DI_EINVAL, "prompt %u is text but there is no tokenizer: give "
+                           "--tokenizer FILE or a --model directory with tokenizer.json", i + 1);
+        tok_ids ids = {0};
+        int32_t bos = tok_bos_id(g->tok);
+        if (!a->no_bos && bos >= 0 && (st = tok_ids_push(&ids, bos, err)) != DI_OK)
+            return st;
+        if ((st = tok_encode(g->tok, p->text, strlen(p->text), &ids, err)) != DI_OK) {
+            tok_ids_free(&ids);
+            di_error_prefix(err, "prompt %u: ", i + 1);
+            return st;
+        }
+        p->ids = ids.v; /* owned by the prompt list now */
+        p->n = (uint32_t)ids.n;
+        if (p->n == 0)
+            return di_fail(err, DI_EINVAL, "prompt %u: empty prompt (no tokens)", i + 1);
+    }
+    return DI_OK;
+#else
+    (void)g;
+    (void)file;
+    if (texts)
+        return di_fail(err, DI_EUNSUPPORTED, "text prompts need the tokenizer module");
+    return DI_OK;
+#endif
 }
 
 /* ---- the run ---- */
@@ -386,7 +483,7 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
     return DI_OK;
 }
 
-di_status gen_run(const gen_args *a, di_error *err)
+di_status gen_run(gen_args *a, di_error *err)
 {
     sampling_params check = a->params;
     di_status st = sampling_params_validate(&check, UINT32_MAX, err);
@@ -404,6 +501,9 @@ di_status gen_run(const gen_args *a, di_error *err)
         goto done;
     double load_s = (double)(di_mono_ns() - t0) / 1e9;
     g.vocab = rm.w->config.vocab_size;
+    if ((st = use_tokenizer(a, &rm, &g, err)) != DI_OK ||
+        (st = runner_model_check_token_map(&rm, a->model_dir, err)) != DI_OK)
+        goto done;
     g.outs = calloc(a->n_prompts ? a->n_prompts : 1, sizeof(gen_out));
     if (!g.outs) {
         st = di_fail(err, DI_ENOMEM, "outputs");
@@ -448,6 +548,9 @@ done:
     runner_exec_free(rs.ex);
     sched_destroy(rs.s);
     runner_model_free(&rm);
+#ifdef DI_HAVE_TOKENIZER
+    tok_free(g.tok);
+#endif
     kern_cpu_destroy(&be);
     return st;
 }
