@@ -5,6 +5,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "common/engine/scheduler.h"
 #include "common/model/runner.h"
@@ -237,7 +238,10 @@ static void load_progress(void *ud, const model_load_progress *p)
     const gen_args *a = ud;
     if (a->quiet)
         return;
-    if (p->tensors_done % 64 == 0 || p->tensors_done == p->tensors_total)
+    bool last = p->tensors_done == p->tensors_total;
+    if (!isatty(STDERR_FILENO) && !last)
+        return; /* a log file gets the final line only */
+    if (p->tensors_done % 64 == 0 || last)
         fprintf(stderr, "\rdi-generate: loading: %llu/%llu tensors, %.1f/%.1f MB",
                 (unsigned long long)p->tensors_done, (unsigned long long)p->tensors_total,
                 p->bytes_done / 1e6, p->bytes_total / 1e6);
