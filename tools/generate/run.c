@@ -280,6 +280,8 @@ static di_status use_tokenizer(gen_args *a, runner_model *rm, gen_ctx *g, di_err
         texts |= a->prompts[i].text != NULL;
 #ifdef DI_HAVE_TOKENIZER
     di_status st;
+    if (!file && texts)
+        file = tok_default_path(); /* $DI_TOKENIZER, else the one install-deps.sh fetched */
     if (file) {
         tok_tokenizer *t;
         if ((st = tok_load_file(file, &t, err)) != DI_OK) {
@@ -288,6 +290,11 @@ static di_status use_tokenizer(gen_args *a, runner_model *rm, gen_ctx *g, di_err
         }
         g->tok = t;
         const model_config *c = &rm->w->config;
+        if ((uint32_t)tok_vocab_size(t) > c->vocab_size && texts)
+            return di_fail(err, DI_EINVAL,
+                           "tokenizer %s has %d ids but the model's vocabulary is %u: use a model "
+                           "made for this tokenizer (for random weights, --config demo)",
+                           file, tok_vocab_size(t), c->vocab_size);
         if (rm->has_tokenizer && c->n_engram_layers) {
             tok_engram_map *map;
             if ((st = tok_engram_map_build(t, (int32_t)c->vocab_size, (int32_t)c->engram_pad_id,
@@ -307,7 +314,8 @@ static di_status use_tokenizer(gen_args *a, runner_model *rm, gen_ctx *g, di_err
             continue;
         if (!g->tok)
             return di_fail(err, DI_EINVAL, "prompt %u is text but there is no tokenizer: give "
-                           "--tokenizer FILE or a --model directory with tokenizer.json", i + 1);
+                           "--tokenizer FILE, a --model directory with tokenizer.json, set "
+                           "DI_TOKENIZER, or run deploy/local/install-deps.sh", i + 1);
         tok_ids ids = {0};
         int32_t bos = tok_bos_id(g->tok);
         if (!a->no_bos && bos >= 0 && (st = tok_ids_push(&ids, bos, err)) != DI_OK)
