@@ -179,6 +179,21 @@ class ModelCase(unittest.TestCase):
         write_json(path, index)
         self.assert_refused(d, "lacks tensor layers.5.attn.indexer.wk")
 
+    def test_seeded_engram_table_is_refused(self):
+        d = self.copy_model(self.plain, "seeded")
+        path = os.path.join(d, "model.safetensors.index.json")
+        with open(path) as f:
+            index = json.load(f)
+        del index["weight_map"]["layers.1.engram.embed.weight"]
+        del index["weight_map"]["layers.1.engram.embed.scale"]
+        write_json(path, index)
+        self.assert_refused(d, "lacks tensor layers.1.engram.embed.weight")
+        with open(os.path.join(d, "config.json")) as f:
+            cfg = json.load(f)
+        cfg["text_config"]["engram_table_seed"] = 7
+        write_json(os.path.join(d, "config.json"), cfg)
+        self.assert_refused(d, "seeded Engram tables")
+
     # --- command line ----------------------------------------------------------------------
 
     def run_cli(self, *args):

@@ -34,7 +34,8 @@ Choices where MODEL.md leaves room (each is listed in tests/reference/README.md)
   * Attention probabilities stay fp32 before the product with V; the head output is rounded
     to bf16 once.
   * Indexer scores are computed in fp32 (q.k dots, ReLU, weighted head sum) and rounded to
-    bf16 once before top-k.
+    bf16 once before top-k; the head weights are the bf16 weights_proj output times
+    index_head_dim^-0.5 * index_n_heads^-0.5 in fp32.
   * Top-k and candidate-block ties go to the lower index; MoE routing ties to the lower
     expert id. A top-k pick whose score is -inf is published as -1.
   * The mHC mixes GEMM (fn @ v) is fp32 (not TF32).
@@ -771,6 +772,7 @@ class Model:
         except (OSError, ValueError) as e:
             raise RefError(f"{path}: unreadable ({e})") from None
         self.cfg = cfg = Config(raw)
+        self.raw_text = raw.get("text_config", raw)
         self.ck = Checkpoint(model_dir)
         D, V = cfg.hidden_size, cfg.vocab_size
         self.embed = self.ck.plain("embed.weight", [V, D])
@@ -859,6 +861,9 @@ class Model:
                            f"to {rows}")
         lookups = (cfg.engram_max_ngram_size - 1) * cfg.engram_n_heads
         e = p + "engram."
+        if not ck.has(e + "embed.weight") and "engram_table_seed" in self.raw_text:
+            raise RefError(f"checkpoint has no {e}embed.weight (config.json asks for seeded "
+                           f"Engram tables, engram_table_seed); write the table tensors")
         return {
             "e_table": bf16(ck.fp8_rows(e + "embed.weight", [rows, cfg.engram_head_dim])),
             "e_wkv": ck.fp8(e + "wkv.weight", [(hc + 1) * D, lookups * cfg.engram_head_dim]),
