@@ -35,7 +35,7 @@ import make_ref_model  # noqa: E402
 import v41_ref as ref  # noqa: E402
 
 # The tools' command lines, one row per use (edit here if a flag changes).
-MKMODEL_CMD = ["{mkmodel}", "--config", "{config}", "--out", "{out}", "--seed", "{seed}"]
+MKMODEL_CMD = ["{mkmodel}", "--quiet", "--seed", "{seed}", "{config}", "{out}"]
 GENERATE_CMD = ["{generate}", "--model", "{model}", "--ids", "{ids}", "--teacher-force",
                 "{teacher}", "--dump-logits", "{dump}"]
 # binary name -> (path under the build root, ninja target)
