@@ -21,6 +21,9 @@
  *       for each outs[i]: stream outs[i].tokens; outs[i].finish != NONE ends the request
  *   }
  *   sched_destroy(s);
+ * With the default vote intervals a NORMAL engine looks at waiting prompts only every 70
+ * decode steps (the explainer's behaviour, and what a group of ranks needs); a single offline
+ * rank that wants prompts started at once sets prefill_attempt_interval = 1.
  *
  * ---- Several ranks ----
  * Give each rank's scheduler a `vote` (vote.h) of the same group and drive every rank in
@@ -244,6 +247,9 @@ typedef struct sched_plan {
     uint32_t n_copies;          /* fork copies to do before this step's forward */
     const sched_copy *copies;   /* [n_copies] */
 } sched_plan;
+/* Before a plan's forward the runner does, in this order: the copies (list order), then each
+ * entry's loads (n_load blocks, load_window). A slot or block a copy writes may belong to a
+ * new owner in the same plan; that owner's loads and rows come after and overwrite it. */
 
 /* ---- Step results (the runner's output, process_outputs' input), one per plan entry ---- */
 
@@ -337,7 +343,8 @@ di_status sched_schedule(sched *s, sched_plan **out, di_error *err);
  * DI_OK with outs/n_outs set to this step's outputs (plus the preemption outputs of the
  * schedules since the last call), valid until the next sched_ call; DI_ESTATE (not the oldest
  * unprocessed plan); DI_EINVAL (n_results != n_seqs, a result's counts or tokens out of
- * range, naming the entry). Nothing changes on failure. */
+ * range, naming the entry). Nothing changes on failure. A processed plan stays readable
+ * until the next sched_schedule (for sched_plan_fixup). */
 di_status sched_process_outputs(sched *s, const sched_plan *plan,
                                 const sched_seq_result *results, size_t n_results,
                                 const sched_output **outs, size_t *n_outs, di_error *err);

@@ -2,10 +2,11 @@
 
 #include <assert.h>
 
+#include "common/model/kv_layout.h"
+
 uint32_t slots_ring_positions(uint32_t window, uint32_t nextn, uint32_t backtracking)
 {
-    uint32_t spare = nextn + 1 > backtracking ? nextn + 1 : backtracking;
-    return window + spare;
+    return kv_ring_positions_for(window, nextn, backtracking);
 }
 
 di_status slots_create(uint32_t n, const di_alloc *a, slots **out, di_error *err)

@@ -34,9 +34,8 @@ typedef struct slots {
     const di_alloc *alloc; /* allocator (NULL = libc) */
 } slots;
 
-/* Ring positions for a window: window + max(backtracking, nextn + 1). The same rule as
- * kv_ring_positions_for in common/model/kv_layout.h (tests/engine/test_slots.c checks that
- * they agree), restated because the engine builds before the model library. */
+/* Ring positions for a window: window + max(backtracking, nextn + 1), the KV layout's rule
+ * (kv_ring_positions_for in common/model/kv_layout.h). */
 uint32_t slots_ring_positions(uint32_t window, uint32_t nextn, uint32_t backtracking);
 /* Ring entry of position p. ring > 0. */
 static inline uint32_t slots_ring_index(uint64_t position, uint32_t ring)

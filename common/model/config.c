@@ -167,7 +167,7 @@ static const cfg_row k_rows[] = {
      MODEL_MAX_NGRAM, NULL, F_ID},
     {"engram_n_heads", NULL, CFG_U32, OFF(engram_n_heads), 0, 0, NEED_ENGRAM, 0, 1,
      MODEL_MAX_ENGRAM_HEADS, NULL, F_ID},
-    {"engram_head_dim", NULL, CFG_U32, OFF(engram_head_dim), 0, 0, NEED_ENGRAM, 0, 1, 1 << 16,
+    {"engram_head_dim", NULL, CFG_U32, OFF(engram_head_dim), 0, 0, NEED_ENGRAM, 0, 1, 4096,
      NULL, F_ID},
     {"engram_vocab_size", NULL, CFG_U64, OFF(engram_vocab_size), 0, 0, NEED_ENGRAM, 0, 2,
      1099511627776.0 /* 2^40 */, NULL, F_ID},

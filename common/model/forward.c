@@ -530,6 +530,9 @@ static di_status check_seq(const fwd_model *m, const fwd_kv *kv, const fwd_seq *
                 return di_fail(err, DI_EINVAL, "sequence %u: history token %d outside the "
                                "vocabulary", i, s->history[h]);
     }
+    if (s->window_start < 0 || s->window_start > s->pos0 + s->n_rows)
+        return di_fail(err, DI_EINVAL, "sequence %u: window start %lld outside [0, %lld]", i,
+                       (long long)s->window_start, (long long)s->pos0 + s->n_rows);
     if (s->prompt_len < 0 || (s->prompt_len > 0 && s->pos0 + s->n_rows > s->prompt_len))
         return di_fail(err, DI_EINVAL, "sequence %u: prompt rows up to position %lld beyond "
                        "the prompt length %lld", i, (long long)s->pos0 + s->n_rows - 1,
@@ -609,7 +612,7 @@ static void build_rows(fwd_run *r, fwd_kv *kv, const fwd_step *st)
         k->slot = fwd_kv_slot(kv, s->slot);
         k->blocks = s->blocks;
         k->n_blocks = s->n_blocks;
-        k->window_lo = 0;
+        k->window_lo = s->window_start;
         k->ring_hi = -1;
         k->history = s->history;
         k->n_history = s->n_history;
@@ -630,7 +633,8 @@ static void build_rows(fwd_run *r, fwd_kv *kv, const fwd_step *st)
 static void clip_windows(fwd_run *r)
 {
     for (uint32_t i = 0; i < r->rows.n_seqs; i++)
-        r->rows.seqs[i].window_lo = r->rows.keep[i];
+        if (r->rows.keep[i] > r->rows.seqs[i].window_lo)
+            r->rows.seqs[i].window_lo = r->rows.keep[i];
 }
 
 static di_status gather(fwd_run *r, void *buf, size_t row_bytes, const int32_t *keep, uint32_t n,

@@ -113,6 +113,9 @@ typedef struct fwd_seq {
     uint32_t slot;           /* state slot id */
     int64_t prompt_len;      /* prompt rows: the whole prompt's length (YOCO keep window);
                                 0 for decode rows */
+    int64_t window_start;    /* rows at or after this position read no window key below it in
+                                any layer (bounded replay after a prefix hit whose window state
+                                is missing); 0 = no clip */
 } fwd_seq;
 
 typedef struct fwd_step {

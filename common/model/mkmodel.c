@@ -98,13 +98,16 @@ static void store_row(const gen_tensor *g, const float *v, uint8_t *out)
             memcpy(out + 2 * c, &h, 2);
         }
         break;
-    case MODEL_WFMT_FP4_1X32: {
-        uint8_t packed[8192], scales[512];
-        assert(cols <= 16384);
-        di_quant_fp4_b32(v, cols, packed, scales);
-        memcpy(out, g->scale_part ? scales : packed, g->scale_part ? cols / 32 : cols / 2);
+    case MODEL_WFMT_FP4_1X32: /* block by block: any width */
+        for (uint64_t b = 0; b < cols / 32; b++) {
+            uint8_t packed[16], scale;
+            di_quant_fp4_b32(v + 32 * b, 32, packed, &scale);
+            if (g->scale_part)
+                out[b] = scale;
+            else
+                memcpy(out + 16 * b, packed, 16);
+        }
         break;
-    }
     default: assert(0);
     }
 }

@@ -13,7 +13,8 @@
  * norm gains 1; attn_sink 0; router bias 0 (or N(0, s^2)); hc_fn N(0, 1e-8), hc_base 0,
  * hc_scale 1; Engram q/k weights 1; Engram tables from model_engram_seeded_row(). Every
  * element is a pure function of (seed, tensor name, element index), so the bytes do not
- * depend on sharding or order, and the same seed writes the same bytes.
+ * depend on sharding or order, and the same seed writes the same bytes (on one C library: the
+ * normals go through log, sin and cos).
  *
  * Engram tables: written when they take at most engram_auto_limit bytes (MKMODEL_ENGRAM_AUTO),
  * else replaced by the config extension key engram_table_seed (the 189 GiB of the full model).

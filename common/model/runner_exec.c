@@ -267,7 +267,8 @@ static di_status build_step(runner_exec *ex, const sched_plan *plan, fwd_step *s
                        .history = r->toks + p->first_position - h, .n_history = h,
                        .blocks = p->block_table, .n_blocks = p->n_blocks,
                        .slot = (uint32_t)p->state_slot,
-                       .prompt_len = plan->prompt_run ? r->prompt_len + r->n_out : 0};
+                       .prompt_len = plan->prompt_run ? r->prompt_len + r->n_out : 0,
+                       .window_start = p->window_start};
         if (p->sample) {
             ex->lbase[i] = (int32_t)nl;
             uint32_t first = plan->prompt_run ? p->seqlen_q - 1 : 0;

@@ -254,10 +254,14 @@ static di_status map_file(st_file *f, di_error *err)
     if (fd < 0)
         return di_fail(err, errno == ENOENT ? DI_ENOENT : DI_EIO, "%s", strerror(errno));
     struct stat sb;
-    if (fstat(fd, &sb) != 0 || !S_ISREG(sb.st_mode)) {
+    if (fstat(fd, &sb) != 0) {
         int e = errno;
         close(fd);
-        return di_fail(err, DI_EIO, "%s", S_ISREG(sb.st_mode) ? strerror(e) : "not a file");
+        return di_fail(err, DI_EIO, "%s", strerror(e));
+    }
+    if (!S_ISREG(sb.st_mode)) {
+        close(fd);
+        return di_fail(err, DI_EIO, "not a regular file");
     }
     f->file_bytes = (uint64_t)sb.st_size;
     if (f->file_bytes < 8) {

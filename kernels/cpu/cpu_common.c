@@ -60,6 +60,80 @@ CPU_SIMD void cpu_dot4(const float *a, const float *b0, const float *b1, const f
     out[3] = fold_tail_d(c3, a, b3, n8, n);
 }
 
+#if defined(__GNUC__) && !defined(__clang__)
+#define CONTRACT __attribute__((optimize("fp-contract=fast")))
+#else
+#define CONTRACT
+#endif
+
+static inline __attribute__((always_inline)) v8d ld8(const double *p)
+{
+    v8d v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+CPU_SIMD void cpu_widen(const float *x, double *out, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        out[i] = x[i];
+}
+
+/* The double-operand kernels: operands are widened floats, so every product is exact and a
+ * fused multiply-add (CONTRACT) sums exactly what a multiply then an add would. */
+CPU_SIMD CONTRACT double cpu_dotd(const double *a, const double *b, size_t n)
+{
+    v8d acc = v8d_zero();
+    size_t n8 = n & ~(size_t)7;
+    for (size_t i = 0; i < n8; i += 8)
+        acc += ld8(a + i) * ld8(b + i);
+    double l[8];
+    memcpy(l, &acc, sizeof(l));
+    for (size_t i = n8; i < n; i++)
+        l[i % 8] += a[i] * b[i];
+    memcpy(&acc, l, sizeof(acc));
+    return v8d_fold(acc);
+}
+
+CPU_SIMD CONTRACT void cpu_dotd_2x4(const double *x0, const double *x1, const double *w,
+                                    size_t k, double out[2][4])
+{
+    assert(k % 8 == 0);
+    v8d a0 = v8d_zero(), a1 = v8d_zero(), a2 = v8d_zero(), a3 = v8d_zero();
+    v8d b0 = v8d_zero(), b1 = v8d_zero(), b2 = v8d_zero(), b3 = v8d_zero();
+    const double *w0 = w, *w1 = w + k, *w2 = w + 2 * k, *w3 = w + 3 * k;
+    if (x1) {
+        for (size_t i = 0; i < k; i += 8) {
+            v8d u = ld8(x0 + i), v = ld8(x1 + i);
+            v8d c0 = ld8(w0 + i), c1 = ld8(w1 + i), c2 = ld8(w2 + i), c3 = ld8(w3 + i);
+            a0 += u * c0, a1 += u * c1, a2 += u * c2, a3 += u * c3;
+            b0 += v * c0, b1 += v * c1, b2 += v * c2, b3 += v * c3;
+        }
+    } else {
+        for (size_t i = 0; i < k; i += 8) {
+            v8d u = ld8(x0 + i);
+            a0 += u * ld8(w0 + i), a1 += u * ld8(w1 + i);
+            a2 += u * ld8(w2 + i), a3 += u * ld8(w3 + i);
+        }
+    }
+    out[0][0] = v8d_fold(a0), out[0][1] = v8d_fold(a1);
+    out[0][2] = v8d_fold(a2), out[0][3] = v8d_fold(a3);
+    out[1][0] = v8d_fold(b0), out[1][1] = v8d_fold(b1);
+    out[1][2] = v8d_fold(b2), out[1][3] = v8d_fold(b3);
+}
+
+CPU_SIMD CONTRACT void cpu_axpyd(double *o, const double *x, double a, size_t n)
+{
+    size_t i = 0;
+    v8d av = v8d_zero() + a;
+    for (; i + 8 <= n; i += 8) {
+        v8d acc = ld8(o + i) + av * ld8(x + i);
+        memcpy(o + i, &acc, sizeof(acc));
+    }
+    for (; i < n; i++)
+        o[i] += a * x[i];
+}
+
 double cpu_sumsq(const float *a, size_t n)
 {
     return cpu_dot(a, a, n);

@@ -39,6 +39,16 @@ double cpu_dot(const float *a, const float *b, size_t n);
 /* Four dot products of a with b0..b3 (each the same as cpu_dot). */
 void cpu_dot4(const float *a, const float *b0, const float *b1, const float *b2, const float *b3,
               size_t n, double out[4]);
+/* x widened to double (exact). */
+void cpu_widen(const float *x, double *out, size_t n);
+/* The same sums on operands already widened (floats stored as doubles): cpu_dotd(a, b, n)
+ * equals cpu_dot of the original floats. cpu_dotd_2x4: rows x0 and x1 (x1 may be NULL) against
+ * 4 consecutive weight rows of length k (k % 8 == 0, rows k apart). */
+double cpu_dotd(const double *a, const double *b, size_t n);
+void cpu_dotd_2x4(const double *x0, const double *x1, const double *w, size_t k,
+                  double out[2][4]);
+/* o[i] += a * x[i] in double (x widened floats, a any double). */
+void cpu_axpyd(double *o, const double *x, double a, size_t n);
 /* Sum of squares, as cpu_dot(a, a, n). */
 double cpu_sumsq(const float *a, size_t n);
 /* RMS scale 1/sqrt(mean + eps): mean rounded to fp32, + eps in fp32, rsqrt in double, rounded

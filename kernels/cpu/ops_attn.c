@@ -10,19 +10,19 @@
 #include "kernels/cpu/simd.h"
 
 typedef struct seq_buf {
-    float *win;                 /* [n_win, hd] window entries */
+    double *win;                /* [n_win, hd] window entries (widened) */
     int64_t wlo;                /* normal rows: position of win[0] */
     uint32_t n_win;
     uint32_t n_ring;            /* draft block: ring entries before the local rows */
     int64_t ring_lo;            /* draft block: position of win[0] */
     int32_t *cmap;              /* [cmap_n] compressed id -> row of comp, -1 unused */
     uint32_t cmap_n;
-    float *comp;                /* [n_comp, hd] */
+    double *comp;               /* [n_comp, hd] */
 } seq_buf;
 
 typedef struct dec_item {
     const uint8_t *src;
-    float *dst;
+    double *dst;
     int main_fmt;               /* 1: compressed FP4 entry, 0: FP8 ring entry */
 } dec_item;
 
@@ -40,12 +40,17 @@ typedef struct attn_job {
 static void decode_items(void *arg, uint32_t i0, uint32_t i1, uint32_t worker)
 {
     attn_job *j = arg;
+    uint32_t hd = j->p->head_dim;
+    float *f = cpu_xmalloc(hd * sizeof(float));
+    assert(f);
     for (uint32_t i = i0; i < i1; i++) {
         if (j->items[i].main_fmt)
-            cpu_decode_main_entry(j->c, j->items[i].src, j->p->head_dim, j->items[i].dst);
+            cpu_decode_main_entry(j->c, j->items[i].src, hd, f);
         else
-            cpu_decode_ring_entry(j->c, j->items[i].src, j->p->head_dim, j->items[i].dst);
+            cpu_decode_ring_entry(j->c, j->items[i].src, hd, f);
+        cpu_widen(f, j->items[i].dst, hd);
     }
+    free(f);
 }
 
 /* Source bytes of window position q of sequence s: this step's local entry or the ring. */
@@ -107,8 +112,8 @@ static di_status plan_seq(attn_job *j, uint32_t s, dec_item **items, uint32_t *n
                 }
         }
     }
-    b->win = cpu_xmalloc((size_t)need_win * hd * sizeof(float));
-    b->comp = cpu_xmalloc((size_t)(need_comp ? need_comp : 1) * hd * sizeof(float));
+    b->win = cpu_xmalloc((size_t)need_win * hd * sizeof(double));
+    b->comp = cpu_xmalloc((size_t)(need_comp ? need_comp : 1) * hd * sizeof(double));
     if (!b->win || !b->comp)
         return DI_ENOMEM;
     if (*n_items + need_win + need_comp > *cap) {
@@ -140,25 +145,11 @@ static di_status plan_seq(attn_job *j, uint32_t s, dec_item **items, uint32_t *n
     return DI_OK;
 }
 
-/* o[d] += pe * kv[d] over d in double (each o[d] sums its entries in entry order). */
-CPU_SIMD static void axpy_d(double *o, const float *kv, double pe, uint32_t n)
-{
-    uint32_t i = 0;
-    v8d pv = v8d_zero() + pe;
-    for (; i + 8 <= n; i += 8) {
-        v8d acc;
-        memcpy(&acc, o + i, sizeof(acc));
-        acc += pv * v8d_lo(kv + i);
-        memcpy(o + i, &acc, sizeof(acc));
-    }
-    for (; i < n; i++)
-        o[i] += pe * (double)kv[i];
-}
-
 typedef struct row_scratch {
-    const float **ents;
+    const double **ents;
     float *s;
     float *qf;
+    double *qd;
     double *o;
 } row_scratch;
 
@@ -186,10 +177,11 @@ static void attn_row(attn_job *j, uint32_t t, row_scratch *sc)
     for (uint32_t h = 0; h < p->n_heads; h++) {
         const uint16_t *qh = p->q + ((size_t)t * p->n_heads + h) * hd;
         cpu_bf16_to_f32(qh, sc->qf, hd);
+        cpu_widen(sc->qf, sc->qd, hd);
         /* s_e = fp32(fp32(q . kv_e) * scale); softmax with the sink in double */
         float mx = -1e30f;
         for (uint32_t e = 0; e < n; e++) {
-            sc->s[e] = (float)cpu_dot(sc->qf, sc->ents[e], hd) * p->scale;
+            sc->s[e] = (float)cpu_dotd(sc->qd, sc->ents[e], hd) * p->scale;
             if (sc->s[e] > mx)
                 mx = sc->s[e];
         }
@@ -198,7 +190,7 @@ static void attn_row(attn_job *j, uint32_t t, row_scratch *sc)
         for (uint32_t e = 0; e < n; e++) {
             double pe = exp((double)sc->s[e] - (double)mx);
             sum += pe;
-            axpy_d(sc->o, sc->ents[e], pe, hd);
+            cpu_axpyd(sc->o, sc->ents[e], pe, hd);
         }
         double denom = sum + exp((double)p->sink[h] - (double)mx);
         uint16_t *out = p->out + ((size_t)t * p->n_heads + h) * hd;
@@ -212,16 +204,18 @@ static void attn_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     attn_job *j = arg;
     uint32_t hd = j->p->head_dim;
     row_scratch sc;
-    sc.ents = malloc((size_t)j->max_ents * sizeof(float *));
+    sc.ents = malloc((size_t)j->max_ents * sizeof(double *));
+    sc.qd = cpu_xmalloc((size_t)hd * sizeof(double));
     sc.s = malloc((size_t)j->max_ents * sizeof(float));
     sc.qf = cpu_xmalloc((size_t)hd * sizeof(float));
     sc.o = cpu_xmalloc((size_t)hd * sizeof(double));
-    assert(sc.ents && sc.s && sc.qf && sc.o);
+    assert(sc.ents && sc.s && sc.qf && sc.qd && sc.o);
     for (uint32_t t = r0; t < r1; t++)
         attn_row(j, t, &sc);
     free(sc.ents);
     free(sc.s);
     free(sc.qf);
+    free(sc.qd);
     free(sc.o);
 }
 

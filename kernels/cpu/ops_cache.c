@@ -49,19 +49,22 @@ static di_status cpu_ring_store(void *ctx, const kern_ring_store *p)
 
 /* ---- compressor pooling (ratio > 1) ---- */
 
-/* a and g of a token at position pos: from this step's rows or from the pending state. */
-static void pool_token(const kern_compress_pool *p, const kern_seq *q, int64_t pos,
-                       const float **a, const float **g)
+/* a and g of a token at position pos: from this step's rows, or copied out of the pending
+ * state (its bytes follow the rings in the slot and need not be 4-byte aligned). */
+static void pool_token(const kern_compress_pool *p, const kern_seq *q, int64_t pos, float *a_buf,
+                       float *g_buf, const float **a, const float **g)
 {
     if (pos >= q->pos0) {
         size_t row = q->row0 + (size_t)(pos - q->pos0);
         *a = p->a + row * p->dim;
         *g = p->g + row * p->dim;
     } else {
-        const float *st = (const float *)(q->slot + p->state_offset) +
-                          (size_t)((uint64_t)pos % p->state_tokens) * 2 * p->dim;
-        *a = st;
-        *g = st + p->dim;
+        const uint8_t *st = q->slot + p->state_offset +
+                            (size_t)((uint64_t)pos % p->state_tokens) * 2 * p->dim * sizeof(float);
+        memcpy(a_buf, st, p->dim * sizeof(float));
+        memcpy(g_buf, st + p->dim * sizeof(float), p->dim * sizeof(float));
+        *a = a_buf;
+        *g = g_buf;
     }
 }
 
@@ -74,6 +77,8 @@ static void pool_emit(void *arg, uint32_t e0, uint32_t e1, uint32_t worker)
     const kern_compress_pool *p = ((pool_job *)arg)->p;
     enum { RMAX = 16 };
     const float *a[RMAX], *g[RMAX];
+    float *buf = cpu_xmalloc((size_t)2 * RMAX * p->dim * sizeof(float));
+    assert(buf);
     for (uint32_t e = e0; e < e1; e++) {
         int32_t row = p->emit_row[e];
         const kern_seq *q = &p->seqs[p->row_seq[row]];
@@ -81,7 +86,8 @@ static void pool_emit(void *arg, uint32_t e0, uint32_t e1, uint32_t worker)
         assert((pos + 1) % p->ratio == 0);
         int64_t start = pos + 1 - p->ratio;
         for (uint32_t i = 0; i < p->ratio; i++)
-            pool_token(p, q, start + i, &a[i], &g[i]);
+            pool_token(p, q, start + i, buf + (size_t)2 * i * p->dim,
+                       buf + (size_t)(2 * i + 1) * p->dim, &a[i], &g[i]);
         uint16_t *out = p->latent + (size_t)e * p->dim;
         /* per channel: weights fp32(softmax over the group, in double), sum in double */
         for (uint32_t d = 0; d < p->dim; d++) {
@@ -99,6 +105,7 @@ static void pool_emit(void *arg, uint32_t e0, uint32_t e1, uint32_t worker)
             out[d] = to_bf((float)acc);
         }
     }
+    free(buf);
 }
 
 static di_status cpu_compress_pool(void *ctx, const kern_compress_pool *p)
@@ -113,9 +120,10 @@ static di_status cpu_compress_pool(void *ctx, const kern_compress_pool *p)
         uint32_t first = q->n_rows > p->state_tokens ? q->n_rows - p->state_tokens : 0;
         for (uint32_t i = first; i < q->n_rows; i++) {
             uint64_t pos = (uint64_t)(q->pos0 + i);
-            float *dst = (float *)(q->slot + p->state_offset) + (pos % p->state_tokens) * tok;
+            uint8_t *dst = q->slot + p->state_offset + (pos % p->state_tokens) * tok * sizeof(float);
             memcpy(dst, p->a + (size_t)(q->row0 + i) * p->dim, p->dim * sizeof(float));
-            memcpy(dst + p->dim, p->g + (size_t)(q->row0 + i) * p->dim, p->dim * sizeof(float));
+            memcpy(dst + p->dim * sizeof(float), p->g + (size_t)(q->row0 + i) * p->dim,
+                   p->dim * sizeof(float));
         }
     }
     return DI_OK;

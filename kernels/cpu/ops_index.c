@@ -78,7 +78,7 @@ static void select_best(const float *score, uint32_t n, uint32_t k, uint8_t *kee
 /* ---- scores ---- */
 
 typedef struct iseq_buf {
-    float *keys;                /* [n, head_dim] dequantised index keys */
+    double *keys;               /* [n, head_dim] dequantised index keys, widened */
     uint32_t n;
 } iseq_buf;
 
@@ -96,10 +96,12 @@ static void iscore_decode(void *arg, uint32_t i0, uint32_t i1, uint32_t worker)
 {
     iscore_job *j = arg;
     const kern_index_scores *p = j->p;
+    float f[1024];
+    assert(p->head_dim <= 1024);
     for (uint32_t i = i0; i < i1; i++) {
         uint32_t s = j->item_seq[i], e = j->item_entry[i];
-        cpu_decode_index_entry(j->c, cpu_entry_addr(&p->pool, &p->seqs[s], e, 1), p->head_dim,
-                               j->bufs[s].keys + (size_t)e * p->head_dim);
+        cpu_decode_index_entry(j->c, cpu_entry_addr(&p->pool, &p->seqs[s], e, 1), p->head_dim, f);
+        cpu_widen(f, j->bufs[s].keys + (size_t)e * p->head_dim, p->head_dim);
     }
 }
 
@@ -109,7 +111,8 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     const kern_index_scores *p = j->p;
     uint32_t hd = p->head_dim, nh = p->n_heads;
     float *qf = cpu_xmalloc((size_t)nh * hd * sizeof(float));
-    assert(qf);
+    double *qd = cpu_xmalloc((size_t)nh * hd * sizeof(double));
+    assert(qf && qd);
     for (uint32_t t = r0; t < r1; t++) {
         const iseq_buf *b = &j->bufs[p->row_seq[t]];
         int32_t nv = p->n_visible[t];
@@ -120,22 +123,24 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
         for (uint32_t h = 0; h < nh; h++) /* fp32(bf16 weight * the exact scale) */
             hw[h] = (float)((double)bf(w[h]) * p->w_scale);
         cpu_bf16_to_f32(p->q + (size_t)t * nh * hd, qf, (size_t)nh * hd);
+        cpu_widen(qf, qd, (size_t)nh * hd);
         for (int32_t e = 0; e < j->max_vis; e++) {
             if (e >= nv || (p->cand_mask &&
                             !p->cand_mask[(size_t)t * p->cand_stride + (uint32_t)e / p->cand_block])) {
                 out[e] = -INFINITY;
                 continue;
             }
-            const float *k = b->keys + (size_t)e * hd;
+            const double *k = b->keys + (size_t)e * hd;
             double acc = 0.0;
             for (uint32_t h = 0; h < nh; h++) {
-                float d = (float)cpu_dot(qf + (size_t)h * hd, k, hd);
+                float d = (float)cpu_dotd(qd + (size_t)h * hd, k, hd);
                 acc += hw[h] * (double)(d > 0.0f ? d : 0.0f);
             }
             out[e] = di_bf16_round((float)acc);
         }
     }
     free(qf);
+    free(qd);
 }
 
 static di_status cpu_index_scores(void *ctx, const kern_index_scores *p)
@@ -160,7 +165,8 @@ static di_status cpu_index_scores(void *ctx, const kern_index_scores *p)
     }
     for (uint32_t s = 0; st == DI_OK && s < n_seqs; s++) {
         n_items += j.bufs[s].n;
-        j.bufs[s].keys = cpu_xmalloc((size_t)(j.bufs[s].n ? j.bufs[s].n : 1) * p->head_dim * sizeof(float));
+        j.bufs[s].keys = cpu_xmalloc((size_t)(j.bufs[s].n ? j.bufs[s].n : 1) * p->head_dim *
+                                     sizeof(double));
         if (!j.bufs[s].keys)
             st = DI_ENOMEM;
     }

@@ -10,6 +10,7 @@
 #include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 
 #include "common/engine/prefix.h"
 #include "common/engine/scheduler.h"
@@ -400,11 +401,16 @@ static void rcases(uint32_t ranks)
         {SCHED_PROMPT, SCHED_PREEMPT_STOP},
         {SCHED_COMPLETION, SCHED_PREEMPT_STOP},
     };
-    for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++)
-        for (int async = 0; async <= 1; async++) {
-            rcase c = {kinds[k].type, async != 0, kinds[k].mode, ranks, 1 + k * 2 + async};
-            rcase_run(&c);
-        }
+    /* DI_SOAK_SEEDS=n runs n seeds per case (a longer soak); the suite runs one */
+    const char *env = getenv("DI_SOAK_SEEDS");
+    uint64_t seeds = env ? strtoull(env, NULL, 10) : 1;
+    for (uint64_t seed = 0; seed < (seeds ? seeds : 1); seed++)
+        for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++)
+            for (int async = 0; async <= 1; async++) {
+                rcase c = {kinds[k].type, async != 0, kinds[k].mode, ranks,
+                           1 + k * 2 + (uint64_t)async + 100 * seed};
+                rcase_run(&c);
+            }
 }
 
 Test(sched_random, one_rank, .timeout = 120)

@@ -3,7 +3,7 @@
 #include "common/engine/slots.h"
 #include "common/model/kv_layout.h"
 
-/* The engine restates the ring rule; it must agree with the KV layout's. */
+/* The slot pool's ring size is the KV layout's (the state slot bytes depend on it). */
 Test(slots, ring_rule_agrees_with_kv_layout)
 {
     for (uint32_t window = 1; window <= 256; window += 17)

@@ -72,13 +72,22 @@ Test(generate, greedy_tokens_agree_across_spec_decode_and_in_memory_weights)
     char args[1024], *a, *b, *c;
     snprintf(args, sizeof args, "--model %s --ids 3,17,42,99,100 --ids 5,6,7 --max-tokens 24 "
              "--temperature 0 --nextn 0", g_model);
-    cr_assert_eq(gen(args, &a, NULL), 0);
+    {
+        int rc_ = gen(args, &a, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     snprintf(args, sizeof args, "--model %s --ids 3,17,42,99,100 --ids 5,6,7 --max-tokens 24 "
              "--temperature 0 --nextn 5", g_model);
-    cr_assert_eq(gen(args, &b, NULL), 0);
+    {
+        int rc_ = gen(args, &b, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     snprintf(args, sizeof args, "--config tiny --weights-seed 1 --ids 3,17,42,99,100 --ids 5,6,7 "
              "--max-tokens 24 --temperature 0 --nextn 3");
-    cr_assert_eq(gen(args, &c, NULL), 0);
+    {
+        int rc_ = gen(args, &c, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     cr_assert(strstr(a, "request 1 (length):") && strstr(a, "request 2 (length):"), "%s", a);
     cr_assert_str_eq(a, b);
     cr_assert_str_eq(a, c);
@@ -92,14 +101,23 @@ Test(generate, sampled_tokens_depend_on_the_seed_only)
     char args[1024], *a, *b, *c;
     snprintf(args, sizeof args, "--model %s --ids 9,8,7 --max-tokens 20 --seed 5 --top-p 0.9",
              g_model);
-    cr_assert_eq(gen(args, &a, NULL), 0);
+    {
+        int rc_ = gen(args, &a, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     /* the same request in a batch with another one gives the same tokens */
     snprintf(args, sizeof args, "--model %s --ids 1,2,3,4 --ids 9,8,7 --max-tokens 20 --seed 5 "
              "--top-p 0.9", g_model);
-    cr_assert_eq(gen(args, &b, NULL), 0);
+    {
+        int rc_ = gen(args, &b, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     snprintf(args, sizeof args, "--model %s --ids 9,8,7 --max-tokens 20 --seed 6 --top-p 0.9",
              g_model);
-    cr_assert_eq(gen(args, &c, NULL), 0);
+    {
+        int rc_ = gen(args, &c, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     const char *tail = strchr(a, ':');
     cr_assert(strstr(b, tail) != NULL, "batched:\n%s\nalone:\n%s", b, a);
     cr_assert_str_neq(a, c);
@@ -116,7 +134,10 @@ Test(generate, dump_logits_equal_the_forward_prefill)
     static const int32_t ids[] = {3, 17, 42, 99, 100, 7, 8, 9, 4000, 12};
     snprintf(args, sizeof args, "--model %s --ids 3,17,42,99,100 --teacher-force 7,8,9,4000,12 "
              "--dump-logits %s/d.jsonl --json", g_model, g_dir);
-    cr_assert_eq(gen(args, &out, NULL), 0);
+    {
+        int rc_ = gen(args, &out, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     json_error_t je;
     json_t *doc = json_loads(out, 0, &je);
     cr_assert(doc, "%s", je.text);
@@ -233,19 +254,28 @@ Test(generate, broken_checkpoints_fail_with_a_clear_error)
              "&& truncate -s $(( $(stat -c %%s $f) - 1000 )) $f", g_model, g_dir, g_dir);
     cr_assert_eq(system(cmd), 0);
     snprintf(args, sizeof args, "--model %s/trunc --ids 3", g_dir);
-    cr_assert_neq(gen(args, NULL, &err), 0);
+    {
+        int rc_ = gen(args, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
     cr_assert(strstr(err, "truncated") != NULL, "%s", err);
     free(err);
     /* a config that does not match the tensors */
     edited_copy("mism", "hidden_size", json_integer(256));
     snprintf(args, sizeof args, "--model %s/mism --ids 3", g_dir);
-    cr_assert_neq(gen(args, NULL, &err), 0);
+    {
+        int rc_ = gen(args, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
     cr_assert(strstr(err, "shape") != NULL, "%s", err);
     free(err);
     /* inconsistent owner layers: 3 is not an index source */
     edited_copy("own", "kv_source_layer_ids", json_pack("[i, i]", 3, 4));
     snprintf(args, sizeof args, "--model %s/own --ids 3", g_dir);
-    cr_assert_neq(gen(args, NULL, &err), 0);
+    {
+        int rc_ = gen(args, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
     cr_assert(strstr(err, "KV source") != NULL, "%s", err);
     free(err);
 }
@@ -254,12 +284,18 @@ Test(generate, help_and_stdin_prompts)
 {
     char cmd[1024], *out;
     snprintf(cmd, sizeof cmd, "--help");
-    cr_assert_eq(gen(cmd, &out, NULL), 0);
+    {
+        int rc_ = gen(cmd, &out, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     cr_assert(strstr(out, "--teacher-force") && strstr(out, "--top-p"), "%s", out);
     free(out);
     snprintf(cmd, sizeof cmd, "--model %s --max-tokens 3 < /dev/null", g_model);
     char *err;
-    cr_assert_neq(gen(cmd, NULL, &err), 0);
+    {
+        int rc_ = gen(cmd, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
     cr_assert(strstr(err, "no prompt") != NULL, "%s", err);
     free(err);
     char path[300];
@@ -268,7 +304,10 @@ Test(generate, help_and_stdin_prompts)
     fputs("3 4 5\n\n6,7\n", f);
     fclose(f);
     snprintf(cmd, sizeof cmd, "--model %s --max-tokens 3 --temperature 0 < %s", g_model, path);
-    cr_assert_eq(gen(cmd, &out, NULL), 0);
+    {
+        int rc_ = gen(cmd, &out, NULL);
+        cr_assert_eq(rc_, 0);
+    }
     cr_assert(strstr(out, "request 1") && strstr(out, "request 2") && !strstr(out, "request 3"),
               "%s", out);
     free(out);

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/model/config.h"
+#include "common/util/philox.h"
 
 static model_config *load_builtin(const char *name)
 {
@@ -173,17 +174,23 @@ Test(config, kv_geometry_of_v41_flash_matches_the_layout_module)
     }
     cr_assert_eq(a.yoco_boundary, b.yoco_boundary);
     cr_assert_eq(a.model_id, c->model_id);
+    cr_assert_eq(b.model_id, a.model_id, "both paths stamp blocks with one model id");
     cr_assert_eq(kv_block_bytes(&a), 114048);
     di_error e;
     cr_assert_eq(kv_geometry_validate(&a, &e), DI_OK, "%s", e.msg);
-    /* the small configs give valid geometries too */
+    /* the small configs give valid geometries too; block sizes by hand: tiny owners 2 (r 2)
+     * and 4 (r 1), entries 64/2+64/16 + 32/2+32/32 = 53 B: (64 + 128) * 53 + 128 = 10,304;
+     * small owners 2, 4 (r 2) and 6 (r 1), entries 128/2+128/16 + 64/2+64/32 = 106 B:
+     * (64 + 64 + 128) * 106 + 128 = 27,264 */
     const char *small[] = {"tiny", "small"};
+    const size_t block[] = {10304, 27264};
     for (int i = 0; i < 2; i++) {
         model_config *s = load_builtin(small[i]);
         model_config_kv_geometry(s, s->dspark_block_size, &a);
         cr_assert_eq(kv_geometry_validate(&a, &e), DI_OK, "%s: %s", small[i], e.msg);
         cr_assert_eq(a.n_owners, s->n_kv_sources);
         cr_assert_eq(a.ring_positions, 134);
+        cr_assert_eq(kv_block_bytes(&a), block[i], "%s block", small[i]);
         free(s);
     }
     free(c);
@@ -529,4 +536,73 @@ Test(config, primality_and_search_bounds)
     di_error e;
     cr_assert_eq(model_engram_primes(5, 3, 8, 1000, p, &e), DI_EINVAL);
     cr_assert_eq(model_engram_primes(1, 3, 8, 1, p, &e), DI_EINVAL);
+}
+
+/* ---- hostile input -------------------------------------------------------------------------- */
+
+Test(config, random_mutations_never_crash)
+{
+    const char *orig = model_config_builtin_json("tiny");
+    size_t n = strlen(orig);
+    char *buf = malloc(n + 1);
+    di_rng rng;
+    di_rng_init(&rng, 99);
+    model_config *c = malloc(sizeof *c);
+    int ok = 0, failed = 0;
+    for (int iter = 0; iter < 600; iter++) {
+        memcpy(buf, orig, n + 1);
+        size_t len = n;
+        for (int k = 0, edits = 1 + (int)di_rng_below(&rng, 3); k < edits; k++) {
+            size_t at = (size_t)di_rng_below(&rng, len);
+            switch (di_rng_below(&rng, 3)) {
+            case 0: buf[at] = "0123456789-.e"[di_rng_below(&rng, 13)]; break; /* numbers */
+            case 1: buf[at] = (char)(32 + di_rng_below(&rng, 95)); break;
+            default: len = at; break;
+            }
+        }
+        di_error e = {0};
+        di_status st = model_config_parse(buf, len, "mutant", c, &e);
+        cr_assert(st == DI_OK || st == DI_EINVAL || st == DI_EUNSUPPORTED, "%d: %s", st, e.msg);
+        if (st == DI_OK) {
+            ok++;
+            kv_geometry g;
+            model_config_kv_geometry(c, 5, &g);
+            cr_assert_eq(kv_geometry_validate(&g, &e), DI_OK, "%s", e.msg);
+        } else {
+            failed++;
+            cr_assert(strlen(e.msg) > 0);
+        }
+    }
+    cr_assert(failed > 100 && ok > 10, "%d accepted, %d refused", ok, failed);
+    free(buf);
+    free(c);
+}
+
+Test(config, extreme_values_are_refused_or_handled)
+{
+    static const struct {
+        const char *key;
+        json_int_t value;
+    } cases[] = {
+        {"hidden_size", 1 << 20}, {"hidden_size", (json_int_t)1 << 40}, {"head_dim", 65536},
+        {"num_attention_heads", 4096}, {"index_topk", 1 << 24}, {"vocab_size", 0},
+        {"engram_vocab_size", (json_int_t)1 << 40}, {"engram_head_dim", 8192},
+        {"engram_compressed_vocab_size", 1 << 29}, {"sliding_window", 1 << 20},
+        {"num_nextn_predict_layers", 9}, {"candidate_block_size", -5},
+    };
+    model_config *c = malloc(sizeof *c);
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        json_t *root = json_loads(model_config_builtin_json("tiny"), 0, NULL);
+        json_object_set_new(root, cases[i].key, json_integer(cases[i].value));
+        di_error e = {0};
+        di_status st = model_config_from_json(root, "x", c, &e);
+        cr_assert(st == DI_OK || st == DI_EINVAL, "%s = %lld: %d %s", cases[i].key,
+                  (long long)cases[i].value, st, e.msg);
+        if (st != DI_OK)
+            cr_assert(strstr(e.msg, cases[i].key) || strstr(e.msg, "engram") ||
+                          strstr(e.msg, "compress_ratios"),
+                      "%s: message names the cause: %s", cases[i].key, e.msg);
+        json_decref(root);
+    }
+    free(c);
 }

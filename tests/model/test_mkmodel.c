@@ -283,6 +283,12 @@ Test(mkmodel, command_line)
     cr_assert(strstr(out, "exceeds the 64.0 GB limit"), "%s", out);
     snprintf(args, sizeof args, "nonexistent-config '%s/n'", g_dir);
     cr_assert_eq(run(args, out, sizeof out), 1);
+    cr_assert(strstr(out, "neither a shipped config"), "%s", out);
+    cr_assert_eq(run("tiny a b", out, sizeof out), 2);
+    cr_assert(strstr(out, "unexpected argument 'b'"), "%s", out);
+    /* the option spelling writes the same checkpoint as the positional one */
+    snprintf(args, sizeof args, "--quiet --seed 9 --shard-mb 1 --config tiny --out '%s/opt'", g_dir);
+    cr_assert_eq(run(args, out, sizeof out), 0, "%s", out);
     /* a config file path works like a name, and the output loads */
     snprintf(args, sizeof args, "--seed 9 --shard-mb 1 '%s/common/model/configs/tiny.json' '%s/t'",
              getenv("DI_SOURCE_ROOT"), g_dir);
@@ -290,6 +296,7 @@ Test(mkmodel, command_line)
     cr_assert(strstr(out, "820/820 tensors"), "progress reaches the end: %s", out);
     write_ckpt("tiny", "lib", 9, 1 << 20);
     cr_assert_eq(differing_files("t", "lib", false), 0, "binary and library write the same");
+    cr_assert_eq(differing_files("opt", "lib", false), 0);
     char dir[512];
     snprintf(dir, sizeof dir, "%s/t", g_dir);
     model_weights *w;

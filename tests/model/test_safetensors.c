@@ -243,6 +243,8 @@ Test(safetensors, truncated_and_short_files)
     st_file *f;
     di_error e;
     cr_assert_eq(open_named("missing.safetensors", &f, &e), DI_ENOENT);
+    cr_assert_eq(st_open(g_dir, &f, &e), DI_EIO, "a directory");
+    cr_assert(strstr(e.msg, "not a regular file"), "%s", e.msg);
 }
 
 Test(safetensors, header_length_past_the_end)

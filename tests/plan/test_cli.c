@@ -235,6 +235,42 @@ Test(cli, graphs_sizes)
     json_decref(j);
 }
 
+/* KV sizes: V4.1-Flash's 114,048-byte blocks and 891 bytes per token; 129 blocks for the
+ * explainer's 16,389-token prompt, whose next token lands in ring slot 41; 391 blocks for the
+ * 50,000-token prompt. The small configs come from their own geometry. */
+Test(cli, kv_sizes)
+{
+    json_t *j = run_ok("kv", "{\"config\": \"v41-flash\", \"tokens\": [16389, 50000]}");
+    cr_assert_eq(num(j, "block_bytes"), 114048);
+    cr_assert_eq(num(j, "bytes_per_token"), 891.0);
+    cr_assert_eq(num(j, "ring_positions"), 134);
+    cr_assert_eq(num(j, "ring_entry_bytes"), 528);
+    cr_assert_eq(num(j, "ring_bytes_per_layer") * 20, 1415040, "the explainer's stored region");
+    json_t *reqs = json_object_get(j, "requests");
+    cr_assert_eq(json_array_size(reqs), 2);
+    cr_assert_eq(num(json_array_get(reqs, 0), "blocks"), 129);
+    cr_assert_eq(num(json_array_get(reqs, 0), "paged_kv_bytes"), 129.0 * 114048);
+    cr_assert_eq(num(json_array_get(reqs, 0), "next_ring_slot"), 41);
+    cr_assert_eq(num(json_array_get(reqs, 1), "blocks"), 391);
+    double slot = num(j, "state_slot_bytes");
+    cr_assert(slot > 3.0e6 && slot < 3.2e6, "state slot %g bytes, about 3.1 MB", slot);
+    json_decref(j);
+    /* nextn 3 shrinks the ring to 132; backtracking 10 widens it to 138 */
+    j = run_ok("kv", "{\"nextn\": 3}");
+    cr_assert_eq(num(j, "ring_positions"), 132);
+    cr_assert_eq(json_array_size(json_object_get(j, "requests")), 0);
+    json_decref(j);
+    j = run_ok("kv", "{\"nextn\": 3, \"backtracking\": 10}");
+    cr_assert_eq(num(j, "ring_positions"), 138);
+    json_decref(j);
+    /* a small config and an inline object give the same sizes */
+    j = run_ok("kv", "{\"config\": \"tiny\", \"tokens\": 300}");
+    double tiny_block = num(j, "block_bytes");
+    cr_assert(tiny_block > 128 && tiny_block < 114048);
+    cr_assert_eq(num(json_array_get(json_object_get(j, "requests"), 0), "blocks"), 3);
+    json_decref(j);
+}
+
 /* The explainer's store example (worked in test_store_plan.c). */
 Test(cli, store_example)
 {
@@ -335,6 +371,14 @@ static const bad_case bad_cases[] = {
     {"graphs", "{\"max_num_seqs\": 4, \"nextn\": \"5\"}", "key 'nextn': expected an integer"},
     {"graphs", "{\"max_num_seqs\": 4, \"nextn\": 5, \"interval\": 0}", "'interval'"},
     {"graphs", "{\"nextn\": 5}", "missing key 'max_num_seqs'"},
+    /* kv */
+    {"kv", "{\"config\": \"no-such-model\"}", "key 'config': 'no-such-model'"},
+    {"kv", "{\"config\": 7}", "key 'config': expected a name, a path or an object"},
+    {"kv", "{\"config\": {\"hidden_size\": 64}}", "key 'config': "},
+    {"kv", "{\"tokens\": -1}", "key 'tokens'"},
+    {"kv", "{\"tokens\": [1, \"x\"]}", "key 'tokens'[i]"},
+    {"kv", "{\"nextn\": 99}", "'nextn'"},
+    {"kv", "{\"config\": \"tiny\", \"layers\": 3}", "unknown key 'layers'"},
     /* store */
     {"store", ST_HEAD "\"retention\": [{\"share\": 0.6, \"days\": 3}, {\"share\": 0.3, "
               "\"days\": 7}], " ST_SERVER "}", "retention shares sum to 0.9"},

@@ -1,11 +1,13 @@
 /* di-mkmodel: writes a random-weight checkpoint in the released format for a config.
  *
  *   di-mkmodel [options] CONFIG OUTDIR
+ *   di-mkmodel [options] --config CONFIG --out OUTDIR
  *
  * CONFIG is a shipped name (v41-flash, tiny, small), a config.json, or a directory holding one.
  */
 #include <errno.h>
 #include <getopt.h>
+#include <stddef.h>
 #include <inttypes.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -17,6 +19,8 @@
 
 typedef struct cli {
     mkmodel_options opt;
+    const char *config;   /* --config or the first positional argument */
+    const char *out;      /* --out or the second positional argument */
     bool dry_run;
     bool quiet;
     bool tty;
@@ -30,9 +34,12 @@ typedef di_status (*opt_fn)(cli *c, const char *arg, di_error *err);
 typedef struct opt_row {
     const char *name;     /* long option */
     const char *arg;      /* argument placeholder, NULL for a flag */
-    opt_fn fn;
+    opt_fn fn;            /* parses the argument; NULL: a flag or string stored at `field` */
+    size_t field;         /* offsetof the bool (flag) or const char * (string) in cli */
     const char *help;
 } opt_row;
+
+#define NO_OPT_FIELD SIZE_MAX
 
 static di_status parse_u64(const char *arg, const char *what, uint64_t lo, uint64_t hi,
                            uint64_t *out, di_error *err)
@@ -68,12 +75,6 @@ static di_status o_max(cli *c, const char *a, di_error *e)
     return st;
 }
 
-static di_status o_force(cli *c, const char *a, di_error *e)
-{
-    c->opt.force = true;
-    return DI_OK;
-}
-
 static di_status o_bias(cli *c, const char *a, di_error *e)
 {
     char *end;
@@ -96,35 +97,33 @@ static di_status o_engram(cli *c, const char *a, di_error *e)
     return di_fail(e, DI_EINVAL, "--engram-tables '%s': expected auto, write or seed", a);
 }
 
-static di_status o_dry(cli *c, const char *a, di_error *e)
-{
-    c->dry_run = true;
-    return DI_OK;
-}
-
-static di_status o_quiet(cli *c, const char *a, di_error *e)
-{
-    c->quiet = true;
-    return DI_OK;
-}
-
+#define F(member) offsetof(cli, member)
 static const opt_row k_opts[] = {
-    {"seed", "N", o_seed, "generator seed (default 0); the same seed writes the same bytes"},
-    {"shard-mb", "N", o_shard, "largest shard in MiB (default 2048); a bigger tensor gets its own"},
-    {"max-gb", "N", o_max, "refuse a checkpoint above N GB (default 64; 0 = no limit)"},
-    {"force", NULL, o_force, "write above --max-gb, or into a non-empty directory"},
-    {"gate-bias-std", "X", o_bias, "router biases N(0, X^2) instead of zeros (default 0)"},
-    {"engram-tables", "MODE", o_engram,
+    {"config", "CONFIG", NULL, F(config), "the config (instead of the first argument)"},
+    {"out", "OUTDIR", NULL, F(out), "the output directory (instead of the second argument)"},
+    {"seed", "N", o_seed, NO_OPT_FIELD,
+     "generator seed (default 0); the same seed writes the same bytes"},
+    {"shard-mb", "N", o_shard, NO_OPT_FIELD,
+     "largest shard in MiB (default 2048); a bigger tensor gets its own"},
+    {"max-gb", "N", o_max, NO_OPT_FIELD,
+     "refuse a checkpoint above N GB (default 64; 0 = no limit)"},
+    {"force", NULL, NULL, F(opt.force), "write above --max-gb, or into a non-empty directory"},
+    {"gate-bias-std", "X", o_bias, NO_OPT_FIELD,
+     "router biases N(0, X^2) instead of zeros (default 0)"},
+    {"engram-tables", "MODE", o_engram, NO_OPT_FIELD,
      "auto (write tables up to 1 GiB, else the engram_table_seed key), write, or seed"},
-    {"dry-run", NULL, o_dry, "print the plan (tensors, parameters, bytes, shards) and stop"},
-    {"quiet", NULL, o_quiet, "no progress on stderr"},
-    {"help", NULL, NULL, "this text"},
+    {"dry-run", NULL, NULL, F(dry_run), "print the plan (tensors, parameters, bytes, shards)"
+     " and stop"},
+    {"quiet", NULL, NULL, F(quiet), "no progress on stderr"},
+    {"help", NULL, NULL, NO_OPT_FIELD, "this text"},
 };
+#undef F
 #define N_OPTS (sizeof k_opts / sizeof k_opts[0])
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: di-mkmodel [options] CONFIG OUTDIR\n\n"
+    fprintf(f, "usage: di-mkmodel [options] CONFIG OUTDIR\n"
+               "       di-mkmodel [options] --config CONFIG --out OUTDIR\n\n"
                "Writes a random-weight checkpoint in the released DeepSeek-V4.1 format: nested\n"
                "config.json, model.safetensors.index.json, bounded shards, every tensor with its\n"
                "dtype, shape and .scale sibling (MODEL.md section 7).\n\n"
@@ -178,7 +177,7 @@ static int parse_args(int argc, char **argv, cli *c, const char **config, const 
     int ch;
     opterr = 0;
     while ((ch = getopt_long(argc, argv, "h", lopts, NULL)) != -1) {
-        if (ch == 'h' || (ch >= 256 && !k_opts[ch - 256].fn)) {
+        if (ch == 'h' || (ch >= 256 && strcmp(k_opts[ch - 256].name, "help") == 0)) {
             usage(stdout);
             return 0;
         }
@@ -187,18 +186,34 @@ static int parse_args(int argc, char **argv, cli *c, const char **config, const 
                     argv[optind - 1]);
             return 2;
         }
+        const opt_row *row = &k_opts[ch - 256];
         di_error e = {0};
-        if (k_opts[ch - 256].fn(c, optarg, &e) != DI_OK) {
+        if (!row->fn) {
+            if (row->arg)
+                *(const char **)((char *)c + row->field) = optarg;
+            else
+                *(bool *)((char *)c + row->field) = true;
+            continue;
+        }
+        if (row->fn(c, optarg, &e) != DI_OK) {
             fprintf(stderr, "di-mkmodel: %s\n", e.msg);
             return 2;
         }
     }
-    if (argc - optind != 2 && !(c->dry_run && argc - optind == 1)) {
+    for (int i = optind; i < argc; i++) {
+        const char **slot = !c->config ? &c->config : !c->out ? &c->out : NULL;
+        if (!slot) {
+            fprintf(stderr, "di-mkmodel: unexpected argument '%s' (see --help)\n", argv[i]);
+            return 2;
+        }
+        *slot = argv[i];
+    }
+    if (!c->config || (!c->out && !c->dry_run)) {
         fprintf(stderr, "di-mkmodel: expected CONFIG and OUTDIR (see --help)\n");
         return 2;
     }
-    *config = argv[optind];
-    *out = optind + 1 < argc ? argv[optind + 1] : NULL;
+    *config = c->config;
+    *out = c->out;
     return -1;
 }
 

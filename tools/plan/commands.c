@@ -75,6 +75,25 @@ const plan_command plan_commands[] = {
                    "\"ec_parity\": 2}}",
         .run = plan_cmd_store,
     },
+    {
+        .name = "kv",
+        .help = "KV sizes of a model: block and per-token bytes, state slot, window state, "
+                "blocks per request",
+        .inputs = (const plan_key[]){
+            {"config", false, "a shipped config name (v41-flash, tiny, small), a config.json "
+                              "path or model directory, or an inline config object (default "
+                              "v41-flash)"},
+            {"nextn", false, "drafts per decode step (0..64, default 5): ring = window + "
+                             "max(backtracking, nextn + 1)"},
+            {"backtracking", false, "extra ring positions kept for rollback (default 0)"},
+            {"tokens", false, "a request length or a list of them (tokens)"},
+            {NULL, false, NULL},
+        },
+        .outputs = "block_bytes, bytes_per_token, ring_positions, state_slot_bytes, "
+                   "window_state_bytes, requests [{tokens, blocks, paged_kv_bytes, ...}], ...",
+        .example = "{\"config\": \"v41-flash\", \"tokens\": [16389, 50000]}",
+        .run = plan_cmd_kv,
+    },
 };
 
 const size_t plan_num_commands = sizeof(plan_commands) / sizeof(plan_commands[0]);

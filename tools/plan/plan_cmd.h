@@ -46,6 +46,7 @@ di_status plan_cmd_eplb(const json_t *in, json_t **out, di_error *err);
 di_status plan_cmd_varlen(const json_t *in, json_t **out, di_error *err);
 di_status plan_cmd_graphs(const json_t *in, json_t **out, di_error *err);
 di_status plan_cmd_store(const json_t *in, json_t **out, di_error *err);
+di_status plan_cmd_kv(const json_t *in, json_t **out, di_error *err);
 
 /* ---- JSON helpers (plan_json.c) ---------------------------------------------------------- */
 
@@ -77,6 +78,9 @@ di_status plan_matrix_int_check(const plan_matrix *m, const char *key, double lo
 /* Sets obj[key] = value, taking value (NULL counts as out of memory). DI_ENOMEM on failure,
  * with value released. */
 di_status plan_set(json_t *obj, const char *key, json_t *value, di_error *err);
+
+/* Appends value to array, taking value (NULL counts as out of memory). DI_ENOMEM on failure. */
+di_status plan_set_append(json_t *array, json_t *value, di_error *err);
 
 /* A new JSON array of n integers, or NULL when out of memory. */
 json_t *plan_u32_array(const uint32_t *v, size_t n);

@@ -131,6 +131,13 @@ di_status plan_set(json_t *obj, const char *key, json_t *value, di_error *err)
     return DI_OK;
 }
 
+di_status plan_set_append(json_t *array, json_t *value, di_error *err)
+{
+    if (!value || json_array_append_new(array, value) != 0)
+        return di_fail(err, DI_ENOMEM, "out of memory building an output array");
+    return DI_OK;
+}
+
 json_t *plan_u32_array(const uint32_t *v, size_t n)
 {
     json_t *a = json_array();
