@@ -5,6 +5,7 @@ recipe, RMSNorm of zeros, window and compressed visibility, top-k and candidate 
 
 import math
 import os
+from decimal import Decimal, getcontext
 import sys
 import types
 import unittest
@@ -71,6 +72,20 @@ class Engram(unittest.TestCase):
         self.assertEqual(pad, 2)
 
 
+def taylor_sin(x):
+    """sin(x) to ~50 digits with decimal arithmetic, rounded to a float at the end."""
+    getcontext().prec = 60
+    pi = Decimal("3.14159265358979323846264338327950288419716939937510582097494459")
+    d = Decimal(x)
+    d -= (d / (2 * pi)).to_integral_value() * 2 * pi
+    total, term, n = Decimal(0), d, 1
+    while abs(term) > Decimal("1e-55"):
+        total += term
+        term = -term * d * d / ((n + 1) * (n + 2))
+        n += 2
+    return float(total)
+
+
 class Rope(unittest.TestCase):
     def test_yarn_bounds(self):
         self.assertEqual(ref.yarn_bounds(64, 160000, 65536, 32, 1), (15, 25))
@@ -98,6 +113,17 @@ class Rope(unittest.TestCase):
         f, bounds = ref.rope_freqs(self.cfg(), 0)
         self.assertIsNone(bounds)
         self.assertEqual(f[31], np.float32(10000.0 ** (-62 / 64)))
+
+    def test_table_is_correctly_rounded(self):
+        # position 87, f = fp32(0.2236068): the fp32 angle is 19.45379; its sine, to 50 digits,
+        # lies 0.09 fp32 ulp below the midpoint of 0.56813246 and 0.5681325 (a float32 sine
+        # kernel returns the upper one)
+        f = np.array([0.2236068], dtype=np.float32)
+        cos, sin = ref.rope_table(np.array([87]), f)
+        angle = np.float32(87.0 * float(f[0]))
+        self.assertEqual(sin[0, 0], np.float32(taylor_sin(float(angle))))
+        self.assertEqual(sin[0, 0], np.float32(0.56813246))
+        self.assertEqual(cos[0, 0], np.float32(taylor_sin(float(angle) + math.pi / 2)))
 
     def test_adjacent_pairs_on_the_last_numbers(self):
         # 8 numbers, rope dim 4: pairs (4, 5) and (6, 7) rotate, 0..3 stay

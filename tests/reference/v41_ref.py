@@ -85,7 +85,7 @@ def e4m3_decode(codes):
     sign = np.where(c & 0x80, -1.0, 1.0)
     e = (c >> 3) & 0xF
     m = c & 0x7
-    mag = np.where(e == 0, m * 2.0 ** -9, (1.0 + m / 8.0) * np.exp2(e - 7.0))
+    mag = np.where(e == 0, m * 2.0 ** -9, np.ldexp(1.0 + m / 8.0, e - 7))
     mag = np.where((e == 15) & (m == 7), np.nan, mag)
     return sign * mag
 
@@ -96,7 +96,7 @@ def e4m3_round(x):
     a = np.abs(v)
     _, e = np.frexp(a)                      # a = m * 2^e, m in [0.5, 1)
     exp = np.maximum(e - 1, -6)             # subnormals share the quantum of 2^-6
-    quantum = np.exp2(exp - 3.0)            # 3 mantissa bits
+    quantum = np.ldexp(1.0, exp - 3)       # 3 mantissa bits
     r = np.rint(a / quantum) * quantum      # rint: round half to even
     return np.copysign(r, v)
 
@@ -116,7 +116,7 @@ def e4m3_encode(x):
 def ue8m0_decode(codes):
     """UE8M0 bytes -> 2^(e-127); 0xFF is NaN."""
     e = np.asarray(codes, dtype=np.uint8).astype(np.int64)
-    return np.where(e == 255, np.nan, np.exp2(e - 127.0))
+    return np.where(e == 255, np.nan, np.ldexp(1.0, e - 127))
 
 
 def ue8m0_ceil(y):
@@ -632,8 +632,32 @@ def rmsnorm(x, w, eps):
     return bf16(f32(f32(x * r) * w))
 
 
+# Transcendental functions go through the C library (math.*) one element at a time: NumPy's
+# vectorised float64 exp/sin/cos are not correctly rounded and differ between CPU code paths,
+# which would make the reference's fp32 roundings depend on the machine.
+_EXP = np.frompyfunc(lambda v: math.exp(v) if v < 709.0 else math.inf, 1, 1)
+_LOG1P = np.frompyfunc(math.log1p, 1, 1)
+_SIN = np.frompyfunc(math.sin, 1, 1)
+_COS = np.frompyfunc(math.cos, 1, 1)
+
+
+def _libm(fn, x):
+    x = np.asarray(x, dtype=F64)
+    return np.asarray(fn(x), dtype=F64).reshape(x.shape)
+
+
+def exp(x):
+    return _libm(_EXP, x)
+
+
 def sigmoid(x):
-    return 1.0 / (1.0 + np.exp(-np.asarray(x, dtype=F64)))
+    return 1.0 / (1.0 + exp(-np.asarray(x, dtype=F64)))
+
+
+def softplus(x):
+    """ln(1 + e^x) without overflow."""
+    x = np.asarray(x, dtype=F64)
+    return np.maximum(x, 0.0) + _libm(_LOG1P, exp(-np.abs(x)))
 
 
 def rope_freqs(cfg, ratio):
@@ -660,13 +684,18 @@ def yarn_bounds(d, base, orig_len, beta_fast, beta_slow):
     return max(math.floor(corr(beta_fast)), 0), min(math.ceil(corr(beta_slow)), d - 1)
 
 
+def rope_table(pos, freqs):
+    """cos and sin [T, rd/2] of the fp32 angles pos[t] * f_i, each rounded to fp32."""
+    ang = f32(np.asarray(pos, dtype=F64)[:, None] * freqs[None, :])
+    return f32(_libm(_COS, ang)), f32(_libm(_SIN, ang))
+
+
 def rope(x, pos, freqs, inverse=False):
     """Rotates adjacent pairs of the LAST 2*len(freqs) numbers of x [T, ..., n] by pos[t] * f
     (fp32 angle), fp32 compute, bf16 write-back (§2.4)."""
     x = np.array(x, dtype=F32)
     rd = 2 * len(freqs)
-    ang = f32(np.asarray(pos, dtype=F64)[:, None] * freqs[None, :])      # [T, rd/2]
-    cos, sin = f32(np.cos(F64(1) * ang)), f32(np.sin(F64(1) * ang))
+    cos, sin = rope_table(pos, freqs)
     if inverse:
         sin = -sin
     shape = (x.shape[0],) + (1,) * (x.ndim - 2) + (rd // 2,)
@@ -724,7 +753,7 @@ def sinkhorn(Z, iters, eps):
     """Z [.., n, n] -> row softmax + eps, column step, then (iters - 1) x (row step, column
     step); ends on a column normalisation."""
     Z = np.asarray(Z, dtype=F64)
-    S = np.exp(Z - Z.max(axis=-1, keepdims=True))
+    S = exp(Z - Z.max(axis=-1, keepdims=True))
     S = S / S.sum(axis=-1, keepdims=True) + eps
     S = S / (S.sum(axis=-2, keepdims=True) + eps)
     for _ in range(iters - 1):
@@ -960,8 +989,8 @@ class Model:
             keys = keys.astype(F64)
             s = f32(f32(q[t].astype(F64) @ keys.T) * scale).astype(F64)     # [H, n]
             M = s.max(axis=1, keepdims=True)
-            ex = np.exp(s - M)
-            den = ex.sum(axis=1, keepdims=True) + np.exp(w["sink"][:, None] - M)
+            ex = exp(s - M)
+            den = ex.sum(axis=1, keepdims=True) + exp(w["sink"][:, None] - M)
             o[t] = bf16(f32((ex @ keys) / den))
         o = rope(o, pos, freqs, inverse=True)
         u = o.reshape(T, G, Hn // G * hd).astype(F64)
@@ -980,7 +1009,7 @@ class Model:
         else:
             a = mm(x, w["c_wkv"])[:n * r].reshape(n, r, hd).astype(F64)       # fp32
             g = mm(x, w["c_wgate"])[:n * r].reshape(n, r, hd).astype(F64)
-            g = np.exp(g - g.max(axis=1, keepdims=True))
+            g = exp(g - g.max(axis=1, keepdims=True))
             wt = f32(g / g.sum(axis=1, keepdims=True)).astype(F64)
             lat = bf16(f32(np.sum(wt * a, axis=1)))
         lat = rmsnorm(lat, w["c_norm"], cfg.rms_norm_eps)
@@ -1030,7 +1059,7 @@ class Model:
         cfg = self.cfg
         T = x.shape[0]
         z = f32(mm(x, w["gate"]) / cfg.gate_temp).astype(F64)
-        s = f32(np.sqrt(F64(f32(np.logaddexp(0.0, z))))).astype(F64)            # sqrt(softplus)
+        s = f32(np.sqrt(F64(f32(softplus(z))))).astype(F64)                     # sqrt(softplus)
         ranked = f32(s + w["gate_bias"]).astype(F64)
         k = cfg.num_experts_per_tok
         sel = np.argsort(-ranked, axis=1, kind="stable")[:, :k]                  # [T, k]
