@@ -22,7 +22,9 @@ Arithmetic conventions (where MODEL.md says "fp32"):
     MODEL.md stores bf16: the residual stream, norm outputs, Linear outputs, RoPE write-back,
     attention output, MoE output;
   * FP8 / FP4 fake quantisation follows §3.2 procedures (A), (B), (C) bit for bit, including
-    the fp32 evaluation of a * (1/448), a / 6 and x / s.
+    the fp32 evaluation of a * (1/448), a / 6 and x / s;
+  * exp, log1p, sin and cos come from the C library (Python's math), element by element, so
+    the results do not depend on NumPy's SIMD code paths.
 
 Choices where MODEL.md leaves room (each is listed in tests/reference/README.md):
   * Engram compressed-token map: engram_token_map.json in the model directory when present,
@@ -35,7 +37,7 @@ Choices where MODEL.md leaves room (each is listed in tests/reference/README.md)
     to bf16 once.
   * Indexer scores are computed in fp32 (q.k dots, ReLU, weighted head sum) and rounded to
     bf16 once before top-k; the head weights are the bf16 weights_proj output times
-    index_head_dim^-0.5 * index_n_heads^-0.5 in fp32.
+    fp32(index_head_dim^-0.5 * index_n_heads^-0.5), an fp32 product.
   * Top-k and candidate-block ties go to the lower index; MoE routing ties to the lower
     expert id. A top-k pick whose score is -inf is published as -1.
   * The mHC mixes GEMM (fn @ v) is fp32 (not TF32).
@@ -769,9 +771,13 @@ def hc_mixes(H, fn, base, scale, cfg):
     ms = f32(np.mean(v * v, axis=1, keepdims=True))
     r = f32(1.0 / np.sqrt(F64(f32(ms + F32(cfg.rms_norm_eps)))))
     m = f32(mm(v, fn) * r)                                              # [T, (2 + hc) hc]
-    pre = f32(f32(sigmoid(f32(m[:, :hc] * scale[0] + base[:hc]))) + F32(cfg.hc_eps))
-    post = f32(2.0 * sigmoid(f32(m[:, hc:2 * hc] * scale[1] + base[hc:2 * hc])))
-    Z = f32(m[:, 2 * hc:] * scale[2] + base[2 * hc:]).reshape(T, hc, hc)
+    sc = f32(scale)
+
+    def affine(part, k, b):           # fp32 product m * scale[k], then fp32 sum with the base
+        return f32(f32(part * sc[k]).astype(F64) + b)
+    pre = f32(f32(sigmoid(affine(m[:, :hc], 0, base[:hc]))) + F32(cfg.hc_eps))
+    post = f32(2.0 * sigmoid(affine(m[:, hc:2 * hc], 1, base[hc:2 * hc])))
+    Z = affine(m[:, 2 * hc:], 2, base[2 * hc:]).reshape(T, hc, hc)
     return pre, post, sinkhorn(Z, cfg.hc_sinkhorn_iters, cfg.hc_eps)
 
 
@@ -1031,7 +1037,7 @@ class Model:
         keys = shared[("keys", kvsrc)].astype(F64)                               # [n, idim]
         q = rope(linear_q(qr, w["i_wq_b"]).reshape(T, ih, idim), np.arange(T), self.freqs[r])
         q = quant_b(q).astype(F64)                                               # [T, ih, idim]
-        hw = f32(linear_bf16(x, w["i_wproj"]) * (F64(idim) ** -0.5 * F64(ih) ** -0.5))
+        hw = linear_bf16(x, w["i_wproj"]) * F32(F64(idim) ** -0.5 * F64(ih) ** -0.5)  # fp32
         dots = f32(np.einsum("thd,nd->thn", q, keys))                             # [T, ih, n]
         score = bf16(f32(np.einsum("th,thn->tn", hw.astype(F64),
                                    np.maximum(dots, 0.0).astype(F64))))           # [T, n]
