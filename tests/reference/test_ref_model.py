@@ -141,7 +141,16 @@ class ModelCase(unittest.TestCase):
             self.assert_refused(d, msg)
         os.remove(path)
         open(os.path.join(d, "tokenizer.json"), "w").close()
-        self.assert_refused(d, "tokenizer.json but no engram_token_map")
+        self.assert_refused(d, "has tokenizer.json")
+        # tokenizer.json wins over a map file (MODEL.md's order), so both present is refused
+        write_json(path, {"map": [i % 400 for i in range(512)]})
+        self.assert_refused(d, "has tokenizer.json")
+        # an explicit map is used as given
+        other = os.path.join(self.tmp.name, "explicit_map.json")
+        write_json(other, {"map": [(i * 7) % 400 for i in range(512)]})
+        a = ids_of(19)
+        self.assertFalse(np.array_equal(ref.Model(d, other).forward(a),
+                                        self.models[self.plain].forward(a)))
 
     def assert_refused(self, d, msg):
         with self.assertRaisesRegex(ref.RefError, msg):

@@ -29,8 +29,8 @@ Arithmetic conventions (where MODEL.md says "fp32"):
 Choices where MODEL.md leaves room (each is listed in tests/reference/README.md):
   * Engram compressed-token map: engram_token_map.json in the model directory when present,
     else the identity map modulo engram_compressed_vocab_size. The compressed pad id is
-    map[pad_token_id]. A model directory with tokenizer.json and no engram_token_map.json is
-    refused (this reference does not build the normalised map).
+    map[pad_token_id]. A model directory with tokenizer.json (from which MODEL.md builds the
+    map first) is refused unless --token-map names the map to use.
   * Routed-expert and shared-expert W1/W3 outputs are rounded to bf16 (the §2.2 rule for every
     quantised Linear) before being taken as fp32 for the clamp and SwiGLU.
   * Attention probabilities stay fp32 before the product with V; the head output is rounded
@@ -544,13 +544,18 @@ def engram_multipliers(layer_id, compressed_vocab, max_ngram):
     return [int(v) * 2 + 1 for v in r]
 
 
-def load_token_map(model_dir, cfg):
-    """(map [vocab] int64, compressed pad id). engram_token_map.json when present, else the
-    identity map modulo engram_compressed_vocab_size."""
+def load_token_map(model_dir, cfg, map_file=None):
+    """(map [vocab] int64, compressed pad id). MODEL.md's order: the map built from
+    tokenizer.json when the directory has one (not implemented here: such a directory needs
+    map_file, e.g. the map the engine built, written as engram_token_map.json's format), else
+    engram_token_map.json, else the identity map modulo engram_compressed_vocab_size."""
     cvs = cfg.engram_compressed_vocab_size
-    path = os.path.join(model_dir, "engram_token_map.json")
     pad = cfg.engram_pad_token_id
-    if os.path.exists(path):
+    path = map_file or os.path.join(model_dir, "engram_token_map.json")
+    if map_file is None and os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        raise RefError(f"{model_dir}: has tokenizer.json, from which MODEL.md builds the Engram "
+                       f"token map; this reference does not build it: pass --token-map FILE")
+    if map_file is not None or os.path.exists(path):
         try:
             with open(path) as f:
                 doc = json.load(f)
@@ -566,9 +571,6 @@ def load_token_map(model_dir, cfg):
                            f"!= config's {cvs}")
         if cmap.size and (cmap.min() < 0 or cmap.max() >= cvs):
             raise RefError(f"{path}: map entries outside [0, {cvs})")
-    elif os.path.exists(os.path.join(model_dir, "tokenizer.json")):
-        raise RefError(f"{model_dir}: has tokenizer.json but no engram_token_map.json; this "
-                       f"reference does not build the normalised map from a tokenizer")
     else:
         cmap = np.arange(cfg.vocab_size, dtype=np.int64) % cvs
     if not 0 <= pad < cfg.vocab_size:
@@ -799,7 +801,7 @@ def hc_expand(H, y, post, comb):
 class Model:
     """Weights of the backbone (draft stages and vision are not read) and the prefill forward."""
 
-    def __init__(self, model_dir):
+    def __init__(self, model_dir, token_map=None):
         path = os.path.join(model_dir, "config.json")
         try:
             with open(path) as f:
@@ -816,7 +818,7 @@ class Model:
         self.freqs = {r: rope_freqs(cfg, r)[0] for r in set(cfg.ratios)}
         self.primes = {}
         if cfg.engram_layer_ids:
-            self.cmap, self.cpad = load_token_map(model_dir, cfg)
+            self.cmap, self.cpad = load_token_map(model_dir, cfg, token_map)
             self.primes = engram_primes(cfg.engram_vocab_size, cfg.engram_layer_ids,
                                         cfg.engram_max_ngram_size, cfg.engram_n_heads)
         self.layers = [self._load_layer(l) for l in range(cfg.num_hidden_layers)]
@@ -1122,12 +1124,14 @@ def main(argv=None):
     out.add_argument("--json", action="store_true",
                      help="print {\"ids\": [...], \"logits\": [[...], ...]} on stdout")
     ap.add_argument("--trace", help="also save named intermediates to this .npz file")
+    ap.add_argument("--token-map", help="Engram token map to use (engram_token_map.json "
+                    "format) instead of the directory's; needed when it has tokenizer.json")
     args = ap.parse_args(argv)
     try:
         ids = parse_ids(args.ids)
         if not os.path.isdir(args.model):
             raise RefError(f"--model {args.model}: not a directory")
-        model = Model(args.model)
+        model = Model(args.model, args.token_map)
         trace = {} if args.trace else None
         logits = model.forward(ids, trace)
     except RefError as e:
