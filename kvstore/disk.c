@@ -156,6 +156,12 @@ static void make_options(kvdisk *d, const kvdisk_config *cfg)
     rocksdb_options_set_max_total_wal_size(d->opts, 512ull << 20);
     rocksdb_options_set_paranoid_checks(d->opts, 1);
     rocksdb_options_set_wal_recovery_mode(d->opts, 2 /* point in time */);
+    rocksdb_options_set_keep_log_file_num(d->opts, 4);
+    if (cfg->log_dir) {
+        rocksdb_options_set_db_log_dir(d->opts, cfg->log_dir);
+        rocksdb_options_set_info_log_level(d->opts, 1 /* info */);
+    } else
+        rocksdb_options_set_info_log_level(d->opts, 5 /* header only */);
     d->wo_put = rocksdb_writeoptions_create();
     if (cfg->durability == KVDISK_NONE)
         rocksdb_writeoptions_disable_WAL(d->wo_put, 1);

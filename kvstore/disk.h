@@ -55,6 +55,10 @@ typedef struct kvdisk_config {
     const char *dir;             /* RocksDB directory (created if missing) */
     int durability;              /* kvdisk_durability of kvdisk_put */
     uint64_t write_buffer_bytes; /* memtable size per class (bytes); 0 = 64 MiB */
+    const char *log_dir;         /* RocksDB's own LOG at info level goes here; NULL: only its
+                                    header is written (in dir). Keep it off the data disk: with
+                                    the LOG on a full disk, Debian's RocksDB build aborts on an
+                                    internal assertion when it logs the write error. */
     kvdisk_stamp stamp;          /* must match a stamp already in dir */
 } kvdisk_config;
 
