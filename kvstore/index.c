@@ -732,15 +732,22 @@ di_status kvidx_lease(kvidx *idx, int cls, const kvkey *key, uint64_t lease_ms, 
     return DI_OK;
 }
 
-void kvidx_load_done(kvidx *idx, kvidx_obj *o, int ok, uint64_t now)
+void kvidx_load_done(kvidx *idx, kvidx_obj *o, kvidx_load result, uint64_t now)
 {
+    (void)now;
     assert(o->dram == KVIDX_DRAM_LOADING && o->pins > 0);
     if (o->state != KVIDX_SEALED) {
         /* Deleted while loading: the slot goes with the last pin. */
         o->dram = KVIDX_DRAM_NONE;
         return;
     }
-    if (ok) {
+    if (result == KVIDX_LOAD_RETRY) {
+        /* No reader has the slot's address yet: it can go at once. */
+        o->dram = KVIDX_DRAM_NONE;
+        release_slot(idx, o);
+        return;
+    }
+    if (result == KVIDX_LOAD_OK) {
         o->dram = KVIDX_DRAM_RESIDENT;
         list_push_head(&idx->dram_lru[o->cls], o, DLRU);
         idx->st.cls[o->cls].dram_objects++;
@@ -890,6 +897,28 @@ void kvidx_evict(kvidx *idx, unsigned class_mask, int dram_only, uint64_t now, u
     }
     *evicted = n;
     *skipped = pinned;
+}
+
+di_status kvidx_evict_key(kvidx *idx, int cls, const kvkey *key, int dram_only, uint64_t now,
+                          di_error *err)
+{
+    if (cls < 0 || cls >= (int)KVKEY_CLASS_COUNT || !key)
+        return di_fail(err, DI_EINVAL, "kvidx_evict_key: bad class or NULL key");
+    kvidx_obj *o = live(idx, find(idx, cls, key), now);
+    char hex[65];
+    kvkey_hex(key, hex);
+    if (!o || (dram_only && o->dram != KVIDX_DRAM_RESIDENT))
+        return di_fail(err, DI_ENOENT, "%s %.16s is not stored%s", kvkey_class_name(cls), hex,
+                       o ? " in DRAM" : "");
+    if (o->pins)
+        return di_fail(err, DI_EBUSY, "%s %.16s is leased; retry after the lease ends",
+                       kvkey_class_name(cls), hex);
+    if (dram_only) {
+        drop_dram(idx, o);
+        idx->st.dram_evictions++;
+    } else
+        doom(idx, o, KVIDX_GONE_EVICTED);
+    return DI_OK;
 }
 
 /* ---------------------------------------------------------------- sweep */

@@ -92,7 +92,7 @@ struct kvidx_obj {
     uint32_t gen;                /* allocation generation, part of the allocation id */
     uint64_t bytes;              /* object size (bytes) */
     uint64_t last_access_ms;     /* last hit (store clock); expiry = this + ttl of the class */
-    uint64_t persisted_access_ms; /* last_access_ms value last written to disk by the store */
+    uint64_t persisted_access_ms; /* last_access_ms value on disk (written by the store too) */
     uint64_t deadline_ms;        /* WRITING: reclaimed at this time */
     kvidx_obj *hnext;            /* hash chain */
     kvidx_link lru;              /* SEALED: disk LRU of the class; WRITING: allocation list */
@@ -208,9 +208,15 @@ void kvidx_commit_end(kvidx *idx, kvidx_obj *obj, int ok, int wrote_disk, uint64
  * lease record free). */
 di_status kvidx_lease(kvidx *idx, int cls, const kvkey *key, uint64_t lease_ms, uint64_t now,
                       kvidx_lease_info *info, di_error *err);
-/* Ends a load started by kvidx_lease: ok -> RESIDENT; failure -> the object is dropped
- * (DELETING, counted as corrupt). The lease stays until released. */
-void kvidx_load_done(kvidx *idx, kvidx_obj *obj, int ok, uint64_t now);
+/* How a load from disk ended. */
+typedef enum kvidx_load {
+    KVIDX_LOAD_OK = 0,      /* verified: the object is RESIDENT */
+    KVIDX_LOAD_CORRUPT = 1, /* missing or corrupt on disk: the object is dropped (DELETING) */
+    KVIDX_LOAD_RETRY = 2,   /* transient read error: the slot is freed, the object stays */
+} kvidx_load;
+
+/* Ends a load started by kvidx_lease. The lease stays until released. */
+void kvidx_load_done(kvidx *idx, kvidx_obj *obj, kvidx_load result, uint64_t now);
 /* Ends a lease. DI_OK; DI_ETIMEDOUT when it had already timed out (the slot may have been
  * reused: data read under it must be discarded); DI_ENOENT for an unknown id. */
 di_status kvidx_release(kvidx *idx, uint64_t lease_id, uint64_t now, di_error *err);
@@ -234,6 +240,11 @@ di_status kvidx_delete(kvidx *idx, int cls, const kvkey *key, uint64_t now, di_e
  * removed. Writes the count in *evicted and the pinned objects left alone in *skipped. */
 void kvidx_evict(kvidx *idx, unsigned class_mask, int dram_only, uint64_t now, uint64_t *evicted,
                  uint64_t *skipped);
+
+/* Admin eviction of one object: its DRAM copy (dram_only) or the whole object. DI_OK,
+ * DI_ENOENT (not stored, or not in DRAM for dram_only), DI_EBUSY (leased). */
+di_status kvidx_evict_key(kvidx *idx, int cls, const kvkey *key, int dram_only, uint64_t now,
+                          di_error *err);
 
 /* Periodic work: reclaims timed-out allocations and leases, expires objects, evicts down to the
  * capacities. report may be NULL. */

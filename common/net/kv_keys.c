@@ -145,6 +145,38 @@ di_status kvkey_handoff(uint64_t model_id, const char *request_id, kvkey *out, d
     return DI_OK;
 }
 
+di_status kvkey_object_verify(int cls, const kvkey *key, const void *obj, size_t bytes,
+                              const kv_geometry *g, di_error *err)
+{
+    if (!key || !obj || !g)
+        return di_fail(err, DI_EINVAL, "kvkey_object_verify: NULL argument");
+    if (bytes < KV_HEADER_BYTES)
+        return di_fail(err, DI_ECORRUPT, "object of %zu bytes is shorter than its header",
+                       bytes);
+    kv_header h;
+    memcpy(&h, obj, sizeof(h));
+    uint32_t magic;
+    switch (cls) {
+    case KVKEY_BLOCK:
+        magic = KV_BLOCK_MAGIC;
+        break;
+    case KVKEY_WINDOW:
+        magic = KV_WINDOW_MAGIC;
+        break;
+    case KVKEY_HANDOFF:
+        magic = h.magic == KV_WINDOW_MAGIC ? KV_WINDOW_MAGIC : KV_BLOCK_MAGIC;
+        break;
+    default:
+        return di_fail(err, DI_EINVAL, "unknown object class %d", cls);
+    }
+    di_status st = kv_object_verify(obj, bytes, magic, g, err);
+    if (st != DI_OK)
+        return st;
+    if (memcmp(h.key, key->b, KVKEY_BYTES) != 0)
+        return di_fail(err, DI_ECORRUPT, "the header names another key than the object's");
+    return DI_OK;
+}
+
 void kvkey_hex(const kvkey *k, char out[2 * KVKEY_BYTES + 1])
 {
     static const char digits[] = "0123456789abcdef";

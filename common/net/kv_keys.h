@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/model/kv_layout.h"
 #include "common/util/status.h"
 
 #define KVKEY_BYTES 32u
@@ -59,6 +60,13 @@ di_status kvkey_chain(uint64_t model_id, uint32_t block_tokens, const int32_t *t
 /* Key of a handoff object: SHA-256("di-handoff" || model_id || request id bytes).
  * Returns DI_OK, DI_EINVAL (id NULL or empty), DI_EINTERNAL. */
 di_status kvkey_handoff(uint64_t model_id, const char *request_id, kvkey *out, di_error *err);
+
+/* Verifies a stored object: its kv_header (magic of the class, version, size, model id,
+ * checksum of the payload: kv_object_verify) and that the header names `key`. Blocks carry the
+ * block magic, window states the window magic; a handoff may carry either. DI_OK, or
+ * DI_ECORRUPT with what failed. */
+di_status kvkey_object_verify(int cls, const kvkey *key, const void *obj, size_t bytes,
+                              const kv_geometry *g, di_error *err);
 
 /* Lower-case hex, 64 characters and a NUL. */
 void kvkey_hex(const kvkey *k, char out[2 * KVKEY_BYTES + 1]);

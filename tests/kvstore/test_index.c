@@ -376,7 +376,7 @@ Test(index, dram_eviction_drops_the_lru_copy_and_keeps_it_on_disk)
     kvkey k1 = key_of(1);
     cr_assert_eq(kvidx_lease(f.idx, WIN, &k1, 10, 300, &li, NULL), DI_OK);
     cr_assert(li.need_load);
-    kvidx_load_done(f.idx, li.obj, 1, 301);
+    kvidx_load_done(f.idx, li.obj, KVIDX_LOAD_OK, 301);
     cr_assert_eq(kvidx_release(f.idx, li.lease_id, 302, NULL), DI_OK);
     cr_assert(present(&f, WIN, 2, 400, &res));
     cr_assert_not(res);
@@ -569,7 +569,7 @@ Test(index, a_corrupt_disk_copy_is_dropped_and_reported_as_a_miss)
     cr_assert_eq(kvidx_lease(f.idx, BLK, &k, 100, 1, &li, NULL), DI_OK);
     cr_assert(li.need_load);
     cr_assert_eq(kvidx_lease(f.idx, BLK, &k, 100, 1, &li2, NULL), DI_EBUSY, "still loading");
-    kvidx_load_done(f.idx, li.obj, 0, 2);
+    kvidx_load_done(f.idx, li.obj, KVIDX_LOAD_CORRUPT, 2);
     cr_assert_eq(kvidx_release(f.idx, li.lease_id, 3, NULL), DI_OK);
     cr_assert_eq(kvidx_lease(f.idx, BLK, &k, 100, 4, &li2, NULL), DI_ENOENT);
     cr_assert_eq(drain_deletes(&f), 1);
@@ -695,7 +695,8 @@ Test(index, random_operations_keep_every_invariant)
             kvidx_lease_info li;
             if (kvidx_lease(f.idx, cls, &k, 200, now, &li, NULL) == DI_OK) {
                 if (li.need_load)
-                    kvidx_load_done(f.idx, li.obj, step % 17 != 0, now);
+                    kvidx_load_done(f.idx, li.obj, (kvidx_load)(step % 17 == 0 ? 1 : step % 19 == 0 ? 2 : 0),
+                                now);
                 leases[n_leases++] = li.lease_id;
             }
         } else if (u < 0.8 && n_leases > 0) {
