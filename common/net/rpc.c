@@ -173,6 +173,7 @@ struct rpc_server {
     pthread_cond_t cv;
     int shutdown_seen;         /* the shutdown tag came back */
     unsigned running;          /* calls being handled (until their reply batch started) */
+    unsigned sending;          /* reply batches started and not yet completed */
     char shutdown_tag;         /* its address is the tag */
 };
 
@@ -355,8 +356,15 @@ static void handle_call(call_ctx *c)
     ops[n].op = GRPC_OP_RECV_CLOSE_ON_SERVER;
     ops[n++].data.recv_close_on_server.cancelled = &c->cancelled;
     c->sending = 1;
-    if (grpc_call_start_batch(c->call, ops, n, c, NULL) != GRPC_CALL_OK)
+    pthread_mutex_lock(&s->mu);
+    s->sending++;
+    pthread_mutex_unlock(&s->mu);
+    if (grpc_call_start_batch(c->call, ops, n, c, NULL) != GRPC_CALL_OK) {
         free_ctx(c);
+        pthread_mutex_lock(&s->mu);
+        s->sending--;
+        pthread_mutex_unlock(&s->mu);
+    }
 }
 
 static void *worker_main(void *arg)
@@ -376,7 +384,15 @@ static void *worker_main(void *arg)
             continue;
         }
         call_ctx *c = ev.tag;
-        if (c->sending || !ev.success) {
+        if (c->sending) {
+            free_ctx(c);
+            pthread_mutex_lock(&s->mu);
+            s->sending--;
+            pthread_cond_broadcast(&s->cv);
+            pthread_mutex_unlock(&s->mu);
+            continue;
+        }
+        if (!ev.success) {
             free_ctx(c);
             continue;
         }
@@ -537,14 +553,15 @@ rpc_server *rpc_server_stop(rpc_server *s, uint32_t grace_ms)
         until.tv_sec++;
         until.tv_nsec -= 1000000000L;
     }
+    /* Calls in flight finish and their replies go out (up to the grace period); then the
+     * remaining calls are cancelled and idle client connections closed, which gRPC waits for
+     * before it reports the shutdown. */
     pthread_mutex_lock(&s->mu);
-    while (!s->shutdown_seen)
+    while (!s->shutdown_seen && (s->running > 0 || s->sending > 0))
         if (pthread_cond_timedwait(&s->cv, &s->mu, &until) != 0)
             break;
-    int done = s->shutdown_seen;
     pthread_mutex_unlock(&s->mu);
-    if (!done)
-        grpc_server_cancel_all_calls(s->server);
+    grpc_server_cancel_all_calls(s->server);
     /* Handlers still running will start their reply batches: the queue must stay open. */
     pthread_mutex_lock(&s->mu);
     while (!s->shutdown_seen || s->running > 0)
