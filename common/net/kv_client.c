@@ -485,6 +485,14 @@ static di_status check_items(const kvc_item *items, size_t n, int need_buf, di_e
     return DI_OK;
 }
 
+/* Every item starts as "not processed", so that a batch failing before the store answered
+ * for an item can never leave it looking successful. */
+static void mark_pending(kvc_item *items, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        items[i].status = di_fail(&items[i].error, DI_EINTERNAL, "not processed");
+}
+
 static void mark_all(kvc_item *items, size_t n, di_status st, const di_error *e)
 {
     for (size_t i = 0; i < n; i++)
@@ -621,6 +629,7 @@ di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err)
     di_status st = check_items(items, n, 1, err);
     if (st != DI_OK || n == 0)
         return st;
+    mark_pending(items, n);
     uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
     ucxt_op *ops = calloc(n, sizeof(*ops));
     size_t *which = calloc(n, sizeof(*which)), *get_which = calloc(n, sizeof(*get_which));
@@ -741,6 +750,7 @@ di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err)
     di_status st = check_items(items, n, 1, err);
     if (st != DI_OK || n == 0)
         return st;
+    mark_pending(items, n);
     uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
     ucxt_op *ops = calloc(n, sizeof(*ops));
     size_t *which = calloc(n, sizeof(*which));
@@ -765,16 +775,20 @@ di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err)
     }
     if (st == DI_OK && m > 0)
         st = commit_or_abort(c, "Commit", ids, m, items, which, deadline, err);
-    if (st != DI_OK)
-        for (size_t k = 0; k < m; k++) {
-            items[which[k]].status = st;
-            items[which[k]].error = *err;
-        }
+    if (st != DI_OK) {
+        for (size_t k = 0; k < m; k++) /* allocated: their fate is the batch's */
+            items[which[k]].status = DI_EINTERNAL;
+        mark_all(items, n, st, err);
+    }
     free(ops);
     free(which);
     free(ids);
     return st;
 }
+
+/* The Delete RPC of a batch whose refs are made. */
+static di_status delete_batch(kvc_client *c, kvc_item *items, size_t n, Di__Kvstore__ObjRef **ptrs,
+                              di_error *err);
 
 di_status kvc_delete(kvc_client *c, kvc_item *items, size_t n, di_error *err)
 {
@@ -783,18 +797,29 @@ di_status kvc_delete(kvc_client *c, kvc_item *items, size_t n, di_error *err)
     di_status st = check_items(items, n, 0, err);
     if (st != DI_OK || n == 0)
         return st;
+    mark_pending(items, n);
     Di__Kvstore__ObjRef *refs, **ptrs;
     st = make_refs(items, n, &refs, &ptrs, err);
+    if (st == DI_OK) {
+        st = delete_batch(c, items, n, ptrs, err);
+        free(refs);
+        free(ptrs);
+    }
     if (st != DI_OK)
-        return st;
+        mark_all(items, n, st, err);
+    return st;
+}
+
+static di_status delete_batch(kvc_client *c, kvc_item *items, size_t n, Di__Kvstore__ObjRef **ptrs,
+                              di_error *err)
+{
+    di_status st;
     Di__Kvstore__DeleteRequest req = DI__KVSTORE__DELETE_REQUEST__INIT;
     req.n_items = n;
     req.items = ptrs;
     Di__Kvstore__DeleteReply *r = NULL;
     st = call_msg(c, "Delete", &req.base, &di__kvstore__delete_reply__descriptor,
                   di_mono_ns() + c->o.deadline_ms * 1000000ull, (ProtobufCMessage **)&r, err);
-    free(refs);
-    free(ptrs);
     if (st != DI_OK)
         return st;
     if (r->n_results != n)
