@@ -242,6 +242,11 @@ void kvdisk_fail_write_after(kvdisk *d, uint32_t n)
     atomic_store(&d->fail_countdown, n);
 }
 
+uint32_t kvdisk_fault_countdown(kvdisk *d)
+{
+    return atomic_load(&d->fail_countdown);
+}
+
 /* The test hook: true when this write must fail. */
 static int injected_fault(kvdisk *d)
 {

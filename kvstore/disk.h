@@ -114,5 +114,7 @@ void kvdisk_get_usage(kvdisk *d, kvdisk_usage *out);
 /* Test hook: the n-th write call from now (put, touch or delete; 1 = the next) fails with
  * DI_EIO "injected fault" without touching the database; 0 disables. */
 void kvdisk_fail_write_after(kvdisk *d, uint32_t n);
+/* Writes left before the armed fault fires; 0 once it fired (or when none is armed). */
+uint32_t kvdisk_fault_countdown(kvdisk *d);
 
 #endif

@@ -383,6 +383,13 @@ static di_status check_connect_reply(const Di__Kvstore__ConnectReply *r, di_erro
     return DI_OK;
 }
 
+/* 1 when the store's address is this host: UCX then moves bytes over shared memory. */
+static int same_host(const char *target)
+{
+    return strncmp(target, "127.", 4) == 0 || strncmp(target, "localhost:", 10) == 0 ||
+           strncmp(target, "[::1]:", 6) == 0 || strncmp(target, "unix:", 5) == 0;
+}
+
 /* Connects (Connect RPC, UCX endpoint and key) unless already connected. */
 static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error *err)
 {
@@ -400,8 +407,8 @@ static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error 
     if (st == DI_OK && !c->ucx)
         st = ucxt_create(0, &c->ucx, err);
     if (st == DI_OK)
-        st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len, &c->peer,
-                               err);
+        st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len,
+                               !same_host(c->target), &c->peer, err);
     if (st == DI_OK)
         st = ucxt_rkey_unpack(c->peer, r->rkey.data, r->rkey.len, &c->rkey, err);
     if (st == DI_OK) {

@@ -282,8 +282,8 @@ static ucs_status_t make_ep(ucxt_peer *p, const void *addr, int peer_mode)
     return ucp_ep_create(p->ctx->worker, &ep, &p->ep);
 }
 
-di_status ucxt_peer_connect(ucxt_ctx *c, const void *addr, size_t len, ucxt_peer **out,
-                            di_error *err)
+di_status ucxt_peer_connect(ucxt_ctx *c, const void *addr, size_t len, int peer_errors,
+                            ucxt_peer **out, di_error *err)
 {
     if (!c || !addr || len == 0 || !out)
         return di_fail(err, DI_EINVAL, "ucxt_peer_connect: empty address or NULL argument");
@@ -291,9 +291,9 @@ di_status ucxt_peer_connect(ucxt_ctx *c, const void *addr, size_t len, ucxt_peer
     if (!p)
         return di_fail(err, DI_ENOMEM, "cannot allocate a peer record");
     p->ctx = c;
-    p->peer_mode = 1;
-    ucs_status_t s = make_ep(p, addr, 1);
-    if (s == UCS_ERR_UNSUPPORTED) {
+    p->peer_mode = peer_errors ? 1 : 0;
+    ucs_status_t s = make_ep(p, addr, p->peer_mode);
+    if (s != UCS_OK && p->peer_mode) {
         p->peer_mode = 0;
         s = make_ep(p, addr, 0);
     }
@@ -310,21 +310,9 @@ int ucxt_peer_failed(const ucxt_peer *p)
     return atomic_load(&p->failed);
 }
 
-/* Waits for a request returned by a UCX call; returns its status. */
-static ucs_status_t wait_request(ucxt_ctx *c, void *req)
-{
-    if (req == NULL)
-        return UCS_OK;
-    if (UCS_PTR_IS_ERR(req))
-        return UCS_PTR_STATUS(req);
-    ucs_status_t s;
-    while ((s = ucp_request_check_status(req)) == UCS_INPROGRESS)
-        ucp_worker_progress(c->worker);
-    ucp_request_free(req);
-    return s;
-}
-
-/* Closes the endpoint (forced when the peer failed or supports it). */
+/* Closes the endpoint: forced in PEER mode (outstanding requests complete as cancelled);
+ * otherwise a normal close, waited for at most a second (a dead peer never answers, and the
+ * endpoint is then left to the worker's destruction). */
 static void close_ep(ucxt_peer *p)
 {
     if (!p->ep)
@@ -332,8 +320,15 @@ static void close_ep(ucxt_peer *p)
     ucp_request_param_t rp = {0};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = p->peer_mode ? UCP_EP_CLOSE_FLAG_FORCE : 0;
-    wait_request(p->ctx, ucp_ep_close_nbx(p->ep, &rp));
+    void *req = ucp_ep_close_nbx(p->ep, &rp);
     p->ep = NULL;
+    if (req == NULL || UCS_PTR_IS_ERR(req))
+        return;
+    uint64_t until = di_mono_ns() + 1000000000ull;
+    while (ucp_request_check_status(req) == UCS_INPROGRESS && (p->peer_mode || di_mono_ns() < until))
+        ucp_worker_progress(p->ctx->worker);
+    if (ucp_request_check_status(req) != UCS_INPROGRESS)
+        ucp_request_free(req);
 }
 
 ucxt_peer *ucxt_peer_close(ucxt_peer *p)

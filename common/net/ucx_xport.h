@@ -60,10 +60,14 @@ di_status ucxt_region_rkey(ucxt_region *r, void **buf, size_t *len, di_error *er
 /* Unmaps. NULL-safe; returns NULL. */
 ucxt_region *ucxt_region_unmap(ucxt_region *r);
 
-/* Connects to a remote worker address (error handling mode PEER: a dead peer fails the
- * requests instead of hanging them). DI_OK, DI_EINVAL, DI_EUNAVAIL, DI_EIO. */
-di_status ucxt_peer_connect(ucxt_ctx *ctx, const void *addr, size_t len, ucxt_peer **out,
-                            di_error *err);
+/* Connects to a remote worker address. peer_errors selects UCP_ERR_HANDLING_MODE_PEER: a dead
+ * peer then fails the requests instead of hanging them, and a deadline can force-close the
+ * endpoint; but UCX 1.13's shared-memory transports do not support it, so on one host it would
+ * push every transfer onto TCP. Use it for stores on other hosts only; on one host gets and
+ * puts are one-sided copies that cannot hang on a dead store. DI_OK, DI_EINVAL, DI_EUNAVAIL,
+ * DI_EIO. */
+di_status ucxt_peer_connect(ucxt_ctx *ctx, const void *addr, size_t len, int peer_errors,
+                            ucxt_peer **out, di_error *err);
 /* 1 once the peer has failed (reset, error callback, forced close after a deadline): the caller
  * must connect again. */
 int ucxt_peer_failed(const ucxt_peer *p);

@@ -465,3 +465,56 @@ Test(service, clients_follow_a_restart_and_acknowledged_objects_survive, .timeou
     th_store_stop(&s);
     th_rmtree(dir);
 }
+
+Test(service, abandoned_allocations_and_leases_are_reclaimed, .timeout = 60)
+{
+    char dir[256];
+    th_tmpdir(dir);
+    th_store s;
+    const char *args[] = {"--block-bytes", "4224", "--window-bytes", "8320", "--dram-bytes",
+                          "8MiB", "--alloc-timeout", "300ms", "--lease-max", "400ms", NULL};
+    th_store_start(&s, dir, args);
+    kvc_client *dying = th_client(&s, NULL);
+    kvkey a = th_key(1), b = th_key(2);
+    put_one(dying, KVKEY_BLOCK, &b, BLOCK, 0);
+    /* An allocation whose writer never commits. */
+    Di__Kvstore__AllocItem it = DI__KVSTORE__ALLOC_ITEM__INIT, *pit = &it;
+    it.cls = DI__KVSTORE__OBJ_CLASS__BLOCK;
+    it.key = (ProtobufCBinaryData){32, a.b};
+    it.bytes = BLOCK;
+    Di__Kvstore__AllocRequest ar = DI__KVSTORE__ALLOC_REQUEST__INIT;
+    ar.n_items = 1;
+    ar.items = &pit;
+    uint8_t pb[256], *rep;
+    size_t len;
+    di_error e;
+    size_t n = di__kvstore__alloc_request__pack(&ar, pb);
+    cr_assert_eq(kvc_call(dying, "Alloc", pb, n, &rep, &len, &e), DI_OK, "%s", e.msg);
+    free(rep);
+    /* A lease (asking for a minute: clamped to --lease-max) whose holder goes away. */
+    kvc_lease l;
+    cr_assert_eq(kvc_acquire(dying, KVKEY_BLOCK, &b, 60000, &l, &e), DI_OK, "%s", e.msg);
+    cr_assert_leq(l.expires_in_ms, 400);
+    kvc_close(dying);
+    kvc_client *c = th_client(&s, NULL);
+    Di__Kvstore__StatsReply *st = NULL;
+    for (int tries = 0; tries < 40; tries++) {
+        usleep(100 * 1000); /* the sweeper runs every 200 ms */
+        if (st)
+            di__kvstore__stats_reply__free_unpacked(st, NULL);
+        stats(c, &st);
+        if (st->alloc_reclaimed >= 1 && st->leases_timed_out >= 1)
+            break;
+    }
+    cr_assert_eq(st->alloc_reclaimed, 1);
+    cr_assert_eq(st->leases_timed_out, 1);
+    cr_assert_eq(st->leases_active, 0);
+    cr_assert_eq(st->classes[KVKEY_BLOCK]->writing, 0);
+    cr_assert_eq(st->classes[KVKEY_BLOCK]->dram_slots_used, 1, "only block b holds a slot");
+    di__kvstore__stats_reply__free_unpacked(st, NULL);
+    put_one(c, KVKEY_BLOCK, &a, BLOCK, 0); /* the key is free again */
+    cr_assert_eq(get_check(c, KVKEY_BLOCK, &a, BLOCK, 0, &e), DI_OK, "%s", e.msg);
+    kvc_close(c);
+    th_store_stop(&s);
+    th_rmtree(dir);
+}

@@ -87,7 +87,7 @@ Test(ucx, put_then_get_between_processes, .timeout = 60)
     ucxt_rkey *k;
     di_error e;
     cr_assert_eq(ucxt_create(0, &c, &e), DI_OK, "%s", e.msg);
-    cr_assert_eq(ucxt_peer_connect(c, o->addr, o->addr_len, &p, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(ucxt_peer_connect(c, o->addr, o->addr_len, 0, &p, &e), DI_OK, "%s", e.msg);
     cr_assert_eq(ucxt_rkey_unpack(p, o->rkey, o->rkey_len, &k, &e), DI_OK, "%s", e.msg);
 
     enum { N = 64, LEN = 114048 };
