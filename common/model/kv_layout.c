@@ -2,7 +2,10 @@
 
 #include <string.h>
 
+#include "common/model/config.h"
 #include "common/util/hash64.h"
+
+#include <assert.h>
 
 uint32_t kv_ring_positions_for(uint32_t window, uint32_t nextn, uint32_t backtracking)
 {
@@ -14,21 +17,13 @@ uint32_t kv_ring_positions_for(uint32_t window, uint32_t nextn, uint32_t backtra
 
 void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out)
 {
-    kv_geometry g = {
-        .block_tokens = KV_BLOCK_TOKENS,
-        .head_dim = 512,
-        .index_head_dim = 128,
-        .window = 128,
-        .ring_positions = kv_ring_positions_for(128, nextn, 0),
-        .n_layers = 40,
-        .n_draft_stages = 3,
-        .n_owners = 4,
-        .owner_layer = {2, 8, 14, 20},
-        .owner_ratio = {2, 2, 2, 1},
-        .yoco_boundary = 20,
-        .model_id = 0x7634312d666c7368ull, /* "v41-flsh" */
-    };
-    *out = g;
+    /* The shipped config is the one source of the geometry and of the model id, so blocks
+     * written through either path carry the same fingerprint. */
+    model_config cfg;
+    di_status st = model_config_builtin("v41-flash", &cfg, NULL);
+    assert(st == DI_OK);
+    (void)st;
+    model_config_kv_geometry(&cfg, nextn, out);
 }
 
 di_status kv_geometry_validate(const kv_geometry *g, di_error *err)

@@ -74,7 +74,8 @@ typedef struct kv_header {
 
 _Static_assert(sizeof(kv_header) == KV_HEADER_BYTES, "kv_header must be 128 bytes");
 
-/* DeepSeek-V4.1-Flash with the given nextn (drafts per step; 5 in production). */
+/* DeepSeek-V4.1-Flash with the given nextn (drafts per step; 5 in production), from the shipped
+ * v41-flash config (model_config_kv_geometry), model id included. */
 void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out);
 
 /* Ring size for a window, nextn and optional extra backtracking (0 = none):

@@ -14,6 +14,10 @@
 #include <stdarg.h>
 #include <stddef.h>
 
+#ifdef __cplusplus
+extern "C" {
+#endif
+
 /* XX(name, value, message, grpc_code, http_status) */
 #define DI_STATUS_MAP(XX)                                                                   \
     XX(OK, 0, "ok", 0, 200)                                                                 \
@@ -70,5 +74,9 @@ void di_error_prefix(di_error *err, const char *fmt, ...) __attribute__((format(
 
 /* Resets err to DI_OK with an empty message. NULL-safe. */
 void di_error_clear(di_error *err);
+
+#ifdef __cplusplus
+}
+#endif
 
 #endif

@@ -1,0 +1,31 @@
+/* cuda_check.h: the one boundary where CUDA errors become di_status (STYLE.md H3).
+ * Included by .cu files only. */
+#ifndef DI_KERNELS_CUDA_CHECK_H
+#define DI_KERNELS_CUDA_CHECK_H
+
+#include <cuda_runtime.h>
+
+#include "common/util/status.h"
+
+/* Maps a cudaError_t to a di_status and writes "what: cuda error text" into err. */
+static inline di_status di_cuda_status(cudaError_t e, const char *what, di_error *err)
+{
+    if (e == cudaSuccess)
+        return DI_OK;
+    di_status st = DI_EINTERNAL;
+    if (e == cudaErrorMemoryAllocation)
+        st = DI_ENOMEM;
+    else if (e == cudaErrorInvalidValue || e == cudaErrorInvalidConfiguration)
+        st = DI_EINVAL;
+    else if (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver)
+        st = DI_EUNAVAIL;
+    return di_fail(err, st, "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+/* Checks the launch that just happened (configuration errors show at once). */
+static inline di_status di_cuda_launch_status(const char *kernel, di_error *err)
+{
+    return di_cuda_status(cudaGetLastError(), kernel, err);
+}
+
+#endif
