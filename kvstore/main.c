@@ -9,6 +9,7 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include "common/model/config.h"
 #include "common/net/rpc.h"
 #include "common/net/ucx_xport.h"
 #include "kvstore/cli.h"
@@ -68,9 +69,9 @@ static const kvcli_opt option_rows[] = {
     {"dram-handoff-share", KVCLI_DOUBLE, O(handoff_share), "0.05", 0.001, 0.9, "F",
      "fraction of the DRAM tier for handoffs (blocks get the rest)"},
     {"geometry", KVCLI_STRING, O(geometry), "v41-flash", 0, 0, "NAME",
-     "KV geometry of the model (v41-flash)"},
+     "KV geometry of a shipped model config (v41-flash, tiny, small)"},
     {"model-config", KVCLI_STRING, O(model_config), NULL, 0, 0, "FILE",
-     "take the geometry from a model config (needs the model config parser)"},
+     "take the KV geometry and model id from this config.json (or its directory)"},
     {"nextn", KVCLI_UINT, O(nextn), "5", 0, 16, "N", "drafts per step (ring size of windows)"},
     {"block-bytes", KVCLI_SIZE, O(block_bytes), NULL, 0, 0, "N",
      "override the block object size (small test configs)"},
@@ -167,14 +168,16 @@ static int loopback(const char *listen)
 
 static di_status load_geometry(app *a, di_error *err)
 {
-    if (a->o.model_config)
-        return di_fail(err, DI_EUNSUPPORTED,
-                       "--model-config needs the model config parser, not in this build; use "
-                       "--geometry with --block-bytes/--window-bytes");
-    if (strcmp(a->o.geometry, "v41-flash") != 0)
-        return di_fail(err, DI_EINVAL, "unknown --geometry \"%s\" (known: v41-flash)",
-                       a->o.geometry);
-    kv_geometry_v41_flash((uint32_t)a->o.nextn, &a->geometry);
+    /* A model config file wins over a shipped name; both go through the config parser, so the
+     * model id (the KV fingerprint) is the one the engines compute. */
+    const char *src = a->o.model_config ? a->o.model_config : a->o.geometry;
+    model_config cfg;
+    di_status st = model_config_resolve(src, &cfg, err);
+    if (st != DI_OK) {
+        di_error_prefix(err, "%s %s: ", a->o.model_config ? "--model-config" : "--geometry", src);
+        return st;
+    }
+    model_config_kv_geometry(&cfg, (uint32_t)a->o.nextn, &a->geometry);
     a->object_bytes[KVKEY_BLOCK] =
         a->o.block_bytes ? a->o.block_bytes : kv_block_bytes(&a->geometry);
     a->object_bytes[KVKEY_WINDOW] =

@@ -2,6 +2,7 @@
 
 #include <errno.h>
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -373,11 +374,14 @@ static di_status verify_slot(kvs_store *s, const kvidx_obj *o, di_error *err)
 {
     const void *p = kvslab_addr(s->slab, o->cls, o->slot);
     di_status st = kvkey_object_verify(o->cls, &o->key, p, o->bytes, &s->cfg.geometry, err);
-    if (st != DI_OK) {
-        char hex[65];
+    if (st != DI_OK && err) {
+        char hex[65], msg[sizeof(err->msg)];
         kvkey_hex(&o->key, hex);
-        di_error_prefix(err, "%s %.16s: the bytes put did not arrive intact, put it again: ",
-                        kvkey_class_name(o->cls), hex);
+        snprintf(msg, sizeof(msg), "%s", err->msg);
+        di_fail(err, st, "%s %.16s rejected at commit: %s%s", kvkey_class_name(o->cls), hex, msg,
+                strstr(msg, "checksum") ? " (the bytes were torn or changed in transit: put it "
+                                          "again)"
+                                        : "");
     }
     return st;
 }

@@ -5,8 +5,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/model/config.h"
 #include "common/net/kvstore.pb-c.h"
 #include "common/net/rpc.h"
 #include "common/util/clock.h"
@@ -516,5 +518,64 @@ Test(service, abandoned_allocations_and_leases_are_reclaimed, .timeout = 60)
     cr_assert_eq(get_check(c, KVKEY_BLOCK, &a, BLOCK, 0, &e), DI_OK, "%s", e.msg);
     kvc_close(c);
     th_store_stop(&s);
+    th_rmtree(dir);
+}
+
+Test(service, geometry_from_a_shipped_name_or_a_config_file, .timeout = 60)
+{
+    char dir[256], cfgpath[300];
+    th_tmpdir(dir);
+    snprintf(cfgpath, sizeof(cfgpath), "%s.config.json", dir);
+    FILE *f = fopen(cfgpath, "w");
+    fputs(model_config_builtin_json("small"), f);
+    fclose(f);
+    const char *names[2] = {"tiny", "small"};
+    for (int i = 0; i < 2; i++) {
+        model_config mc;
+        di_error e;
+        cr_assert_eq(model_config_builtin(names[i], &mc, &e), DI_OK, "%s", e.msg);
+        kv_geometry g;
+        model_config_kv_geometry(&mc, 5, &g);
+        th_store s;
+        const char *by_name[] = {"--geometry", names[i], "--dram-bytes", "8MiB", NULL};
+        const char *by_file[] = {"--model-config", cfgpath, "--dram-bytes", "8MiB", NULL};
+        char sub[300];
+        snprintf(sub, sizeof(sub), "%s/%d", dir, i);
+        th_store_start(&s, sub, i == 0 ? by_name : by_file);
+        kvc_client *c = th_client(&s, NULL);
+        kvc_store_info info;
+        cr_assert_eq(kvc_info(c, &info, &e), DI_OK, "%s", e.msg);
+        cr_assert_eq(info.geometry.model_id, g.model_id, "%s", names[i]);
+        cr_assert_eq(info.object_bytes[KVKEY_BLOCK], kv_block_bytes(&g));
+        cr_assert_eq(info.object_bytes[KVKEY_WINDOW], kv_window_state_bytes(&g));
+        /* A block of that model round-trips; a V4.1-Flash block is refused by size or model. */
+        kvkey k = th_key(1);
+        size_t bytes = kv_block_bytes(&g);
+        uint8_t *p = malloc(bytes), *q = malloc(bytes);
+        th_fill_object(p, bytes, KV_BLOCK_MAGIC, &g, &k, 0);
+        cr_assert_eq(kvc_put1(c, KVKEY_BLOCK, &k, p, bytes, &e), DI_OK, "%s", e.msg);
+        cr_assert_eq(kvc_get1(c, KVKEY_BLOCK, &k, q, bytes, NULL, &e), DI_OK, "%s", e.msg);
+        cr_assert_eq(memcmp(p, q, bytes), 0);
+        kv_geometry v = v41();
+        kvkey k2 = th_key(2);
+        th_fill_object(p, bytes, KV_BLOCK_MAGIC, &v, &k2, 0); /* right size, other model */
+        cr_assert_eq(kvc_put1(c, KVKEY_BLOCK, &k2, p, bytes, &e), DI_ECORRUPT);
+        cr_assert(strstr(e.msg, "written by model"), "%s", e.msg);
+        free(p);
+        free(q);
+        kvc_close(c);
+        th_store_stop(&s);
+    }
+    char cmd[600];
+    snprintf(cmd, sizeof(cmd), "%s/kvstore/di-kvstore --geometry huge --dir %s/x 2>&1",
+             getenv("DI_BUILD_ROOT"), dir);
+    FILE *p = popen(cmd, "r");
+    char out[1024] = {0};
+    size_t n = fread(out, 1, sizeof(out) - 1, p);
+    out[n] = '\0';
+    int status = pclose(p);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) != 0, "bad geometry must fail");
+    cr_assert(strstr(out, "--geometry huge") && strstr(out, "v41-flash"), "%s", out);
+    remove(cfgpath);
     th_rmtree(dir);
 }
