@@ -14,20 +14,24 @@
 
 #define UCX_WINDOW 16 /* transfers in flight per batch */
 
-/* Verifies objects on helper threads while the caller's thread runs the UCX gets. */
-typedef struct verify_pool {
+/* One job of a batch: item `index` of the batch handed to pool_begin. */
+typedef void (*job_fn)(void *batch, size_t index);
+
+/* Helper threads that share a batch's per-item work (verifying after UCX gets, or copying with
+ * verification from the store's mapped memory) with the caller's thread. */
+typedef struct work_pool {
     pthread_mutex_t mu;
-    pthread_cond_t work;      /* an index was queued, or stop */
-    pthread_cond_t idle;      /* outstanding reached 0 */
+    pthread_cond_t work;         /* an index was queued, or stop */
+    pthread_cond_t idle;         /* outstanding reached 0 */
     size_t queue[KVC_MAX_BATCH]; /* FIFO of item indices */
-    size_t head, tail;        /* queue[head..tail) */
-    size_t outstanding;       /* queued or being verified */
-    kvc_item *items;          /* the batch being verified */
-    const kv_geometry *g;     /* geometry to verify against */
-    int stop;                 /* ends the threads */
+    size_t head, tail;           /* queue[head..tail) */
+    size_t outstanding;          /* queued or being worked on */
+    job_fn fn;                   /* the batch's job */
+    void *batch;                 /* its argument */
+    int stop;                    /* ends the threads */
     pthread_t *threads;
     int n_threads;
-} verify_pool;
+} work_pool;
 
 struct kvc_client {
     kvc_options o;            /* copy; strings point at the copies below */
@@ -40,7 +44,8 @@ struct kvc_client {
     kvc_store_info info;      /* from Connect */
     uint64_t arena_base;      /* store's arena address */
     uint64_t arena_bytes;
-    verify_pool vp;           /* helpers (n_threads may be 0) */
+    uint8_t *mapped;          /* the store's arena mapped here (same host), else NULL */
+    work_pool vp;             /* helpers (n_threads may be 0) */
     int vp_started;           /* vp initialised */
 };
 
@@ -60,7 +65,7 @@ void kvc_options_default(kvc_options *o)
     o->verify_threads = 1;
 }
 
-/* ---------------------------------------------------------------- verification */
+/* ---------------------------------------------------------------- per-item work */
 
 static void verify_item(const kv_geometry *g, kvc_item *it)
 {
@@ -72,9 +77,56 @@ static void verify_item(const kv_geometry *g, kvc_item *it)
     }
 }
 
-static void *verify_main(void *arg)
+/* What the jobs of one get or put batch need. */
+typedef struct batch_ctx {
+    kvc_client *c;
+    kvc_item *items;
+    const size_t *which;       /* op index -> item index */
+    const ucxt_op *ops;        /* remote addresses (direct copies) */
+} batch_ctx;
+
+/* After a UCX get: verify the bytes that arrived. */
+static void job_verify(void *arg, size_t op)
 {
-    verify_pool *p = arg;
+    batch_ctx *b = arg;
+    verify_item(&b->c->info.geometry, &b->items[b->which[op]]);
+}
+
+static const uint8_t *mapped_at(const kvc_client *c, uint64_t remote)
+{
+    return c->mapped + (remote - c->arena_base);
+}
+
+/* Same host: copy from the store's mapped memory, checksumming in the same pass. */
+static void job_copy_in(void *arg, size_t op)
+{
+    batch_ctx *b = arg;
+    kvc_item *it = &b->items[b->which[op]];
+    const uint8_t *src = mapped_at(b->c, b->ops[op].remote);
+    it->status = DI_OK;
+    if (!b->c->o.verify) {
+        memcpy(it->buf, src, it->bytes);
+        return;
+    }
+    di_status st = kvkey_object_copy_verify(it->cls, &it->key, it->buf, src, it->bytes,
+                                            &b->c->info.geometry, &it->error);
+    if (st != DI_OK) {
+        it->status = st;
+        di_error_prefix(&it->error, "%s read from the store failed verification: ",
+                        kvkey_class_name(it->cls));
+    }
+}
+
+/* Same host: copy an object into its allocated slot. */
+static void job_copy_out(void *arg, size_t op)
+{
+    batch_ctx *b = arg;
+    memcpy((void *)mapped_at(b->c, b->ops[op].remote), b->ops[op].local, b->ops[op].len);
+}
+
+static void *pool_main(void *arg)
+{
+    work_pool *p = arg;
     pthread_mutex_lock(&p->mu);
     for (;;) {
         while (p->head == p->tail && !p->stop)
@@ -82,10 +134,10 @@ static void *verify_main(void *arg)
         if (p->stop)
             break;
         size_t i = p->queue[p->head++];
-        kvc_item *items = p->items;
-        const kv_geometry *g = p->g;
+        job_fn fn = p->fn;
+        void *batch = p->batch;
         pthread_mutex_unlock(&p->mu);
-        verify_item(g, &items[i]);
+        fn(batch, i);
         pthread_mutex_lock(&p->mu);
         if (--p->outstanding == 0)
             pthread_cond_broadcast(&p->idle);
@@ -94,18 +146,18 @@ static void *verify_main(void *arg)
     return NULL;
 }
 
-static void pool_start(verify_pool *p, int n)
+static void pool_start(work_pool *p, int n)
 {
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->work, NULL);
     pthread_cond_init(&p->idle, NULL);
     p->threads = n > 0 ? calloc((size_t)n, sizeof(pthread_t)) : NULL;
     for (int i = 0; p->threads && i < n; i++)
-        if (pthread_create(&p->threads[i], NULL, verify_main, p) == 0)
+        if (pthread_create(&p->threads[i], NULL, pool_main, p) == 0)
             p->n_threads++;
 }
 
-static void pool_stop(verify_pool *p)
+static void pool_stop(work_pool *p)
 {
     pthread_mutex_lock(&p->mu);
     p->stop = 1;
@@ -119,37 +171,30 @@ static void pool_stop(verify_pool *p)
     pthread_cond_destroy(&p->idle);
 }
 
-/* Per-get context handed to the UCX completion callback. */
-typedef struct get_ctx {
-    kvc_client *c;
-    kvc_item *items;
-    const size_t *which; /* op index -> item index */
-} get_ctx;
-
-static void on_get_done(void *ud, size_t op)
+/* Sets the job of the coming pushes (the pool is idle between batches). */
+static void pool_begin(work_pool *p, job_fn fn, void *batch)
 {
-    get_ctx *g = ud;
-    kvc_client *c = g->c;
-    size_t i = g->which[op];
-    g->items[i].status = DI_OK;
-    if (!c->o.verify)
-        return;
-    verify_pool *p = &c->vp;
+    p->fn = fn;
+    p->batch = batch;
+    p->head = p->tail = 0;
+}
+
+/* Queues one index; without helper threads the job runs here and now. */
+static void pool_push(work_pool *p, size_t i)
+{
     if (p->n_threads == 0) {
-        verify_item(&c->info.geometry, &g->items[i]);
+        p->fn(p->batch, i);
         return;
     }
     pthread_mutex_lock(&p->mu);
-    p->items = g->items;
-    p->g = &c->info.geometry;
     p->queue[p->tail++] = i;
     p->outstanding++;
     pthread_cond_signal(&p->work);
     pthread_mutex_unlock(&p->mu);
 }
 
-/* The caller's thread helps with what is queued, then waits for the helpers. */
-static void pool_drain(verify_pool *p)
+/* The caller's thread takes jobs too, then waits until the helpers are done. */
+static void pool_drain(work_pool *p)
 {
     if (p->n_threads == 0)
         return;
@@ -158,15 +203,32 @@ static void pool_drain(verify_pool *p)
         if (p->head < p->tail) {
             size_t i = p->queue[p->head++];
             pthread_mutex_unlock(&p->mu);
-            verify_item(p->g, &p->items[i]);
+            p->fn(p->batch, i);
             pthread_mutex_lock(&p->mu);
             if (--p->outstanding == 0)
                 pthread_cond_broadcast(&p->idle);
         } else
             pthread_cond_wait(&p->idle, &p->mu);
     }
-    p->head = p->tail = 0;
     pthread_mutex_unlock(&p->mu);
+}
+
+/* Runs fn on ops 0..n-1, shared between the caller and the helpers. */
+static void pool_run(work_pool *p, job_fn fn, void *batch, size_t n)
+{
+    pool_begin(p, fn, batch);
+    for (size_t i = 0; i < n; i++)
+        pool_push(p, i);
+    pool_drain(p);
+}
+
+/* UCX get completions feed the verification jobs. */
+static void on_get_done(void *ud, size_t op)
+{
+    batch_ctx *b = ud;
+    b->items[b->which[op]].status = DI_OK;
+    if (b->c->o.verify)
+        pool_push(&b->c->vp, op);
 }
 
 /* ---------------------------------------------------------------- open / close */
@@ -217,6 +279,7 @@ di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
 
 static void drop_transport(kvc_client *c)
 {
+    c->mapped = NULL;
     c->rkey = ucxt_rkey_free(c->rkey);
     c->peer = ucxt_peer_close(c->peer);
     c->connected = 0;
@@ -414,6 +477,9 @@ static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error 
     if (st == DI_OK) {
         info_from(c, r);
         c->connected = 1;
+        void *p = NULL;
+        if (!c->o.ucx_rma && ucxt_rkey_ptr(c->rkey, c->arena_base, &p, NULL) == DI_OK)
+            c->mapped = p; /* same host: copy straight from the store's memory */
     } else
         drop_transport(c);
     if (r)
@@ -426,8 +492,10 @@ static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error 
 di_status kvc_info(kvc_client *c, kvc_store_info *out, di_error *err)
 {
     di_status st = ensure_connected(c, di_mono_ns() + c->o.deadline_ms * 1000000ull, err);
-    if (st == DI_OK)
+    if (st == DI_OK) {
         *out = c->info;
+        out->mapped = c->mapped != NULL;
+    }
     return st;
 }
 
@@ -653,9 +721,14 @@ di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err)
         st = follow_restart(c, store_id, deadline, err);
     if (st == DI_OK && m > 0) {
         size_t g = compact_ops(c, items, ops, which, m, get_which);
-        get_ctx gc = {.c = c, .items = items, .which = get_which};
-        st = ucxt_get(c->peer, c->rkey, ops, g, UCX_WINDOW, deadline, on_get_done, &gc, err);
-        pool_drain(&c->vp);
+        batch_ctx b = {.c = c, .items = items, .which = get_which, .ops = ops};
+        if (c->mapped)
+            pool_run(&c->vp, job_copy_in, &b, g);
+        else {
+            pool_begin(&c->vp, job_verify, &b);
+            st = ucxt_get(c->peer, c->rkey, ops, g, UCX_WINDOW, deadline, on_get_done, &b, err);
+            pool_drain(&c->vp);
+        }
         if (st != DI_OK)
             drop_transport(c);
     }
@@ -772,7 +845,10 @@ di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err)
         st = alloc_batch(c, items, n, deadline, ops, which, ids, &m, &store_id, err);
     if (st == DI_OK)
         st = follow_restart(c, store_id, deadline, err);
-    if (st == DI_OK && m > 0) {
+    if (st == DI_OK && m > 0 && c->mapped) {
+        batch_ctx b = {.c = c, .items = items, .which = which, .ops = ops};
+        pool_run(&c->vp, job_copy_out, &b, m);
+    } else if (st == DI_OK && m > 0) {
         st = ucxt_put(c->peer, c->rkey, ops, m, UCX_WINDOW, deadline, err);
         if (st != DI_OK) {
             drop_transport(c);
@@ -928,15 +1004,22 @@ di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l,
     if (!c->connected || ucxt_peer_failed(c->peer))
         return di_fail(err, DI_EUNAVAIL, "the store connection was lost; acquire again");
     ucxt_op op = {.remote = l->remote_addr, .local = buf, .len = l->bytes};
-    di_status st = ucxt_get(c->peer, c->rkey, &op, 1, 1, deadline, NULL, NULL, err);
-    if (st != DI_OK) {
-        drop_transport(c);
-        return st;
+    kvc_item it = {.cls = cls, .key = *key, .buf = buf, .bytes = l->bytes, .status = DI_OK};
+    if (op.remote < c->arena_base || op.remote + op.len > c->arena_base + c->arena_bytes)
+        return di_fail(err, DI_EPROTO, "the lease's address is outside the store's DRAM tier");
+    size_t which = 0;
+    batch_ctx b = {.c = c, .items = &it, .which = &which, .ops = &op};
+    if (c->mapped)
+        job_copy_in(&b, 0);
+    else {
+        di_status st = ucxt_get(c->peer, c->rkey, &op, 1, 1, deadline, NULL, NULL, err);
+        if (st != DI_OK) {
+            drop_transport(c);
+            return st;
+        }
+        if (c->o.verify)
+            job_verify(&b, 0);
     }
-    if (!c->o.verify)
-        return DI_OK;
-    kvc_item it = {.cls = cls, .key = *key, .buf = buf, .bytes = l->bytes};
-    verify_item(&c->info.geometry, &it);
     if (it.status != DI_OK && err)
         *err = it.error;
     return it.status;

@@ -6,11 +6,17 @@
  * (common/net/ucx_xport.h). It connects lazily and again after a store restart (the store id
  * changes), so callers just retry a call that returned DI_EUNAVAIL.
  *
- *   get  = Lease (one RPC for a batch) + UCX gets into the caller's buffers + verification of
- *          every object's kv_header (checksum, key, model) + Release (one RPC). The store never
- *          sees the bytes move; the lease keeps them from being evicted or reused meanwhile.
- *   put  = Alloc (one RPC) + UCX puts + flush + Commit (one RPC); the store verifies each object
- *          and acknowledges it only once durable at its --durability level.
+ *   get  = Lease (one RPC for a batch) + one-sided reads into the caller's buffers + checks
+ *          of every object's kv_header (checksum, key, model) + Release (one RPC). The store
+ *          never sees the bytes move; the lease keeps them from being evicted or reused.
+ *   put  = Alloc (one RPC) + one-sided writes + Commit (one RPC); the store verifies each
+ *          object and acknowledges it only once durable at its --durability level.
+ *
+ * One-sided reads and writes: when the store runs on this host, UCX maps its DRAM arena into
+ * this process (ucp_rkey_ptr on the store's remote key) and the client copies through that
+ * mapping, checksumming in the same pass (di_hash64_copy), so a verified get costs about a
+ * memcpy. Otherwise it uses ucp_get_nbx / ucp_put_nbx and verifies what arrived. Either way
+ * the copies of a batch are shared between the caller and verify_threads helpers.
  *
  * Every call has a deadline (kvc_options.deadline_ms unless the call takes one) and returns a
  * di_status with a message: DI_EUNAVAIL (store down or unreachable), DI_ETIMEDOUT (deadline),
@@ -46,7 +52,10 @@ typedef struct kvc_options {
     uint64_t model_id;           /* refuse a store holding another model's KV; 0 = any */
     int verify;                  /* 1 (default when built by kvc_options_default): verify
                                     objects after every get */
-    int verify_threads;          /* extra threads verifying while later gets run; 0 = inline */
+    int verify_threads;          /* helper threads sharing the per-object copy and verification
+                                    work of a batch with the caller; 0 = all on the caller */
+    int ucx_rma;                 /* 1: always ucp_get/ucp_put, even when the store's memory is
+                                    mapped here (tests of the cross-host path) */
     const di_logger *log;        /* debug lines; may be NULL */
 } kvc_options;
 
@@ -69,6 +78,7 @@ typedef struct kvc_store_info {
     uint64_t object_bytes[KVKEY_CLASS_COUNT]; /* block, window; handoff maximum */
     char durability[8];         /* "none", "wal", "fsync" */
     uint32_t lease_max_ms;
+    int mapped;                 /* 1: the store's memory is mapped here (same host) */
 } kvc_store_info;
 /* Connects if needed and returns the store's description. */
 di_status kvc_info(kvc_client *c, kvc_store_info *out, di_error *err);

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util/hash64.h"
+
 static const char *const class_names[KVKEY_CLASS_COUNT] = {"block", "window", "handoff"};
 
 const char *kvkey_class_name(int cls)
@@ -145,14 +147,10 @@ di_status kvkey_handoff(uint64_t model_id, const char *request_id, kvkey *out, d
     return DI_OK;
 }
 
-di_status kvkey_object_verify(int cls, const kvkey *key, const void *obj, size_t bytes,
-                              const kv_geometry *g, di_error *err)
+/* Every check of a stored object once its payload checksum is known. */
+static di_status check_object(int cls, const kvkey *key, const void *obj, size_t bytes,
+                              const kv_geometry *g, uint64_t payload_sum, di_error *err)
 {
-    if (!key || !obj || !g)
-        return di_fail(err, DI_EINVAL, "kvkey_object_verify: NULL argument");
-    if (bytes < KV_HEADER_BYTES)
-        return di_fail(err, DI_ECORRUPT, "object of %zu bytes is shorter than its header",
-                       bytes);
     kv_header h;
     memcpy(&h, obj, sizeof(h));
     uint32_t magic;
@@ -169,12 +167,41 @@ di_status kvkey_object_verify(int cls, const kvkey *key, const void *obj, size_t
     default:
         return di_fail(err, DI_EINVAL, "unknown object class %d", cls);
     }
-    di_status st = kv_object_verify(obj, bytes, magic, g, err);
-    if (st != DI_OK)
-        return st;
-    if (memcmp(h.key, key->b, KVKEY_BYTES) != 0)
-        return di_fail(err, DI_ECORRUPT, "the header names another key than the object's");
-    return DI_OK;
+    di_status st = kv_header_check(obj, bytes, magic, g, err);
+    if (st == DI_OK)
+        st = kv_checksum_check(obj, payload_sum, err);
+    if (st == DI_OK && memcmp(h.key, key->b, KVKEY_BYTES) != 0)
+        st = di_fail(err, DI_ECORRUPT, "the header names another key than the object's");
+    return st;
+}
+
+di_status kvkey_object_verify(int cls, const kvkey *key, const void *obj, size_t bytes,
+                              const kv_geometry *g, di_error *err)
+{
+    if (!key || !obj || !g)
+        return di_fail(err, DI_EINVAL, "kvkey_object_verify: NULL argument");
+    if (bytes < KV_HEADER_BYTES)
+        return di_fail(err, DI_ECORRUPT, "object of %zu bytes is shorter than its header",
+                       bytes);
+    uint64_t sum = di_hash64((const uint8_t *)obj + KV_HEADER_BYTES, bytes - KV_HEADER_BYTES,
+                             g->model_id);
+    return check_object(cls, key, obj, bytes, g, sum, err);
+}
+
+di_status kvkey_object_copy_verify(int cls, const kvkey *key, void *dst, const void *src,
+                                   size_t bytes, const kv_geometry *g, di_error *err)
+{
+    if (!key || !dst || !src || !g)
+        return di_fail(err, DI_EINVAL, "kvkey_object_copy_verify: NULL argument");
+    if (bytes < KV_HEADER_BYTES)
+        return di_fail(err, DI_ECORRUPT, "object of %zu bytes is shorter than its header",
+                       bytes);
+    /* Checked on the copy: what the caller gets is exactly what was verified. */
+    memcpy(dst, src, KV_HEADER_BYTES);
+    uint64_t sum = di_hash64_copy((uint8_t *)dst + KV_HEADER_BYTES,
+                                  (const uint8_t *)src + KV_HEADER_BYTES, bytes - KV_HEADER_BYTES,
+                                  g->model_id);
+    return check_object(cls, key, dst, bytes, g, sum, err);
 }
 
 void kvkey_hex(const kvkey *k, char out[2 * KVKEY_BYTES + 1])

@@ -68,6 +68,12 @@ di_status kvkey_handoff(uint64_t model_id, const char *request_id, kvkey *out, d
 di_status kvkey_object_verify(int cls, const kvkey *key, const void *obj, size_t bytes,
                               const kv_geometry *g, di_error *err);
 
+/* The same while copying the object from src to dst in one pass (di_hash64_copy): on return
+ * dst holds the bytes that were verified, whatever happens to src meanwhile. dst is written
+ * even on failure (its content is then unspecified). */
+di_status kvkey_object_copy_verify(int cls, const kvkey *key, void *dst, const void *src,
+                                   size_t bytes, const kv_geometry *g, di_error *err);
+
 /* Lower-case hex, 64 characters and a NUL. */
 void kvkey_hex(const kvkey *k, char out[2 * KVKEY_BYTES + 1]);
 

@@ -366,6 +366,19 @@ ucxt_rkey *ucxt_rkey_free(ucxt_rkey *k)
     return NULL;
 }
 
+di_status ucxt_rkey_ptr(ucxt_rkey *k, uint64_t remote, void **local, di_error *err)
+{
+    if (!k || !local)
+        return di_fail(err, DI_EINVAL, "ucxt_rkey_ptr: NULL argument");
+    void *p = NULL;
+    ucs_status_t s = ucp_rkey_ptr(k->rkey, remote, &p);
+    if (s != UCS_OK)
+        return di_fail(err, DI_EUNSUPPORTED, "the remote memory is not mapped here: UCX %s",
+                       ucs_status_string(s));
+    *local = p;
+    return DI_OK;
+}
+
 /* ---------------------------------------------------------------- transfers */
 
 /* One operation in flight. */

@@ -78,6 +78,11 @@ ucxt_peer *ucxt_peer_close(ucxt_peer *p);
 di_status ucxt_rkey_unpack(ucxt_peer *p, const void *buf, size_t len, ucxt_rkey **out,
                            di_error *err);
 ucxt_rkey *ucxt_rkey_free(ucxt_rkey *k);
+/* A local pointer to the remote address when UCX has mapped the peer's memory into this
+ * process (shared-memory transports: the peer is on this host). Loads and stores through it
+ * are one-sided accesses to the peer's memory. DI_OK, or DI_EUNSUPPORTED when the memory is
+ * not mapped here (the peer is elsewhere: use ucxt_get / ucxt_put). */
+di_status ucxt_rkey_ptr(ucxt_rkey *k, uint64_t remote, void **local, di_error *err);
 
 /* One transfer of a batch. */
 typedef struct ucxt_op {

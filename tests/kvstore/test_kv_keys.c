@@ -8,6 +8,7 @@
 #include <string.h>
 
 #include "common/net/kv_keys.h"
+#include "common/util/hash64.h"
 
 #define MID 0x7634312d666c7368ull
 
@@ -108,4 +109,49 @@ Test(kv_keys, bad_arguments_are_rejected_with_reasons)
     cr_assert_eq(kvkey_chain(1, 0, NULL, 0, NULL, 0, &n, &e), DI_EINVAL);
     cr_assert(strstr(e.msg, "block_tokens"), "%s", e.msg);
     cr_assert_eq(kvkey_handoff(1, "", &k, &e), DI_EINVAL);
+}
+
+Test(kv_keys, hash_while_copying_equals_hash_of_the_bytes)
+{
+    uint8_t src[400], dst[400];
+    for (int i = 0; i < 400; i++)
+        src[i] = (uint8_t)(i * 37 + 11);
+    for (size_t len = 0; len <= 300; len++)
+        for (size_t off = 0; off < 3; off++) {
+            memset(dst, 0xcc, sizeof(dst));
+            uint64_t h = di_hash64_copy(dst + off, src + off, len, 99 + len);
+            cr_assert_eq(h, di_hash64(src + off, len, 99 + len), "len %zu off %zu", len, off);
+            cr_assert_eq(memcmp(dst + off, src + off, len), 0, "len %zu off %zu", len, off);
+            cr_assert_eq(dst[off + len], 0xcc, "nothing written past len");
+        }
+}
+
+Test(kv_keys, copy_verify_checks_what_it_copied)
+{
+    kv_geometry g;
+    kv_geometry_v41_flash(5, &g);
+    enum { N = KV_HEADER_BYTES + 1000 };
+    uint8_t src[N], dst[N];
+    for (int i = KV_HEADER_BYTES; i < N; i++)
+        src[i] = (uint8_t)i;
+    kvkey k, other;
+    memset(&k, 7, sizeof(k));
+    memset(&other, 8, sizeof(other));
+    kv_header h;
+    kv_header_fill(&h, KV_BLOCK_MAGIC, &g, k.b, 128, 0, src + KV_HEADER_BYTES, N - KV_HEADER_BYTES);
+    memcpy(src, &h, sizeof(h));
+    di_error e;
+    cr_assert_eq(kvkey_object_copy_verify(KVKEY_BLOCK, &k, dst, src, N, &g, &e), DI_OK, "%s",
+                 e.msg);
+    cr_assert_eq(memcmp(dst, src, N), 0);
+    cr_assert_eq(kvkey_object_verify(KVKEY_BLOCK, &k, dst, N, &g, &e), DI_OK);
+    cr_assert_eq(kvkey_object_copy_verify(KVKEY_BLOCK, &other, dst, src, N, &g, &e), DI_ECORRUPT);
+    cr_assert(strstr(e.msg, "another key"), "%s", e.msg);
+    cr_assert_eq(kvkey_object_copy_verify(KVKEY_WINDOW, &k, dst, src, N, &g, &e), DI_ECORRUPT);
+    cr_assert(strstr(e.msg, "magic"), "%s", e.msg);
+    src[KV_HEADER_BYTES + 500] ^= 4;
+    cr_assert_eq(kvkey_object_copy_verify(KVKEY_BLOCK, &k, dst, src, N, &g, &e), DI_ECORRUPT);
+    cr_assert(strstr(e.msg, "checksum"), "%s", e.msg);
+    cr_assert_eq(kvkey_object_verify(KVKEY_BLOCK, &k, src, N, &g, &e), DI_ECORRUPT);
+    cr_assert_eq(kvkey_object_copy_verify(KVKEY_BLOCK, &k, dst, src, 100, &g, &e), DI_ECORRUPT);
 }

@@ -78,14 +78,22 @@ static void stats(kvc_client *c, Di__Kvstore__StatsReply **out)
     cr_assert_not_null(*out);
 }
 
-Test(service, v41_blocks_and_windows_round_trip_over_ucx, .timeout = 120)
+/* V4.1-Flash blocks and a window state through the client, either through the store's memory
+ * mapped here (same host) or with ucp_get/ucp_put (the path to stores on other hosts). */
+static void v41_round_trip(int ucx_rma)
 {
     char dir[256];
     th_tmpdir(dir);
     th_store s;
     const char *args[] = {"--dram-bytes", "96MiB", NULL};
     th_store_start(&s, dir, args);
-    kvc_client *c = th_client(&s, NULL);
+    kvc_options o;
+    kvc_options_default(&o);
+    o.target = s.target;
+    o.ucx_rma = ucx_rma;
+    kvc_client *c;
+    di_error e0;
+    cr_assert_eq(kvc_open(&o, &c, &e0), DI_OK, "%s", e0.msg);
     kvc_store_info info;
     di_error e;
     cr_assert_eq(kvc_info(c, &info, &e), DI_OK, "%s", e.msg);
@@ -93,6 +101,7 @@ Test(service, v41_blocks_and_windows_round_trip_over_ucx, .timeout = 120)
     cr_assert_eq(info.object_bytes[KVKEY_WINDOW], 1501184);
     cr_assert_eq(info.geometry.model_id, v41().model_id);
     cr_assert_str_eq(info.durability, "wal");
+    cr_assert_eq(info.mapped, !ucx_rma, "same host: mapped unless RMA is forced");
 
     enum { N = 48 };
     int32_t *tokens = malloc(N * 128 * sizeof(int32_t));
@@ -146,6 +155,16 @@ Test(service, v41_blocks_and_windows_round_trip_over_ucx, .timeout = 120)
     kvc_close(c);
     th_store_stop(&s);
     th_rmtree(dir);
+}
+
+Test(service, v41_blocks_and_windows_round_trip_through_mapped_memory, .timeout = 120)
+{
+    v41_round_trip(0);
+}
+
+Test(service, v41_blocks_and_windows_round_trip_with_ucp_get_and_put, .timeout = 120)
+{
+    v41_round_trip(1);
 }
 
 Test(service, a_lease_outlives_expiry_and_pressure_then_the_object_goes, .timeout = 60)
