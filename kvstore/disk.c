@@ -1,10 +1,12 @@
 #include "kvstore/disk.h"
 
+#include <pthread.h>
 #include <rocksdb/c.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/statvfs.h>
 
 #include "common/util/hash64.h"
 
@@ -25,6 +27,11 @@ struct kvdisk {
     rocksdb_readoptions_t *ro;              /* reads: checksums verified */
     rocksdb_readoptions_t *ro_scan;         /* scans: no block-cache fill */
     int durability;                         /* kvdisk_durability */
+    char *dir;                              /* directory (copy, for reopening) */
+    pthread_rwlock_t lock;                  /* every call reads; kvdisk_recover writes */
+    atomic_int failed;                      /* di_status of a hard write error; 0 = none */
+    int read_only;                          /* reopened read-only after a failed recovery */
+    uint64_t min_free;                      /* free bytes needed before a reopen is tried */
     atomic_uint fail_countdown;             /* test hook; 0 = off */
 };
 
@@ -177,6 +184,41 @@ static void make_options(kvdisk *d, const kvdisk_config *cfg)
     rocksdb_readoptions_set_fill_cache(d->ro_scan, 0);
 }
 
+/* Opens the database with d's options into d->db and d->cf (read-only: for serving reads
+ * while writes cannot be recovered). */
+static di_status open_db(kvdisk *d, int read_only, di_error *err)
+{
+    const rocksdb_options_t *cf_opts[N_CF];
+    for (int i = 0; i < N_CF; i++)
+        cf_opts[i] = d->opts;
+    char *errptr = NULL;
+    if (read_only)
+        d->db = rocksdb_open_for_read_only_column_families(d->opts, d->dir, N_CF, cf_names,
+                                                           cf_opts, d->cf, 0, &errptr);
+    else
+        d->db = rocksdb_open_column_families(d->opts, d->dir, N_CF, cf_names, cf_opts, d->cf,
+                                             &errptr);
+    if (errptr) {
+        char what[300];
+        snprintf(what, sizeof(what), "opening RocksDB in %s", d->dir);
+        d->db = NULL;
+        memset(d->cf, 0, sizeof(d->cf));
+        return rocks_fail(err, errptr, what);
+    }
+    return DI_OK;
+}
+
+static void close_db(kvdisk *d)
+{
+    for (int i = 0; i < N_CF; i++)
+        if (d->cf[i])
+            rocksdb_column_family_handle_destroy(d->cf[i]);
+    memset(d->cf, 0, sizeof(d->cf));
+    if (d->db)
+        rocksdb_close(d->db);
+    d->db = NULL;
+}
+
 di_status kvdisk_open(const kvdisk_config *cfg, kvdisk **out, di_error *err)
 {
     if (!cfg || !cfg->dir || !*cfg->dir || !out)
@@ -185,25 +227,17 @@ di_status kvdisk_open(const kvdisk_config *cfg, kvdisk **out, di_error *err)
         return di_fail(err, DI_EINVAL, "durability %d is not none, wal or fsync",
                        cfg->durability);
     kvdisk *d = calloc(1, sizeof(*d));
-    if (!d)
+    if (!d || !(d->dir = strdup(cfg->dir))) {
+        free(d);
         return di_fail(err, DI_ENOMEM, "cannot allocate the disk tier");
+    }
+    pthread_rwlock_init(&d->lock, NULL);
     d->durability = cfg->durability;
     make_options(d, cfg);
-    const rocksdb_options_t *cf_opts[N_CF];
-    for (int i = 0; i < N_CF; i++)
-        cf_opts[i] = d->opts;
-    char *errptr = NULL;
-    d->db = rocksdb_open_column_families(d->opts, cfg->dir, N_CF, cf_names, cf_opts, d->cf,
-                                         &errptr);
-    if (errptr) {
-        char what[300];
-        snprintf(what, sizeof(what), "opening RocksDB in %s", cfg->dir);
-        di_status st = rocks_fail(err, errptr, what);
-        d->db = NULL;
-        kvdisk_close(d);
-        return st;
-    }
-    di_status st = check_stamp(d, cfg, err);
+    d->min_free = 2 * (cfg->write_buffer_bytes ? cfg->write_buffer_bytes : 64ull << 20);
+    di_status st = open_db(d, 0, err);
+    if (st == DI_OK)
+        st = check_stamp(d, cfg, err);
     if (st != DI_OK) {
         kvdisk_close(d);
         return st;
@@ -212,15 +246,37 @@ di_status kvdisk_open(const kvdisk_config *cfg, kvdisk **out, di_error *err)
     return DI_OK;
 }
 
+int kvdisk_failed(kvdisk *d)
+{
+    return atomic_load(&d->failed);
+}
+
+di_status kvdisk_recover(kvdisk *d, di_error *err)
+{
+    if (!atomic_load(&d->failed))
+        return DI_OK;
+    struct statvfs vfs;
+    if (statvfs(d->dir, &vfs) == 0 && (uint64_t)vfs.f_bavail * vfs.f_frsize < d->min_free)
+        return di_fail(err, DI_ENOSPC, "%s has %llu bytes free, waiting for %llu", d->dir,
+                       (unsigned long long)vfs.f_bavail * vfs.f_frsize,
+                       (unsigned long long)d->min_free);
+    pthread_rwlock_wrlock(&d->lock);
+    close_db(d);
+    di_status st = open_db(d, 0, err);
+    d->read_only = 0;
+    if (st == DI_OK)
+        atomic_store(&d->failed, 0);
+    else /* keep serving reads; writes are tried again later */
+        d->read_only = open_db(d, 1, NULL) == DI_OK;
+    pthread_rwlock_unlock(&d->lock);
+    return st;
+}
+
 kvdisk *kvdisk_close(kvdisk *d)
 {
     if (!d)
         return NULL;
-    for (int i = 0; i < N_CF; i++)
-        if (d->cf[i])
-            rocksdb_column_family_handle_destroy(d->cf[i]);
-    if (d->db)
-        rocksdb_close(d->db);
+    close_db(d);
     if (d->opts)
         rocksdb_options_destroy(d->opts);
     if (d->wo_put)
@@ -233,6 +289,8 @@ kvdisk *kvdisk_close(kvdisk *d)
         rocksdb_readoptions_destroy(d->ro);
     if (d->ro_scan)
         rocksdb_readoptions_destroy(d->ro_scan);
+    pthread_rwlock_destroy(&d->lock);
+    free(d->dir);
     free(d);
     return NULL;
 }
@@ -278,6 +336,16 @@ static di_status write_batch(kvdisk *d, const kvdisk_item *items, size_t n, batc
         return st;
     if (injected_fault(d))
         return di_fail(err, DI_EIO, "writing to RocksDB: injected fault");
+    /* The lock is held while the batch names the column families: a reopen replaces them. */
+    pthread_rwlock_rdlock(&d->lock);
+    if (!d->db || d->read_only) {
+        pthread_rwlock_unlock(&d->lock);
+        di_status why = atomic_load(&d->failed) == DI_ENOSPC ? DI_ENOSPC : DI_EIO;
+        return di_fail(err, why,
+                       "the disk tier refuses writes since an earlier %s; it reopens by itself "
+                       "once there is room",
+                       why == DI_ENOSPC ? "disk-full error" : "write error");
+    }
     rocksdb_writebatch_t *b = rocksdb_writebatch_create();
     for (size_t i = 0; i < n; i++) {
         rocksdb_column_family_handle_t *cf = d->cf[1 + items[i].cls];
@@ -301,13 +369,18 @@ static di_status write_batch(kvdisk *d, const kvdisk_item *items, size_t n, batc
                                                              : d->wo_delete;
     char *errptr = NULL;
     rocksdb_write(d->db, wo, b, &errptr);
+    pthread_rwlock_unlock(&d->lock);
     rocksdb_writebatch_destroy(b);
-    if (errptr)
-        return rocks_fail(err, errptr,
-                          kind == BATCH_PUT     ? "writing objects to RocksDB"
-                          : kind == BATCH_TOUCH ? "updating object access times in RocksDB"
-                                                : "deleting objects from RocksDB");
-    return DI_OK;
+    if (!errptr)
+        return DI_OK;
+    st = rocks_fail(err, errptr,
+                    kind == BATCH_PUT     ? "writing objects to RocksDB"
+                    : kind == BATCH_TOUCH ? "updating object access times in RocksDB"
+                                          : "deleting objects from RocksDB");
+    /* After a failed write RocksDB refuses every later one until it is reopened. */
+    if (st == DI_ENOSPC || st == DI_EIO)
+        atomic_store(&d->failed, (int)st); /* non-zero: the code of the failure */
+    return st;
 }
 
 di_status kvdisk_put(kvdisk *d, const kvdisk_item *items, size_t n, di_error *err)
@@ -336,23 +409,32 @@ di_status kvdisk_get(kvdisk *d, int cls, const kvkey *key, void *dst, uint64_t c
     uint8_t dk[KEY_LEN];
     make_key(dk, 'd', key);
     char *errptr = NULL;
-    rocksdb_pinnableslice_t *v =
-        rocksdb_get_pinned_cf(d->db, d->ro, d->cf[1 + cls], (const char *)dk, KEY_LEN, &errptr);
-    if (errptr)
-        return rocks_fail(err, errptr, "reading an object from RocksDB");
-    if (!v)
-        return di_fail(err, DI_ENOENT, "%s object missing from RocksDB", kvkey_class_name(cls));
-    size_t len = 0;
-    const char *p = rocksdb_pinnableslice_value(v, &len);
     di_status st = DI_OK;
-    if (len > cap)
-        st = di_fail(err, DI_ERANGE, "%s object on disk has %zu bytes, more than %llu",
-                     kvkey_class_name(cls), len, (unsigned long long)cap);
+    pthread_rwlock_rdlock(&d->lock);
+    rocksdb_pinnableslice_t *v =
+        d->db ? rocksdb_get_pinned_cf(d->db, d->ro, d->cf[1 + cls], (const char *)dk, KEY_LEN,
+                                      &errptr)
+              : NULL;
+    if (!d->db)
+        st = di_fail(err, DI_EIO, "RocksDB could not be reopened after a write error");
+    else if (errptr)
+        st = rocks_fail(err, errptr, "reading an object from RocksDB");
+    else if (!v)
+        st = di_fail(err, DI_ENOENT, "%s object missing from RocksDB", kvkey_class_name(cls));
     else {
-        memcpy(dst, p, len);
-        *bytes = len;
+        size_t len = 0;
+        const char *p = rocksdb_pinnableslice_value(v, &len);
+        if (len > cap)
+            st = di_fail(err, DI_ERANGE, "%s object on disk has %zu bytes, more than %llu",
+                         kvkey_class_name(cls), len, (unsigned long long)cap);
+        else {
+            memcpy(dst, p, len);
+            *bytes = len;
+        }
     }
-    rocksdb_pinnableslice_destroy(v);
+    if (v)
+        rocksdb_pinnableslice_destroy(v);
+    pthread_rwlock_unlock(&d->lock);
     return st;
 }
 
@@ -398,6 +480,7 @@ static di_status scan_class(kvdisk *d, int cls, kvdisk_scan_fn fn, void *ud, kvk
 
 di_status kvdisk_scan(kvdisk *d, kvdisk_scan_fn fn, void *ud, uint64_t *n_bad, di_error *err)
 {
+    /* Runs at open, before any other caller: no lock needed. */
     if (!fn)
         return di_fail(err, DI_EINVAL, "kvdisk_scan: no callback");
     uint64_t total_bad = 0;
@@ -429,8 +512,10 @@ di_status kvdisk_scan(kvdisk *d, kvdisk_scan_fn fn, void *ud, uint64_t *n_bad, d
 
 di_status kvdisk_compact(kvdisk *d, di_error *err)
 {
-    for (int i = 1; i < N_CF; i++)
+    pthread_rwlock_rdlock(&d->lock);
+    for (int i = 1; d->db && i < N_CF; i++)
         rocksdb_compact_range_cf(d->db, d->cf[i], NULL, 0, NULL, 0);
+    pthread_rwlock_unlock(&d->lock);
     (void)err;
     return DI_OK;
 }
@@ -438,7 +523,8 @@ di_status kvdisk_compact(kvdisk *d, di_error *err)
 void kvdisk_get_usage(kvdisk *d, kvdisk_usage *out)
 {
     memset(out, 0, sizeof(*out));
-    for (int i = 0; i < N_CF; i++) {
+    pthread_rwlock_rdlock(&d->lock);
+    for (int i = 0; d->db && i < N_CF; i++) {
         uint64_t v = 0;
         if (rocksdb_property_int_cf(d->db, d->cf[i], "rocksdb.total-sst-files-size", &v) == 0)
             out->sst_bytes += v;
@@ -447,4 +533,5 @@ void kvdisk_get_usage(kvdisk *d, kvdisk_usage *out)
         if (rocksdb_property_int_cf(d->db, d->cf[i], "rocksdb.cur-size-all-mem-tables", &v) == 0)
             out->memtable_bytes += v;
     }
+    pthread_rwlock_unlock(&d->lock);
 }

@@ -9,7 +9,7 @@
  *                               checksum of the record)
  *
  * Data and meta of an object are written in one WriteBatch, so after any crash both or
- * neither exist. The object's own kv_header checksum is verified by the store on every read
+ * neither exist. Calls are thread-safe. The object's own kv_header checksum is verified by the store on every read
  * from disk; a corrupt value is dropped, never served.
  *
  * Durability of kvdisk_put (the store acknowledges a commit only after it returns):
@@ -99,6 +99,13 @@ di_status kvdisk_get(kvdisk *d, int cls, const kvkey *key, void *dst, uint64_t c
  * with DI_ECANCELED. */
 typedef int (*kvdisk_scan_fn)(void *ud, const kvdisk_item *item);
 di_status kvdisk_scan(kvdisk *d, kvdisk_scan_fn fn, void *ud, uint64_t *n_bad, di_error *err);
+
+/* After a write fails with a hard error (disk full, I/O error) RocksDB refuses every later
+ * write until the database is reopened. kvdisk_failed says so; kvdisk_recover reopens it
+ * (waiting for calls in flight) and clears the flag: DI_OK, or the open error (still failed,
+ * e.g. while the disk is still full; reads keep working only if the reopen succeeded). */
+int kvdisk_failed(kvdisk *d);
+di_status kvdisk_recover(kvdisk *d, di_error *err);
 
 /* Compacts every class family (drops deleted data from the files). */
 di_status kvdisk_compact(kvdisk *d, di_error *err);

@@ -34,6 +34,7 @@ struct kvs_store {
     int stop;                    /* asks the sweeper to end */
     uint64_t wall0_ms;           /* wall clock at open */
     uint64_t mono0_ns;           /* monotonic clock at open */
+    uint64_t next_recover_ms;    /* sweeper: next attempt to reopen a failed disk tier */
     uint64_t get_bytes;          /* bytes leased since open */
     uint64_t put_bytes;          /* bytes committed since open */
     rate_sample samples[RATE_SAMPLES]; /* ring of rate samples */
@@ -58,12 +59,13 @@ kvdisk *kvs_disk(kvs_store *s)
 
 /* ---------------------------------------------------------------- disk deletes */
 
-/* Performs the disk deletes the index queued, outside the lock. */
+/* Performs the disk deletes the index queued, outside the lock. While the disk tier refuses
+ * writes they wait for its recovery. */
 static void drain_deletes(kvs_store *s)
 {
     kvidx_obj *objs[DRAIN_BATCH];
     kvdisk_item items[DRAIN_BATCH];
-    for (;;) {
+    while (!kvdisk_failed(s->disk)) {
         pthread_mutex_lock(&s->mu);
         size_t n = kvidx_take_disk_deletes(s->idx, objs, DRAIN_BATCH);
         for (size_t i = 0; i < n; i++)
@@ -101,6 +103,20 @@ static void sample_rates(kvs_store *s, uint64_t now)
         s->n_samples++;
 }
 
+/* Once a second while the disk tier refuses writes (after a full disk or an I/O error), try to
+ * reopen it; puts work again as soon as there is room. */
+static void recover_disk(kvs_store *s, uint64_t now)
+{
+    if (!kvdisk_failed(s->disk) || now < s->next_recover_ms)
+        return;
+    s->next_recover_ms = now + 1000;
+    di_error e;
+    if (kvdisk_recover(s->disk, &e) == DI_OK)
+        di_log(s->cfg.log, DI_LOG_INFO, "disk tier accepts writes again");
+    else
+        di_log(s->cfg.log, DI_LOG_DEBUG, "disk tier still refuses writes: %s; retrying", e.msg);
+}
+
 static void *sweeper_main(void *arg)
 {
     kvs_store *s = arg;
@@ -127,6 +143,7 @@ static void *sweeper_main(void *arg)
                    r.allocs_reclaimed, r.leases_timed_out, r.expired, r.dram_evicted,
                    r.disk_evicted);
         drain_deletes(s);
+        recover_disk(s, now);
         pthread_mutex_lock(&s->mu);
     }
     pthread_mutex_unlock(&s->mu);

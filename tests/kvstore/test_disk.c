@@ -1,6 +1,7 @@
 /* The RocksDB tier (kvstore/disk.h): round trips, the format stamp, scans with corrupt meta,
  * deletes, injected write faults and a real full disk (a small tmpfs). */
 #include <criterion/criterion.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -153,12 +154,20 @@ Test(disk, a_full_disk_fails_writes_and_keeps_reads, .timeout = 60)
 {
     char dir[256];
     th_tmpdir(dir);
-    cr_assert_eq(th_mount_tmpfs(dir, 6 << 20), 0, "mounting a tmpfs needs root");
+    cr_assert_eq(th_mount_tmpfs(dir, 8 << 20), 0, "mounting a tmpfs needs root");
     kvdisk_config c = config(dir, KVDISK_WAL);
     c.write_buffer_bytes = 1 << 20;
     kvdisk *d = NULL;
     di_error e;
     cr_assert_eq(kvdisk_open(&c, &d, &e), DI_OK, "%s", e.msg);
+    /* A filler file takes 2 MiB, to be freed later. */
+    char filler[300];
+    snprintf(filler, sizeof(filler), "%s/filler", dir);
+    FILE *ff = fopen(filler, "w");
+    static char zeros[1 << 20];
+    fwrite(zeros, 1, sizeof(zeros), ff);
+    fwrite(zeros, 1, sizeof(zeros), ff);
+    fclose(ff);
     size_t bytes = 114048;
     uint8_t *buf = malloc(bytes);
     memset(buf, 0x3c, bytes);
@@ -178,6 +187,18 @@ Test(disk, a_full_disk_fails_writes_and_keeps_reads, .timeout = 60)
     cr_assert_eq(kvdisk_get(d, KVKEY_BLOCK, &first.key, buf, bytes, &got, &e), DI_OK, "%s",
                  e.msg);
     cr_assert_eq(buf[1000], 0x3c, "reads still served");
+    /* RocksDB now refuses writes until reopened; with no room a reopen is not even tried. */
+    cr_assert(kvdisk_failed(d));
+    kvdisk_item again = {.cls = KVKEY_BLOCK, .key = th_key(999), .data = buf, .bytes = bytes};
+    cr_assert_neq(kvdisk_put(d, &again, 1, &e), DI_OK);
+    cr_assert_eq(kvdisk_recover(d, &e), DI_ENOSPC, "%s", e.msg);
+    cr_assert(strstr(e.msg, "waiting for"), "%s", e.msg);
+    cr_assert_eq(remove(filler), 0);
+    cr_assert_eq(kvdisk_recover(d, &e), DI_OK, "%s", e.msg);
+    cr_assert_not(kvdisk_failed(d));
+    cr_assert_eq(kvdisk_put(d, &again, 1, &e), DI_OK, "writes resume: %s", e.msg);
+    cr_assert_eq(kvdisk_get(d, KVKEY_BLOCK, &first.key, buf, bytes, &got, &e), DI_OK, "%s",
+                 e.msg);
     kvdisk_close(d);
     free(buf);
     th_rmtree(dir);

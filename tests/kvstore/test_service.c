@@ -297,11 +297,18 @@ Test(service, bad_input_gets_clear_errors_and_the_store_keeps_serving, .timeout 
     th_rmtree(dir);
 }
 
-Test(service, a_full_disk_fails_puts_clearly_and_reads_go_on, .timeout = 120)
+Test(service, a_full_disk_fails_puts_clearly_reads_go_on_and_writes_resume, .timeout = 120)
 {
     char dir[256];
     th_tmpdir(dir);
-    cr_assert_eq(th_mount_tmpfs(dir, 8 << 20), 0, "mounting a tmpfs needs root");
+    cr_assert_eq(th_mount_tmpfs(dir, 12 << 20), 0, "mounting a tmpfs needs root");
+    char filler[300];
+    snprintf(filler, sizeof(filler), "%s/filler", dir); /* 4 MiB to free later */
+    FILE *ff = fopen(filler, "w");
+    static char zeros[1 << 20];
+    for (int k = 0; k < 4; k++)
+        fwrite(zeros, 1, sizeof(zeros), ff);
+    fclose(ff);
     th_store s;
     const char *args[] = {"--block-bytes", "114048", "--dram-bytes", "64MiB",
                           "--memtable-bytes", "1MiB", NULL};
@@ -335,6 +342,23 @@ Test(service, a_full_disk_fails_puts_clearly_and_reads_go_on, .timeout = 120)
     stats(c, &sr);
     cr_assert_geq(sr->commit_failures, 1);
     di__kvstore__stats_reply__free_unpacked(sr, NULL);
+    /* Room comes back: the store reopens RocksDB by itself and puts work again. */
+    cr_assert_eq(remove(filler), 0);
+    kvkey k2 = th_key(10000);
+    uint8_t *p2 = object(KVKEY_BLOCK, &k2, 114048, 0);
+    kvc_client *quick = th_client_deadline(&s, NULL, 1000);
+    for (int tries = 0; tries < 100; tries++) { /* the store retries its reopen every second */
+        st = kvc_put1(quick, KVKEY_BLOCK, &k2, p2, 114048, &e);
+        if (st == DI_OK)
+            break;
+        usleep(100 * 1000);
+    }
+    kvc_close(quick);
+    free(p2);
+    cr_assert_eq(st, DI_OK, "writes did not resume: %s", e.msg);
+    cr_assert_eq(get_check(c, KVKEY_BLOCK, &k2, 114048, 0, &e), DI_OK, "%s", e.msg);
+    kvkey k0b = th_key(0);
+    cr_assert_eq(get_check(c, KVKEY_BLOCK, &k0b, 114048, 0, &e), DI_OK, "%s", e.msg);
     kvc_close(c);
     th_store_stop(&s);
     th_rmtree(dir);
