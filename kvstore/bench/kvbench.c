@@ -18,6 +18,7 @@
 #include "common/net/kv_client.h"
 #include "common/util/clock.h"
 #include "kvstore/cli.h"
+#include "kvstore/synth.h"
 
 typedef struct bopts {
     const char *store;      /* di-kvstore host:port */
@@ -70,23 +71,6 @@ static void die(const char *what, const char *msg)
 {
     fprintf(stderr, "kvbench: %s: %s\n", what, msg);
     exit(1);
-}
-
-/* splitmix64 payload and a valid kv_header for block i. */
-static void make_object(uint8_t *p, size_t bytes, const kv_geometry *g, const kvkey *k, uint64_t i)
-{
-    uint64_t x = i * 0x9E3779B97F4A7C15ull + 1;
-    for (size_t o = KV_HEADER_BYTES; o < bytes; o += 8) {
-        uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        memcpy(p + o, &z, bytes - o < 8 ? bytes - o : 8);
-    }
-    kv_header h;
-    kv_header_fill(&h, KV_BLOCK_MAGIC, g, k->b, 128, i * 128, p + KV_HEADER_BYTES,
-                   bytes - KV_HEADER_BYTES);
-    memcpy(p, &h, sizeof(h));
 }
 
 /* ---------------------------------------------------------------- memcpy */
@@ -431,7 +415,7 @@ int main(int argc, char **argv)
     for (uint64_t i = 0; i < o.blocks; i++) {
         int32_t t[2] = {(int32_t)i, (int32_t)(i >> 31)};
         kvkey_block(NULL, g.model_id, t, 2, &keys[i], NULL);
-        make_object(src + i * o.bytes, o.bytes, &g, &keys[i], i);
+        kvsynth_object(src + i * o.bytes, o.bytes, KV_BLOCK_MAGIC, &g, &keys[i], i, 128, i * 128);
     }
     memset(dst, 1, total); /* fault the pages in before timing */
     int nt = (int)o.threads;

@@ -14,6 +14,7 @@
 
 #include "common/net/kv_client.h"
 #include "kvstore/cli.h"
+#include "kvstore/synth.h"
 
 typedef struct dopts {
     const char *store;
@@ -31,23 +32,6 @@ static const kvcli_opt rows[] = {
     {"prompts", KVCLI_UINT, D(prompts), "3", 1, 1000, "P", "prompts"},
     {"shared", KVCLI_UINT, D(shared), "512", 0, 1 << 21, "S", "tokens shared by all prompts"},
 };
-
-static void fill(uint8_t *p, size_t bytes, uint32_t magic, const kv_geometry *g, const kvkey *k,
-                 uint32_t count, uint64_t pos)
-{
-    uint64_t x;
-    memcpy(&x, k->b, 8);
-    for (size_t o = KV_HEADER_BYTES; o < bytes; o += 8) {
-        uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        memcpy(p + o, &z, bytes - o < 8 ? bytes - o : 8);
-    }
-    kv_header h;
-    kv_header_fill(&h, magic, g, k->b, count, pos, p + KV_HEADER_BYTES, bytes - KV_HEADER_BYTES);
-    memcpy(p, &h, sizeof(h));
-}
 
 static int put(kvc_client *c, int cls, const kvkey *k, uint8_t *buf, size_t bytes)
 {
@@ -96,11 +80,12 @@ int main(int argc, char **argv)
             ids[i] = (int32_t)(i < o.shared ? i * 7 + 1 : 50000 + p * 10007 + i);
         kvkey_chain(g->model_id, g->block_tokens, ids, o.tokens, keys, max, &nk, NULL);
         for (size_t b = 0; b < nk && rc == 0; b++) {
-            fill(buf, bb, KV_BLOCK_MAGIC, g, &keys[b], 128, b * 128);
+            kvsynth_object(buf, bb, KV_BLOCK_MAGIC, g, &keys[b], 0, 128, b * 128);
             rc = put(c, KVKEY_BLOCK, &keys[b], buf, bb);
         }
         if (nk > 0 && rc == 0) {
-            fill(buf, wb, KV_WINDOW_MAGIC, g, &keys[nk - 1], (uint32_t)(nk * 128), nk * 128);
+            kvsynth_object(buf, wb, KV_WINDOW_MAGIC, g, &keys[nk - 1], 0, (uint32_t)(nk * 128),
+                           nk * 128);
             rc = put(c, KVKEY_WINDOW, &keys[nk - 1], buf, wb);
         }
         printf("prompt %llu: %llu tokens, %zu blocks and the window state at %zu stored\n",

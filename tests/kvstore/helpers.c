@@ -1,5 +1,7 @@
 #include "tests/kvstore/helpers.h"
 
+#include "kvstore/synth.h"
+
 #include <criterion/criterion.h>
 #include <ftw.h>
 #include <stdio.h>
@@ -51,20 +53,9 @@ kvkey th_key(uint64_t seed)
 void th_fill_object(void *obj, size_t bytes, uint32_t magic, const kv_geometry *g,
                     const kvkey *key, uint64_t salt)
 {
-    uint8_t *p = (uint8_t *)obj + KV_HEADER_BYTES;
-    size_t n = bytes - KV_HEADER_BYTES;
-    uint64_t x;
-    memcpy(&x, key->b, sizeof(x));
-    x ^= salt * 0x9E3779B97F4A7C15ull;
-    /* splitmix64: payload bytes are a pure function of (key, salt). */
-    for (size_t i = 0; i < n; i += 8) {
-        uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-        z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-        z ^= z >> 31;
-        size_t take = n - i < 8 ? n - i : 8;
-        memcpy(p + i, &z, take);
-    }
+    kvsynth_object(obj, bytes, magic, g, key, salt, magic == KV_WINDOW_MAGIC ? 0 : KV_BLOCK_TOKENS,
+                   0);
+}
     kv_header h;
     kv_header_fill(&h, magic, g, key->b, magic == KV_WINDOW_MAGIC ? 0 : KV_BLOCK_TOKENS, 0, p, n);
     memcpy(obj, &h, sizeof(h));
