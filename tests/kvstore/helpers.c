@@ -56,7 +56,3 @@ void th_fill_object(void *obj, size_t bytes, uint32_t magic, const kv_geometry *
     kvsynth_object(obj, bytes, magic, g, key, salt, magic == KV_WINDOW_MAGIC ? 0 : KV_BLOCK_TOKENS,
                    0);
 }
-    kv_header h;
-    kv_header_fill(&h, magic, g, key->b, magic == KV_WINDOW_MAGIC ? 0 : KV_BLOCK_TOKENS, 0, p, n);
-    memcpy(obj, &h, sizeof(h));
-}
