@@ -12,7 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static void print_log(const th_store *s)
+void th_store_dump_log(const th_store *s)
 {
     FILE *f = fopen(s->log, "r");
     if (!f)
@@ -80,7 +80,7 @@ static void spawn(th_store *s)
     close(ready[0]);
     int port = atoi(buf);
     if (port <= 0 || (s->port && port != s->port)) {
-        print_log(s);
+        th_store_dump_log(s);
         kill(pid, SIGKILL);
         waitpid(pid, NULL, 0);
         s->pid = 0;
@@ -115,7 +115,7 @@ void th_store_stop(th_store *s)
     pid_t r = waitpid(s->pid, &status, 0);
     s->pid = 0;
     if (r < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0)
-        print_log(s);
+        th_store_dump_log(s);
     cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
               "di-kvstore did not stop cleanly (status 0x%x)", status);
 }

@@ -31,6 +31,8 @@ void th_store_restart(th_store *s);
 void th_store_stop(th_store *s);
 /* Sends SIGKILL and reaps the process. */
 void th_store_kill(th_store *s);
+/* Prints the store's log to stderr (for failure messages). */
+void th_store_dump_log(const th_store *s);
 /* Returns 1 when the log contains `needle`. */
 int th_store_log_has(const th_store *s, const char *needle);
 

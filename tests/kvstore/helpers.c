@@ -31,6 +31,9 @@ void th_rmtree(const char *dir)
         return;
     umount2(dir, MNT_DETACH); /* fails harmlessly when not a mount point */
     nftw(dir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
+    char log[300];
+    snprintf(log, sizeof(log), "%s.log", dir); /* a store's log, kept next to its directory */
+    remove(log);
 }
 
 int th_mount_tmpfs(const char *dir, uint64_t bytes)

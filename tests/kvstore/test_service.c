@@ -301,12 +301,12 @@ Test(service, a_full_disk_fails_puts_clearly_reads_go_on_and_writes_resume, .tim
 {
     char dir[256];
     th_tmpdir(dir);
-    cr_assert_eq(th_mount_tmpfs(dir, 12 << 20), 0, "mounting a tmpfs needs root");
+    cr_assert_eq(th_mount_tmpfs(dir, 16 << 20), 0, "mounting a tmpfs needs root");
     char filler[300];
-    snprintf(filler, sizeof(filler), "%s/filler", dir); /* 4 MiB to free later */
+    snprintf(filler, sizeof(filler), "%s/filler", dir); /* 6 MiB to free later */
     FILE *ff = fopen(filler, "w");
     static char zeros[1 << 20];
-    for (int k = 0; k < 4; k++)
+    for (int k = 0; k < 6; k++)
         fwrite(zeros, 1, sizeof(zeros), ff);
     fclose(ff);
     th_store s;
@@ -346,15 +346,17 @@ Test(service, a_full_disk_fails_puts_clearly_reads_go_on_and_writes_resume, .tim
     cr_assert_eq(remove(filler), 0);
     kvkey k2 = th_key(10000);
     uint8_t *p2 = object(KVKEY_BLOCK, &k2, 114048, 0);
-    kvc_client *quick = th_client_deadline(&s, NULL, 1000);
-    for (int tries = 0; tries < 100; tries++) { /* the store retries its reopen every second */
+    kvc_client *quick = th_client_deadline(&s, NULL, 2000);
+    uint64_t until = di_mono_ns() + 30000000000ull; /* the store retries its reopen each second */
+    do {
         st = kvc_put1(quick, KVKEY_BLOCK, &k2, p2, 114048, &e);
-        if (st == DI_OK)
-            break;
-        usleep(100 * 1000);
-    }
+        if (st != DI_OK)
+            usleep(100 * 1000);
+    } while (st != DI_OK && di_mono_ns() < until);
     kvc_close(quick);
     free(p2);
+    if (st != DI_OK)
+        th_store_dump_log(&s);
     cr_assert_eq(st, DI_OK, "writes did not resume: %s", e.msg);
     cr_assert_eq(get_check(c, KVKEY_BLOCK, &k2, 114048, 0, &e), DI_OK, "%s", e.msg);
     kvkey k0b = th_key(0);
