@@ -446,11 +446,15 @@ static di_status check_connect_reply(const Di__Kvstore__ConnectReply *r, di_erro
     return DI_OK;
 }
 
-/* 1 when the store's address is this host: UCX then moves bytes over shared memory. */
-static int same_host(const char *target)
+/* A UCX endpoint and the arena's key. peer_errors: see ucxt_peer_connect. */
+static di_status connect_ucx(kvc_client *c, const Di__Kvstore__ConnectReply *r, int peer_errors,
+                             di_error *err)
 {
-    return strncmp(target, "127.", 4) == 0 || strncmp(target, "localhost:", 10) == 0 ||
-           strncmp(target, "[::1]:", 6) == 0 || strncmp(target, "unix:", 5) == 0;
+    di_status st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len,
+                                     peer_errors, &c->peer, err);
+    if (st == DI_OK)
+        st = ucxt_rkey_unpack(c->peer, r->rkey.data, r->rkey.len, &c->rkey, err);
+    return st;
 }
 
 /* Connects (Connect RPC, UCX endpoint and key) unless already connected. */
@@ -469,16 +473,23 @@ static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error 
     st = check_connect_reply(r, err);
     if (st == DI_OK && !c->ucx)
         st = ucxt_create(0, &c->ucx, err);
+    /* First without peer-failure handling, which UCX's shared-memory transports lack: if the
+     * store's memory then maps here, it is on this host. Otherwise reconnect with it, so that
+     * a dead store fails transfers instead of hanging them. */
+    void *p = NULL;
+    int here = 0;
     if (st == DI_OK)
-        st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len,
-                               !same_host(c->target), &c->peer, err);
+        st = connect_ucx(c, r, 0, err);
     if (st == DI_OK)
-        st = ucxt_rkey_unpack(c->peer, r->rkey.data, r->rkey.len, &c->rkey, err);
+        here = ucxt_rkey_ptr(c->rkey, r->arena_base, &p, NULL) == DI_OK;
+    if (st == DI_OK && !here) {
+        drop_transport(c);
+        st = connect_ucx(c, r, 1, err);
+    }
     if (st == DI_OK) {
         info_from(c, r);
         c->connected = 1;
-        void *p = NULL;
-        if (!c->o.ucx_rma && ucxt_rkey_ptr(c->rkey, c->arena_base, &p, NULL) == DI_OK)
+        if (here && !c->o.ucx_rma)
             c->mapped = p; /* same host: copy straight from the store's memory */
     } else
         drop_transport(c);

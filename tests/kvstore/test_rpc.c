@@ -30,13 +30,17 @@ static di_status h_full(void *svc, const rpc_request *req, rpc_reply *reply, di_
     return di_fail(err, DI_ENOSPC, "disk tier full: 12 of 12 bytes");
 }
 
+static int slow_started, slow_finished;
+
 static di_status h_slow(void *svc, const rpc_request *req, rpc_reply *reply, di_error *err)
 {
     (void)svc;
     (void)req;
     (void)reply;
     (void)err;
+    __atomic_add_fetch(&slow_started, 1, __ATOMIC_SEQ_CST);
     usleep(600 * 1000);
+    __atomic_add_fetch(&slow_finished, 1, __ATOMIC_SEQ_CST);
     return DI_OK;
 }
 
@@ -169,7 +173,9 @@ Test(rpc, deadlines_cancellation_and_a_dead_server, .timeout = 30)
     pthread_create(&t, NULL, cancel_soon, c);
     cr_assert_eq(call(c, "/t.T/Slow", "a", 5000, NULL, &e), DI_ECANCELED, "%s", e.msg);
     pthread_join(t, NULL);
-    rpc_server_stop(s, 2000); /* waits for the slow handlers still running */
+    rpc_server_stop(s, 2000);
+    cr_assert_eq(slow_started, 2, "both slow calls reached their handler");
+    cr_assert_eq(slow_finished, 2, "stop waited for the handlers still running");
     cr_assert_eq(call(c, "/t.T/Echo", "a", 2000, NULL, &e), DI_EUNAVAIL, "%s", e.msg);
     char want[64];
     snprintf(want, sizeof(want), "127.0.0.1:%d unavailable", port);
