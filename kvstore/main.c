@@ -317,6 +317,7 @@ static void shutdown_app(app *a)
     a->server = rpc_server_stop(a->server, 5000);
     a->svc = kvsvc_free(a->svc);
     a->store = kvs_close(a->store);
+    ucxt_progress_stop(a->ucx);
     a->region = ucxt_region_unmap(a->region);
     a->ucx = ucxt_destroy(a->ucx);
     free(a->worker_addr);

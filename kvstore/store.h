@@ -71,6 +71,8 @@ di_status kvs_alloc(kvs_store *s, int cls, const kvkey *key, uint64_t bytes, uin
  * configured level and visible. Failures: DI_ENOENT/DI_ETIMEDOUT (allocation unknown or
  * expired), DI_ECORRUPT (bytes in the slot fail verification), DI_ENOSPC/DI_EIO (disk). */
 void kvs_commit(kvs_store *s, const uint64_t *alloc_ids, size_t n, di_status *st, di_error *errs);
+/* Drops an uncommitted allocation. DI_OK, DI_ENOENT (unknown or reclaimed), DI_ESTATE
+ * (committing). */
 di_status kvs_abort(kvs_store *s, uint64_t alloc_id, di_error *err);
 
 /* A granted lease. */
@@ -87,8 +89,11 @@ typedef struct kvs_lease_info {
  * disk read errors. */
 di_status kvs_lease(kvs_store *s, int cls, const kvkey *key, uint64_t lease_ms,
                     uint64_t deadline_ns, kvs_lease_info *info, di_error *err);
+/* Ends a lease. DI_OK; DI_ETIMEDOUT when it had timed out first (bytes read under it may be
+ * stale); DI_ENOENT for an unknown id. */
 di_status kvs_release(kvs_store *s, uint64_t lease_id, di_error *err);
-/* Deletes an object. DI_OK (durable when it returns), DI_ENOENT. */
+/* Deletes an object: invisible at once; gone from disk when this returns, or when the last
+ * lease on it ends. DI_OK, DI_ENOENT. */
 di_status kvs_delete(kvs_store *s, int cls, const kvkey *key, di_error *err);
 
 /* ---- admin ---- */

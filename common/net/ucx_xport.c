@@ -104,15 +104,21 @@ di_status ucxt_create(int threaded, ucxt_ctx **out, di_error *err)
     return DI_OK;
 }
 
+void ucxt_progress_stop(ucxt_ctx *c)
+{
+    if (!c || !c->progress_running)
+        return;
+    atomic_store(&c->stop, 1);
+    ucp_worker_signal(c->worker);
+    pthread_join(c->progress, NULL);
+    c->progress_running = 0;
+}
+
 ucxt_ctx *ucxt_destroy(ucxt_ctx *c)
 {
     if (!c)
         return NULL;
-    if (c->progress_running) {
-        atomic_store(&c->stop, 1);
-        ucp_worker_signal(c->worker);
-        pthread_join(c->progress, NULL);
-    }
+    ucxt_progress_stop(c);
     ucp_worker_destroy(c->worker);
     ucp_cleanup(c->context);
     free(c);

@@ -47,6 +47,9 @@ di_status ucxt_worker_address(ucxt_ctx *ctx, void **buf, size_t *len, di_error *
  * the context is not threaded. */
 di_status ucxt_progress_start(ucxt_ctx *ctx, di_error *err);
 
+/* Stops the progress thread (no-op when not running). */
+void ucxt_progress_stop(ucxt_ctx *ctx);
+
 /* Allocates and maps `bytes` of memory peers can get from and put into (UCP_MEM_MAP_ALLOCATE;
  * falls back to mapping page-aligned malloc'd memory when UCX cannot allocate). DI_OK, DI_ENOMEM,
  * DI_EIO. */
