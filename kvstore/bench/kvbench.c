@@ -291,18 +291,22 @@ static long read_line(resp *r)
     }
 }
 
-/* Copies a bulk reply of n bytes (+CRLF) into dst. */
+/* Copies a bulk reply of n bytes (+CRLF) into dst: what is buffered, then the rest straight
+ * from the socket (no second copy, to be fair to Redis). */
 static void read_bulk(resp *r, uint8_t *dst, long n)
 {
     size_t left = (size_t)n;
+    size_t take = r->len - r->pos < left ? r->len - r->pos : left;
+    memcpy(dst, r->buf + r->pos, take);
+    dst += take;
+    r->pos += take;
+    left -= take;
     while (left > 0) {
-        if (r->pos == r->len)
-            fill(r, 1);
-        size_t take = r->len - r->pos < left ? r->len - r->pos : left;
-        memcpy(dst, r->buf + r->pos, take);
-        dst += take;
-        r->pos += take;
-        left -= take;
+        ssize_t k = read(r->fd, dst, left);
+        if (k <= 0)
+            die("redis read", k ? strerror(errno) : "connection closed");
+        dst += k;
+        left -= (size_t)k;
     }
     fill(r, 2);
     r->pos += 2;
