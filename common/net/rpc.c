@@ -604,14 +604,14 @@ di_status rpc_client_open(const rpc_client_config *cfg, rpc_client **out, di_err
     pthread_mutex_init(&c->mu, NULL);
     c->max_reply = cfg->max_reply_bytes ? cfg->max_reply_bytes : 64u << 20;
     grpc_init();
-    grpc_arg args[5];
+    grpc_arg args[4];
     size_t na = 0;
     args[na++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
                             .value.integer = (int)c->max_reply};
-    /* Reconnect quickly after a store restart: fail-fast calls see UNAVAILABLE during backoff. */
+    /* Reconnect quickly after a server restart: fail-fast calls see UNAVAILABLE during backoff.
+     * (Not GRPC_ARG_MIN_RECONNECT_BACKOFF_MS: gRPC also takes it as the connect timeout, and a
+     * loaded server would then look unreachable.) */
     args[na++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS,
-                            .value.integer = 100};
-    args[na++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MIN_RECONNECT_BACKOFF_MS,
                             .value.integer = 100};
     args[na++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECONNECT_BACKOFF_MS,
                             .value.integer = 1000};
