@@ -72,6 +72,15 @@ di_status tok_load_json(const char *text, size_t len, tok_tokenizer **out, di_er
 /* Frees a tokenizer. NULL-safe. */
 void tok_free(tok_tokenizer *t);
 
+/* The tokenizer binaries use when none is named: $DI_TOKENIZER when set, else
+ * TOK_DEFAULT_FILE (the DeepSeek V3 tokenizer that deploy/local/install-deps.sh fetches under
+ * the source tree) when it is readable, else NULL. */
+const char *tok_default_path(void);
+#ifndef DI_SOURCE_ROOT
+#define DI_SOURCE_ROOT "."
+#endif
+#define TOK_DEFAULT_FILE DI_SOURCE_ROOT "/data/tokenizer/deepseek-v3/tokenizer.json"
+
 /* Ids run over [0, tok_vocab_size): the model vocabulary and the added tokens together
  * (128,815 for DeepSeek V3). Some ids in that range may have no token (a sparse vocab). */
 int32_t tok_vocab_size(const tok_tokenizer *t);

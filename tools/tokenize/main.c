@@ -19,10 +19,7 @@
 #include "common/tokenizer/tokenizer.h"
 #include "common/util/json_read.h"
 
-#ifndef DI_SOURCE_ROOT
-#define DI_SOURCE_ROOT "."
-#endif
-#define DEFAULT_TOKENIZER DI_SOURCE_ROOT "/data/tokenizer/deepseek-v3/tokenizer.json"
+#define DEFAULT_TOKENIZER TOK_DEFAULT_FILE
 
 /* What the command line asked for. */
 typedef struct cli_opts {
@@ -264,10 +261,7 @@ static const char *tokenizer_path(const cli_opts *o)
 {
     if (o->tokenizer)
         return o->tokenizer;
-    const char *env = getenv("DI_TOKENIZER");
-    if (env && *env)
-        return env;
-    return access(DEFAULT_TOKENIZER, R_OK) == 0 ? DEFAULT_TOKENIZER : NULL;
+    return tok_default_path();
 }
 
 int main(int argc, char **argv)
