@@ -69,7 +69,7 @@ static const kvcli_opt option_rows[] = {
     {"dram-handoff-share", KVCLI_DOUBLE, O(handoff_share), "0.05", 0.001, 0.9, "F",
      "fraction of the DRAM tier for handoffs (blocks get the rest)"},
     {"geometry", KVCLI_STRING, O(geometry), "v41-flash", 0, 0, "NAME",
-     "KV geometry of a shipped model config (v41-flash, tiny, small)"},
+     "KV geometry and model id of a shipped model config (v41-flash, tiny, ...)"},
     {"model-config", KVCLI_STRING, O(model_config), NULL, 0, 0, "FILE",
      "take the KV geometry and model id from this config.json (or its directory)"},
     {"nextn", KVCLI_UINT, O(nextn), "5", 0, 16, "N", "drafts per step (ring size of windows)"},
