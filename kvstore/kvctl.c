@@ -13,6 +13,9 @@
 #include "common/net/kvstore.pb-c.h"
 #include "common/net/rpc.h"
 #include "kvstore/cli.h"
+#ifdef DI_KVCTL_TOKENIZER
+#include "common/tokenizer/tokenizer.h"
+#endif
 
 /* Global options (before the subcommand). */
 typedef struct gopts {
@@ -27,6 +30,9 @@ typedef struct gopts {
 /* Subcommand options (each subcommand reads the ones it uses). */
 typedef struct sopts {
     const char *ids;         /* inspect: comma-separated token ids */
+    const char *text;        /* inspect: a UTF-8 text prompt file ("-": stdin) */
+    const char *tokenizer;   /* inspect --text: tokenizer.json (default: the project's) */
+    int bos;                 /* inspect --text: prepend the BOS token */
     const char *cls;         /* evict: class list "block,window" */
     int dram_only;           /* evict: DRAM copies only */
     int all;                 /* evict: every object of the classes */
@@ -55,6 +61,11 @@ static const kvcli_opt global_rows[] = {
 #define S(f) offsetof(sopts, f)
 static const kvcli_opt sub_rows[] = {
     {"ids", KVCLI_STRING, S(ids), NULL, 0, 0, "LIST", "inspect: token ids 1,2,3 (no file)"},
+    {"text", KVCLI_STRING, S(text), NULL, 0, 0, "FILE",
+     "inspect: a text prompt (UTF-8; - for stdin), tokenized here"},
+    {"tokenizer", KVCLI_STRING, S(tokenizer), NULL, 0, 0, "FILE",
+     "inspect --text: tokenizer.json [$DI_TOKENIZER or the project's DeepSeek V3]"},
+    {"bos", KVCLI_FLAG, S(bos), NULL, 0, 0, NULL, "inspect --text: prepend the BOS token"},
     {"class", KVCLI_STRING, S(cls), NULL, 0, 0, "LIST", "evict: block,window,handoff [block]"},
     {"dram-only", KVCLI_FLAG, S(dram_only), NULL, 0, 0, NULL,
      "evict: drop DRAM copies only (keep disk)"},
@@ -376,8 +387,81 @@ static di_status parse_ids(const char *text, int32_t **out, size_t *n, di_error 
     return DI_OK;
 }
 
+/* Reads all of stdin into a NUL-terminated malloc'd string. */
+static di_status read_stdin(char **out, size_t *len, di_error *e)
+{
+    size_t cap = 1 << 16, n = 0;
+    char *buf = malloc(cap + 1);
+    for (size_t k; buf && (k = fread(buf + n, 1, cap - n, stdin)) > 0;) {
+        n += k;
+        if (n == cap) {
+            char *more = realloc(buf, 2 * cap + 1);
+            if (!more) {
+                free(buf);
+                buf = NULL;
+                break;
+            }
+            buf = more;
+            cap *= 2;
+        }
+    }
+    if (!buf)
+        return di_fail(e, DI_ENOMEM, "out of memory reading stdin");
+    buf[n] = '\0';
+    *out = buf;
+    *len = n;
+    return DI_OK;
+}
+
+#ifdef DI_KVCTL_TOKENIZER
+static di_status tokenize(const ctl *x, int32_t **ids, size_t *n, di_error *e)
+{
+    const char *path = x->s.tokenizer ? x->s.tokenizer : tok_default_path();
+    if (!path)
+        return di_fail(e, DI_ENOENT, "no tokenizer: give --tokenizer FILE or set $DI_TOKENIZER");
+    char *text = NULL;
+    size_t len = 0;
+    di_status st = strcmp(x->s.text, "-") == 0 ? read_stdin(&text, &len, e)
+                                                : rpc_load_file(x->s.text, &text, e);
+    if (st == DI_OK && strcmp(x->s.text, "-") != 0)
+        len = strlen(text);
+    tok_tokenizer *t = NULL;
+    if (st == DI_OK)
+        st = tok_load_file(path, &t, e);
+    tok_ids out = {0};
+    if (st == DI_OK && x->s.bos) {
+        if (tok_bos_id(t) < 0)
+            st = di_fail(e, DI_EINVAL, "--bos: the tokenizer names no BOS token");
+        else
+            st = tok_ids_push(&out, tok_bos_id(t), e);
+    }
+    if (st == DI_OK)
+        st = tok_encode(t, text, len, &out, e);
+    if (st == DI_OK) {
+        *ids = out.v; /* handed over: freed with free() like parse_ids' array */
+        *n = out.n;
+    } else
+        tok_ids_free(&out);
+    tok_free(t);
+    free(text);
+    return st;
+}
+#else
+static di_status tokenize(const ctl *x, int32_t **ids, size_t *n, di_error *e)
+{
+    (void)x;
+    (void)ids;
+    (void)n;
+    return di_fail(e, DI_EUNSUPPORTED,
+                   "--text needs the tokenizer, not in this build (PCRE2 or utf8proc missing); "
+                   "give token ids instead");
+}
+#endif
+
 static di_status read_tokens(const ctl *x, int32_t **ids, size_t *n, di_error *e)
 {
+    if (x->s.text)
+        return tokenize(x, ids, n, e);
     if (x->s.ids)
         return parse_ids(x->s.ids, ids, n, e);
     if (x->argc != 1)
@@ -610,7 +694,7 @@ static const subcommand subcommands[] = {
     {"ttl", cmd_ttl, "get | set CLASS DUR", "show or change a class's TTL (applies at once)"},
     {"capacity", cmd_capacity, "get | set dram|disk SIZE",
      "show or change a tier's capacity (lowering evicts)"},
-    {"inspect", cmd_inspect, "FILE | --ids 1,2,3",
+    {"inspect", cmd_inspect, "FILE | --ids 1,2,3 | --text FILE",
      "which blocks and window states of a prompt are cached, and when they expire"},
     {"evict", cmd_evict, "[--class LIST] [--dram-only] (--all | KEY...)",
      "remove unleased objects (or only their DRAM copies)"},
@@ -632,7 +716,7 @@ static void usage(FILE *f)
     fprintf(f, "\ncommand options:\n");
     kvcli_print_options(f, sub_rows, sizeof(sub_rows) / sizeof(sub_rows[0]));
     fprintf(f, "\ninspect reads token ids as a JSON array or separated by spaces, commas or "
-               "newlines.\n");
+               "newlines;\n--text tokenizes a prompt with the same tokenizer as the router.\n");
 }
 
 static int open_client(ctl *x, char **token, char **ca)

@@ -7,6 +7,9 @@
 #include <string.h>
 #include <sys/wait.h>
 
+#ifdef DI_KVCTL_TOKENIZER
+#include "common/tokenizer/tokenizer.h"
+#endif
 #include "tests/kvstore/harness.h"
 #include "tests/kvstore/helpers.h"
 
@@ -196,3 +199,50 @@ Test(kvctl, refusals_and_usage, .timeout = 60)
     remove(bad);
     teardown(&f);
 }
+
+#ifdef DI_KVCTL_TOKENIZER
+/* inspect --text tokenizes the prompt (here with a small byte-level tokenizer from the fuzz
+ * corpus) and finds the blocks written for the same ids. */
+Test(kvctl, inspect_a_text_prompt, .timeout = 60)
+{
+    fx f;
+    int32_t unused[300];
+    setup(&f, unused);
+    char tokpath[512], textpath[300];
+    snprintf(tokpath, sizeof(tokpath), "%s/tests/fuzz/tokenizer_corpus/tokenizer_deepseek_like.json",
+             getenv("DI_SOURCE_ROOT"));
+    tok_tokenizer *t;
+    di_error e;
+    cr_assert_eq(tok_load_file(tokpath, &t, &e), DI_OK, "%s", e.msg);
+    char text[2048] = "";
+    for (int i = 0; i < 40; i++)
+        strcat(text, "the store keeps KV blocks for days. ");
+    tok_ids ids = {0};
+    cr_assert_eq(tok_encode(t, text, strlen(text), &ids, &e), DI_OK, "%s", e.msg);
+    cr_assert_geq(ids.n, 256, "%zu tokens", ids.n);
+    kv_geometry g;
+    kv_geometry_v41_flash(5, &g);
+    kvkey keys[2];
+    size_t nk;
+    cr_assert_eq(kvkey_chain(g.model_id, 128, ids.v, 256, keys, 2, &nk, NULL), DI_OK);
+    kvc_client *c = th_client(&f.s, NULL);
+    uint8_t obj[BLOCK];
+    th_fill_object(obj, BLOCK, KV_BLOCK_MAGIC, &g, &keys[0], 0);
+    cr_assert_eq(kvc_put1(c, KVKEY_BLOCK, &keys[0], obj, BLOCK, &e), DI_OK, "%s", e.msg);
+    kvc_close(c);
+    snprintf(textpath, sizeof(textpath), "%s.txt", f.dir);
+    FILE *fp = fopen(textpath, "w");
+    fputs(text, fp);
+    fclose(fp);
+    char args[1200];
+    snprintf(args, sizeof(args), "--json inspect --text %s --tokenizer %s", textpath, tokpath);
+    json_t *in = kvctl_json(&f, args);
+    cr_assert_eq(json_integer_value(json_object_get(in, "tokens")), (json_int_t)ids.n);
+    cr_assert_eq(json_integer_value(json_object_get(in, "cached_prefix_blocks")), 1);
+    json_decref(in);
+    remove(textpath);
+    tok_ids_free(&ids);
+    tok_free(t);
+    teardown(&f);
+}
+#endif
