@@ -80,11 +80,14 @@ typedef struct kvc_store_info {
     uint32_t lease_max_ms;
     int mapped;                 /* 1: the store's memory is mapped here (same host) */
 } kvc_store_info;
-/* Connects if needed and returns the store's description. */
+/* Connects if needed and returns the store's description. DI_OK; DI_EUNAVAIL, DI_ETIMEDOUT,
+ * DI_EAUTH, DI_EINVAL (the store holds another model than options.model_id). */
 di_status kvc_info(kvc_client *c, kvc_store_info *out, di_error *err);
 
 /* Longest cached prefix of a prompt's block keys: *blocks_hit leading blocks are stored;
- * windows[0..*n_windows) lists each k <= *blocks_hit with a window state at 128*k. */
+ * windows[0..*n_windows) lists each k <= *blocks_hit with a window state at 128*k. Hits refresh
+ * the objects' TTLs. DI_OK; DI_EINVAL (more than KVC_MAX_LOOKUP keys, NULL pointers); the
+ * call's failures (DI_EUNAVAIL, DI_ETIMEDOUT, DI_EAUTH, ...). Outputs written only on DI_OK. */
 di_status kvc_lookup(kvc_client *c, const kvkey *keys, size_t n, uint32_t *blocks_hit,
                      uint32_t *windows, size_t max_windows, size_t *n_windows, di_error *err);
 
@@ -109,7 +112,8 @@ di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err);
 /* Deletes objects; per-item status (DI_ENOENT when absent). */
 di_status kvc_delete(kvc_client *c, kvc_item *items, size_t n, di_error *err);
 
-/* Single-object conveniences over the batch calls; they return the item's status. */
+/* Single-object conveniences over the batch calls; they return the batch's failure or else
+ * the item's status (DI_OK, DI_ENOENT, DI_EEXIST for a put of a stored object, ...). */
 di_status kvc_get1(kvc_client *c, int cls, const kvkey *key, void *buf, uint64_t cap,
                    uint64_t *bytes, di_error *err);
 di_status kvc_put1(kvc_client *c, int cls, const kvkey *key, const void *obj, uint64_t bytes,
@@ -124,10 +128,13 @@ typedef struct kvc_lease {
     uint64_t bytes;        /* object size */
     uint32_t expires_in_ms;
 } kvc_lease;
-/* Leases one object for lease_ms. DI_OK, DI_ENOENT, ... */
+/* Leases one object for lease_ms (clamped by the store). DI_OK (*out written), DI_ENOENT,
+ * DI_EFULL (no DRAM slot or lease record), and the call's failures. */
 di_status kvc_acquire(kvc_client *c, int cls, const kvkey *key, uint32_t lease_ms, kvc_lease *out,
                       di_error *err);
-/* Copies a leased object into buf (UCX get + verification unless verify is off). */
+/* Copies a leased object into buf with verification (unless verify is off). DI_OK,
+ * DI_ERANGE (buf too small), DI_ECORRUPT (failed verification), DI_EUNAVAIL (connection lost:
+ * acquire again), DI_ETIMEDOUT. buf is written even on failure. */
 di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l, void *buf,
                    uint64_t cap, di_error *err);
 /* Ends a lease. DI_ETIMEDOUT when it had already expired: discard what was read under it. */
