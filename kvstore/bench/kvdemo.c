@@ -3,10 +3,11 @@
  * bytes with valid headers), then reads them back as a decode engine would. For trying a store
  * out and for the examples in docs/kvstore.md.
  *
- *   kvdemo --store HOST:PORT [--token T] --tokens N [--prompts P] [--shared S]
+ *   kvdemo --store HOST:PORT [--token T] --tokens N [--prompts P] [--shared S] [--ids-dir D]
  *
  * Prompt p has N tokens; its first S tokens are shared by all prompts (a common system prompt),
- * the rest differ per prompt. Token ids are i * 7 + 1 for the shared part. */
+ * the rest differ per prompt. Token ids are i * 7 + 1 for the shared part. With --ids-dir,
+ * prompt p's ids are also written to D/promptP.ids (one JSON array), for di-kvctl inspect. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -22,6 +23,7 @@ typedef struct dopts {
     uint64_t tokens;   /* per prompt */
     uint64_t prompts;  /* how many */
     uint64_t shared;   /* common prefix */
+    const char *ids_dir; /* where to write promptP.ids; NULL: nowhere */
 } dopts;
 
 #define D(f) offsetof(dopts, f)
@@ -31,7 +33,30 @@ static const kvcli_opt rows[] = {
     {"tokens", KVCLI_UINT, D(tokens), "1000", 1, 1 << 21, "N", "tokens per prompt"},
     {"prompts", KVCLI_UINT, D(prompts), "3", 1, 1000, "P", "prompts"},
     {"shared", KVCLI_UINT, D(shared), "512", 0, 1 << 21, "S", "tokens shared by all prompts"},
+    {"ids-dir", KVCLI_STRING, D(ids_dir), NULL, 0, 0, "DIR", "also write promptP.ids here"},
 };
+#define N_ROWS (sizeof(rows) / sizeof(rows[0]))
+
+/* Writes ids as one JSON array to dir/promptP.ids. */
+static int write_ids(const char *dir, uint64_t p, const int32_t *ids, uint64_t n)
+{
+    char path[4096];
+    snprintf(path, sizeof path, "%s/prompt%llu.ids", dir, (unsigned long long)p);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "kvdemo: cannot write %s\n", path);
+        return 1;
+    }
+    fputc('[', f);
+    for (uint64_t i = 0; i < n; i++)
+        fprintf(f, i ? ",%d" : "%d", ids[i]);
+    fputs("]\n", f);
+    if (fclose(f) != 0) {
+        fprintf(stderr, "kvdemo: write of %s failed\n", path);
+        return 1;
+    }
+    return 0;
+}
 
 static int put(kvc_client *c, int cls, const kvkey *k, uint8_t *buf, size_t bytes)
 {
@@ -49,13 +74,13 @@ int main(int argc, char **argv)
     dopts o;
     di_error e;
     int next, help;
-    if (kvcli_defaults(rows, 5, &o, &e) || kvcli_parse(rows, 5, argc, argv, 1, &o, &next, &help, &e)) {
+    if (kvcli_defaults(rows, N_ROWS, &o, &e) || kvcli_parse(rows, N_ROWS, argc, argv, 1, &o, &next, &help, &e)) {
         fprintf(stderr, "kvdemo: %s\n", e.msg);
         return 2;
     }
     if (help || next < argc) {
         printf("usage: kvdemo [options]\n");
-        kvcli_print_options(stdout, rows, 5);
+        kvcli_print_options(stdout, rows, N_ROWS);
         return help ? 0 : 2;
     }
     kvc_options co;
@@ -78,6 +103,8 @@ int main(int argc, char **argv)
     for (uint64_t p = 0; p < o.prompts && rc == 0; p++) {
         for (uint64_t i = 0; i < o.tokens; i++)
             ids[i] = (int32_t)(i < o.shared ? i * 7 + 1 : 50000 + p * 10007 + i);
+        if (o.ids_dir)
+            rc = write_ids(o.ids_dir, p, ids, o.tokens);
         kvkey_chain(g->model_id, g->block_tokens, ids, o.tokens, keys, max, &nk, NULL);
         for (size_t b = 0; b < nk && rc == 0; b++) {
             kvsynth_object(buf, bb, KV_BLOCK_MAGIC, g, &keys[b], 0, 128, b * 128);
