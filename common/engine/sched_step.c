@@ -410,6 +410,8 @@ static di_status sched_normal_vote(sched *s, bool *prompt, uint32_t *n, di_error
         point = s->vote.any;
     if (!point)
         return DI_OK;
+    /* A head that already holds its blocks (a prompt between chunks) needs no more memory:
+     * it wants prefill whatever the cache usage, or a full cache would park it forever. */
     bool want = sched_head_may_start(s);
     bool agree;
     s->stats.votes++;

@@ -862,8 +862,7 @@ di_status model_config_load(const char *path, model_config *out, di_error *err)
 
 const char *const *model_config_builtin_names(void)
 {
-    static const char *const names[] = {"v41-flash", "tiny", "small", NULL};
-    return names;
+    return model_config_builtin_name_list;
 }
 
 const char *model_config_builtin_json(const char *name)
@@ -880,8 +879,8 @@ di_status model_config_builtin(const char *name, model_config *out, di_error *er
 {
     const char *json = model_config_builtin_json(name);
     if (!json)
-        return di_fail(err, DI_ENOENT, "no shipped config named '%s' (known: v41-flash, tiny, "
-                       "small)", name ? name : "(null)");
+        return di_fail(err, DI_ENOENT, "no shipped config named '%s' (known: %s)",
+                       name ? name : "(null)", model_config_builtin_known);
     return model_config_parse(json, strlen(json), name, out, err);
 }
 
@@ -893,8 +892,8 @@ di_status model_config_resolve(const char *name_or_path, model_config *out, di_e
         return model_config_builtin(name_or_path, out, err);
     di_status st = model_config_load(name_or_path, out, err);
     if (st == DI_ENOENT)
-        return di_fail(err, DI_ENOENT, "'%s' is neither a shipped config (v41-flash, tiny, "
-                       "small) nor a config file or directory", name_or_path);
+        return di_fail(err, DI_ENOENT, "'%s' is neither a shipped config (%s) nor a config file "
+                       "or directory", name_or_path, model_config_builtin_known);
     return st;
 }
 

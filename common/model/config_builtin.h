@@ -6,11 +6,14 @@
 #include <stddef.h>
 
 typedef struct model_config_builtin_entry {
-    const char *name; /* "v41-flash", "tiny", "small" */
+    const char *name; /* "v41-flash", "tiny", "small", "demo" */
     const char *json; /* the file's text */
 } model_config_builtin_entry;
 
 extern const model_config_builtin_entry model_config_builtins[];
 extern const size_t model_config_builtin_count;
+/* The names, NULL-terminated, and as one "a, b, c" string for messages. */
+extern const char *const model_config_builtin_name_list[];
+extern const char model_config_builtin_known[];
 
 #endif

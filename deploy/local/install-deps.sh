@@ -12,7 +12,7 @@ if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; fi
 
 packages=(
   build-essential pkg-config meson ninja-build git ca-certificates
-  libjansson-dev libpcre2-dev libssl-dev
+  libjansson-dev libpcre2-dev libutf8proc-dev libssl-dev
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libucx-dev ucx-utils librocksdb-dev libmicrohttpd-dev
   libcriterion-dev python3 python3-numpy redis-server

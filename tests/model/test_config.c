@@ -41,11 +41,28 @@ Test(config, every_shipped_config_parses_and_validates)
         free(f);
         free(c);
     }
-    cr_assert_eq(n, 3);
+    cr_assert_eq(n, 4, "v41-flash, tiny, small, demo");
     model_config c;
     di_error e = {0};
     cr_assert_eq(model_config_builtin("v42", &c, &e), DI_ENOENT);
-    cr_assert(strstr(e.msg, "v42") && strstr(e.msg, "tiny"), "%s", e.msg);
+    cr_assert(strstr(e.msg, "v42") && strstr(e.msg, "tiny") && strstr(e.msg, "demo"), "%s",
+              e.msg);
+}
+
+/* demo is tiny's geometry with the DeepSeek vocabulary, so the shipped tokenizer's ids fit. */
+Test(config, demo_is_tiny_with_the_full_vocabulary)
+{
+    model_config *d = load_builtin("demo");
+    model_config *t = load_builtin("tiny");
+    model_config *v = load_builtin("v41-flash");
+    cr_assert_eq(d->vocab_size, v->vocab_size);
+    cr_assert_eq(d->dspark_noise_token_id, v->dspark_noise_token_id);
+    cr_assert_eq(d->dim, t->dim);
+    cr_assert_eq(d->n_layers, t->n_layers);
+    cr_assert_neq(d->model_id, t->model_id);
+    free(d);
+    free(t);
+    free(v);
 }
 
 Test(config, v41_flash_values_of_model_md_section_0)

@@ -3,7 +3,7 @@
  *   di-mkmodel [options] CONFIG OUTDIR
  *   di-mkmodel [options] --config CONFIG --out OUTDIR
  *
- * CONFIG is a shipped name (v41-flash, tiny, small), a config.json, or a directory holding one.
+ * CONFIG is a shipped name (v41-flash, tiny, small, demo), a config.json, or a directory holding one.
  */
 #include <errno.h>
 #include <getopt.h>

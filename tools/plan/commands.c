@@ -80,7 +80,7 @@ const plan_command plan_commands[] = {
         .help = "KV sizes of a model: block and per-token bytes, state slot, window state, "
                 "blocks per request",
         .inputs = (const plan_key[]){
-            {"config", false, "a shipped config name (v41-flash, tiny, small), a config.json "
+            {"config", false, "a shipped config name (v41-flash, tiny, small, demo), a config.json "
                               "path or model directory, or an inline config object (default "
                               "v41-flash)"},
             {"nextn", false, "drafts per decode step (0..64, default 5): ring = window + "

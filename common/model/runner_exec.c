@@ -1,0 +1,494 @@
+#include "common/model/runner_exec.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define RX_MAX_ROWS (SEQ_MAX_NEXTN + 1)
+
+/* What the executor keeps of one request. */
+typedef struct rx_req {
+    uint64_t id;
+    int32_t *toks;              /* [cap] token at each position (plan rows are authoritative) */
+    uint32_t cap;
+    uint32_t prompt_len;
+    sampling_params params;
+    int32_t *forced;            /* [n_forced] teacher-forced continuation, or NULL */
+    uint32_t n_forced;
+    uint32_t n_out;             /* tokens produced so far */
+    float *draft_logits;        /* [nextn, V] the draft head's logits of the pending drafts */
+    int32_t drafts[SEQ_MAX_NEXTN];
+    uint32_t n_drafts;
+    runner_token last[RX_MAX_ROWS]; /* tokens of the latest step */
+    uint32_t n_last;
+    char err[sizeof(((di_error *)0)->msg)];
+} rx_req;
+
+struct runner_exec {
+    const runner_model *rm;
+    const kern_backend *be;
+    runner_exec_options opt;
+    fwd_model *m;
+    fwd_run *run;
+    fwd_kv *kv;
+    sampler_workspace *ws;
+    uint32_t V;
+    uint32_t nextn;             /* drafts proposed per step (0 without draft stages) */
+    rx_req **reqs;
+    uint32_t n_reqs, cap_reqs;
+    /* step scratch */
+    fwd_seq *fseqs;             /* [max entries] */
+    int32_t *lrows;             /* [max_rows] */
+    int32_t *lbase;             /* [max entries] first logits row of each entry, -1 none */
+    float *logits;              /* [max_rows, V] */
+    float *dlogits;             /* [max entries, nextn, V] */
+    int32_t *dtok;              /* [max entries, nextn] */
+    float *dconf, *dcum;        /* [max entries, nextn] */
+    fwd_draft_req *dreq;        /* [max entries] */
+    uint32_t *dentry;           /* [max entries] plan entry of each draft request */
+    rx_req **drec;              /* [max entries] request of each draft request */
+    uint32_t max_entries;
+};
+
+const fwd_model *runner_exec_model(const runner_exec *ex)
+{
+    return ex->m;
+}
+
+static rx_req *find(const runner_exec *ex, uint64_t id)
+{
+    for (uint32_t i = 0; i < ex->n_reqs; i++)
+        if (ex->reqs[i]->id == id)
+            return ex->reqs[i];
+    return NULL;
+}
+
+static void req_free(rx_req *r)
+{
+    if (!r)
+        return;
+    free(r->toks);
+    free(r->forced);
+    free(r->draft_logits);
+    free(r);
+}
+
+di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
+                             const runner_exec_options *opt, runner_exec **out, di_error *err)
+{
+    if (!rm || !rm->w || !be || !opt || !out)
+        return di_fail(err, DI_EINVAL, "executor: model, backend, options and output required");
+    runner_exec *ex = calloc(1, sizeof(*ex));
+    if (!ex)
+        return di_fail(err, DI_ENOMEM, "executor");
+    ex->rm = rm;
+    ex->be = be;
+    ex->opt = *opt;
+    ex->opt.fwd.token_map = rm->token_map;
+    ex->opt.fwd.token_map_pad = rm->token_map_pad;
+    const model_config *c = &rm->w->config;
+    ex->V = c->vocab_size;
+    ex->nextn = c->n_mtp ? opt->fwd.nextn : 0;
+    ex->max_entries = opt->fwd.max_rows;
+    size_t E = ex->max_entries, T = opt->fwd.max_rows, nx = ex->nextn ? ex->nextn : 1;
+    di_status st = fwd_model_create(rm->w, be, &ex->opt.fwd, &ex->m, err);
+    if (st == DI_OK)
+        st = fwd_run_create(ex->m, &ex->run, err);
+    if (st == DI_OK)
+        st = fwd_kv_create(fwd_model_geometry(ex->m), be, opt->n_blocks, opt->n_slots, &ex->kv,
+                           err);
+    if (st == DI_OK)
+        st = sampler_workspace_new(ex->V, &ex->ws, err);
+    if (st == DI_OK) {
+        ex->fseqs = calloc(E, sizeof(fwd_seq));
+        ex->lrows = calloc(T, sizeof(int32_t));
+        ex->lbase = calloc(E, sizeof(int32_t));
+        ex->logits = malloc(T * ex->V * sizeof(float));
+        ex->dlogits = malloc(E * nx * ex->V * sizeof(float));
+        ex->dtok = malloc(E * nx * sizeof(int32_t));
+        ex->dconf = malloc(E * nx * sizeof(float));
+        ex->dcum = malloc(E * nx * sizeof(float));
+        ex->dreq = malloc(E * sizeof(fwd_draft_req));
+        ex->dentry = malloc(E * sizeof(uint32_t));
+        ex->drec = malloc(E * sizeof(rx_req *));
+        if (!ex->fseqs || !ex->lrows || !ex->lbase || !ex->logits || !ex->dlogits ||
+            !ex->dtok || !ex->dconf || !ex->dcum || !ex->dreq || !ex->dentry || !ex->drec)
+            st = di_fail(err, DI_ENOMEM, "executor scratch for %zu rows", T);
+    }
+    if (st != DI_OK) {
+        runner_exec_free(ex);
+        return st;
+    }
+    *out = ex;
+    return DI_OK;
+}
+
+void runner_exec_free(runner_exec *ex)
+{
+    if (!ex)
+        return;
+    for (uint32_t i = 0; i < ex->n_reqs; i++)
+        req_free(ex->reqs[i]);
+    free(ex->reqs);
+    sampler_workspace_free(ex->ws);
+    fwd_kv_free(ex->kv);
+    fwd_run_free(ex->run);
+    fwd_model_free(ex->m);
+    free(ex->fseqs);
+    free(ex->lrows);
+    free(ex->lbase);
+    free(ex->logits);
+    free(ex->dlogits);
+    free(ex->dtok);
+    free(ex->dconf);
+    free(ex->dcum);
+    free(ex->dreq);
+    free(ex->dentry);
+    free(ex->drec);
+    free(ex);
+}
+
+di_status runner_exec_add(runner_exec *ex, const runner_request *q, di_error *err)
+{
+    if (!ex || !q || !q->prompt || q->prompt_len == 0)
+        return di_fail(err, DI_EINVAL, "request: empty prompt");
+    if (find(ex, q->id))
+        return di_fail(err, DI_EEXIST, "request %llu already registered",
+                       (unsigned long long)q->id);
+    di_status st = sampling_params_validate(&q->params, ex->V, err);
+    if (st != DI_OK)
+        return st;
+    for (uint32_t i = 0; i < q->prompt_len; i++)
+        if (q->prompt[i] < 0 || (uint32_t)q->prompt[i] >= ex->V)
+            return di_fail(err, DI_EINVAL, "prompt token %d at position %u outside the "
+                           "vocabulary [0, %u)", q->prompt[i], i, ex->V);
+    for (uint32_t i = 0; i < q->n_forced; i++)
+        if (q->forced[i] < 0 || (uint32_t)q->forced[i] >= ex->V)
+            return di_fail(err, DI_EINVAL, "teacher-forced token %d outside the vocabulary "
+                           "[0, %u)", q->forced[i], ex->V);
+    if (ex->n_reqs == ex->cap_reqs) {
+        uint32_t cap = ex->cap_reqs ? 2 * ex->cap_reqs : 16;
+        rx_req **n = realloc(ex->reqs, cap * sizeof(*n));
+        if (!n)
+            return di_fail(err, DI_ENOMEM, "request table");
+        ex->reqs = n;
+        ex->cap_reqs = cap;
+    }
+    rx_req *r = calloc(1, sizeof(*r));
+    if (!r)
+        return di_fail(err, DI_ENOMEM, "request");
+    r->id = q->id;
+    r->prompt_len = q->prompt_len;
+    r->params = q->params;
+    r->cap = q->prompt_len + q->max_tokens + RX_MAX_ROWS + 1;
+    r->toks = calloc(r->cap, sizeof(int32_t));
+    if (q->n_forced) {
+        r->forced = malloc(q->n_forced * sizeof(int32_t));
+        if (r->forced)
+            memcpy(r->forced, q->forced, q->n_forced * sizeof(int32_t));
+        r->n_forced = q->n_forced;
+    }
+    if (ex->nextn)
+        r->draft_logits = malloc((size_t)ex->nextn * ex->V * sizeof(float));
+    if (!r->toks || (q->n_forced && !r->forced) || (ex->nextn && !r->draft_logits)) {
+        req_free(r);
+        return di_fail(err, DI_ENOMEM, "request %llu", (unsigned long long)q->id);
+    }
+    memcpy(r->toks, q->prompt, q->prompt_len * sizeof(int32_t));
+    ex->reqs[ex->n_reqs++] = r;
+    return DI_OK;
+}
+
+void runner_exec_remove(runner_exec *ex, uint64_t id)
+{
+    for (uint32_t i = 0; ex && i < ex->n_reqs; i++)
+        if (ex->reqs[i]->id == id) {
+            req_free(ex->reqs[i]);
+            ex->reqs[i] = ex->reqs[--ex->n_reqs];
+            return;
+        }
+}
+
+const runner_token *runner_exec_tokens(const runner_exec *ex, uint64_t id, uint32_t *n)
+{
+    rx_req *r = find(ex, id);
+    *n = r ? r->n_last : 0;
+    return r ? r->last : NULL;
+}
+
+const char *runner_exec_error(const runner_exec *ex, uint64_t id)
+{
+    rx_req *r = find(ex, id);
+    return r ? r->err : "";
+}
+
+/* ---- one step --------------------------------------------------------------------------- */
+
+static void do_copies(runner_exec *ex, const sched_plan *plan)
+{
+    const kern_backend *be = ex->be;
+    for (uint32_t i = 0; i < plan->n_copies; i++) {
+        const sched_copy *c = &plan->copies[i];
+        if (c->kind == SCHED_COPY_BLOCK)
+            be->ops.from_host(be->ctx, fwd_kv_block(ex->kv, c->dst), fwd_kv_block(ex->kv, c->src),
+                              ex->kv->block_bytes);
+        else
+            be->ops.from_host(be->ctx, fwd_kv_slot(ex->kv, c->dst), fwd_kv_slot(ex->kv, c->src),
+                              ex->kv->slot_bytes);
+    }
+}
+
+/* Builds the forward's step from the plan; records each entry's tokens by position. */
+static di_status build_step(runner_exec *ex, const sched_plan *plan, fwd_step *st, di_error *err)
+{
+    const model_config *c = fwd_model_config(ex->m);
+    uint32_t lb = c->n_engram_layers ? c->engram_max_ngram_size - 1 : 0;
+    uint32_t n = 0, rows = 0, nl = 0;
+    if (plan->n_seqs > ex->max_entries)
+        return di_fail(err, DI_EINVAL, "plan of %u sequences exceeds %u", plan->n_seqs,
+                       ex->max_entries);
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        const sched_seq_plan *p = &plan->seqs[i];
+        ex->lbase[i] = -1;
+        rx_req *r = p->request_id == SCHED_PLACEHOLDER_ID ? NULL : find(ex, p->request_id);
+        if (!r)
+            return di_fail(err, DI_EINVAL, "plan entry %u: request %llu is not registered", i,
+                           (unsigned long long)p->request_id);
+        if (p->n_load || p->load_window)
+            return di_fail(err, DI_EUNSUPPORTED, "plan entry %u: loading KV from the store is "
+                           "not part of the offline runner", i);
+        if ((uint64_t)p->first_position + p->seqlen_q > r->cap)
+            return di_fail(err, DI_EINVAL, "plan entry %u: positions beyond the request's "
+                           "max_tokens", i);
+        memcpy(r->toks + p->first_position, p->tokens, p->seqlen_q * sizeof(int32_t));
+        uint32_t h = p->first_position < lb ? p->first_position : lb;
+        fwd_seq *f = &ex->fseqs[n++];
+        *f = (fwd_seq){.n_rows = p->seqlen_q, .pos0 = p->first_position, .tokens = p->tokens,
+                       .history = r->toks + p->first_position - h, .n_history = h,
+                       .blocks = p->block_table, .n_blocks = p->n_blocks,
+                       .slot = (uint32_t)p->state_slot,
+                       .prompt_len = plan->prompt_run ? r->prompt_len + r->n_out : 0,
+                       .window_start = p->window_start};
+        if (p->sample) {
+            ex->lbase[i] = (int32_t)nl;
+            uint32_t first = plan->prompt_run ? p->seqlen_q - 1 : 0;
+            for (uint32_t k = first; k < p->seqlen_q; k++)
+                ex->lrows[nl++] = (int32_t)(rows + k);
+        }
+        rows += p->seqlen_q;
+    }
+    *st = (fwd_step){.n_seqs = n, .seqs = ex->fseqs, .n_logit_rows = nl, .logit_rows = ex->lrows};
+    return DI_OK;
+}
+
+static sampler_row target_row(const runner_exec *ex, const rx_req *r, const float *logits,
+                              uint64_t position, uint32_t row, uint32_t out_index)
+{
+    sampler_row s = {.logits = logits, .n_vocab = ex->V, .params = &r->params,
+                     .output_index = out_index, .position = position, .row = row};
+    return s;
+}
+
+/* The forced token's logprob under the processed distribution (sampling is skipped). */
+static void forced_token(runner_exec *ex, rx_req *r, const sampler_row *row, int32_t tok,
+                         runner_token *out)
+{
+    memset(out, 0, sizeof(*out));
+    out->token = tok;
+    out->res.token = tok;
+    sampler_dist d;
+    out->res.logprob = sampler_process(row, ex->ws, 0, &d, NULL) == DI_OK
+                           ? (float)sampler_dist_logprob(&d, tok) : 0.0f;
+}
+
+/* Produced tokens of one sampled entry into r->last and the result. */
+static di_status sample_entry(runner_exec *ex, const sched_plan *plan, uint32_t i, rx_req *r,
+                              sched_seq_result *res, di_error *err)
+{
+    const sched_seq_plan *p = &plan->seqs[i];
+    const float *lg = ex->logits + (size_t)ex->lbase[i] * ex->V;
+    r->n_last = 0;
+    if (plan->prompt_run) {
+        sampler_row row = target_row(ex, r, lg, sampler_prefill_position(p->seqlen_k), 0,
+                                     r->n_out);
+        if (r->n_out < r->n_forced) {
+            forced_token(ex, r, &row, r->forced[r->n_out], &r->last[0]);
+        } else {
+            di_status st = sampler_sample(&row, ex->ws, &r->last[0].res, err);
+            if (st != DI_OK)
+                return st;
+            r->last[0].token = r->last[0].res.token;
+        }
+        r->n_last = 1;
+    } else {
+        uint32_t k = p->seqlen_q - 1;
+        const int32_t *drafts = p->tokens + 1;
+        uint64_t P = sampler_decode_position(p->seqlen_k, p->seqlen_q);
+        sampler_row rows[RX_MAX_ROWS];
+        for (uint32_t j = 0; j <= k; j++)
+            rows[j] = target_row(ex, r, lg + (size_t)j * ex->V, P, j, r->n_out + j);
+        if (r->n_out < r->n_forced) {
+            /* accept drafts while they are the forced continuation */
+            uint32_t a = 0;
+            while (a < k && r->n_out + a + 1 < r->n_forced && drafts[a] == r->forced[r->n_out + a])
+                a++;
+            for (uint32_t j = 0; j < a; j++)
+                forced_token(ex, r, &rows[j], drafts[j], &r->last[j]);
+            if (r->n_out + a < r->n_forced) {
+                forced_token(ex, r, &rows[a], r->forced[r->n_out + a], &r->last[a]);
+            } else { /* the forced list ends here: sample this row fresh */
+                di_status st = sampler_sample(&rows[a], ex->ws, &r->last[a].res, err);
+                if (st != DI_OK)
+                    return st;
+                r->last[a].token = r->last[a].res.token;
+            }
+            r->n_last = a + 1;
+        } else {
+            /* verify the drafts the draft head produced (pad rows are not drafts) */
+            uint32_t kk = k;
+            if (r->n_drafts < k || memcmp(r->drafts, drafts, k * sizeof(int32_t)) != 0)
+                kk = 0;
+            sampler_row drows[SEQ_MAX_NEXTN];
+            for (uint32_t j = 0; j < kk; j++)
+                drows[j] = (sampler_row){.logits = r->draft_logits + (size_t)j * ex->V,
+                                         .n_vocab = ex->V, .params = &r->params,
+                                         .output_index = r->n_out + 1 + j, .position = P + 1,
+                                         .row = j, .draft = true};
+            sampler_result out[RX_MAX_ROWS];
+            uint32_t a = 0;
+            sampler_verify_in vin = {.target = rows, .draft = kk ? drows : NULL,
+                                     .draft_tokens = drafts, .k = kk};
+            if (kk == 0) {
+                di_status st = sampler_sample(&rows[0], ex->ws, &out[0], err);
+                if (st != DI_OK)
+                    return st;
+            } else {
+                di_status st = sampler_verify(&vin, ex->ws, out, &a, err);
+                if (st != DI_OK)
+                    return st;
+            }
+            for (uint32_t j = 0; j <= a; j++) {
+                r->last[j].res = out[j];
+                r->last[j].token = out[j].token;
+            }
+            r->n_last = a + 1;
+        }
+    }
+    res->status = SCHED_RESULT_OK;
+    res->n_tokens = r->n_last;
+    for (uint32_t j = 0; j < r->n_last; j++) {
+        res->tokens[j] = r->last[j].token;
+        if (ex->opt.on_logits)
+            ex->opt.on_logits(ex->opt.logits_userdata, r->id,
+                              (int64_t)p->first_position + (plan->prompt_run ? p->seqlen_q - 1 : j),
+                              lg + (size_t)j * ex->V, ex->V);
+    }
+    r->n_out += r->n_last;
+    return DI_OK;
+}
+
+/* The draft head's sampler: the request's parameters with the draft stream; the first draft
+ * token sits at P + 2 and draft i is row i (sampler.h). */
+typedef struct draft_ctx {
+    runner_exec *ex;
+    uint32_t q0;                /* draft request index of the call's request 0 */
+} draft_ctx;
+
+static di_status draft_sample(void *ud, uint32_t q, uint32_t i, const float *logits,
+                              uint32_t vocab, int32_t *tok)
+{
+    draft_ctx *d = ud;
+    runner_exec *ex = d->ex;
+    const rx_req *r = ex->drec[d->q0 + q];
+    sampler_row row = {.logits = logits, .n_vocab = vocab, .params = &r->params,
+                       .output_index = r->n_out + i,
+                       .position = (uint64_t)ex->dreq[d->q0 + q].pos + 2, .row = i,
+                       .draft = true};
+    sampler_result res;
+    di_error e;
+    di_status st = sampler_sample(&row, ex->ws, &res, &e);
+    if (st != DI_OK)
+        return st;
+    *tok = res.token;
+    return DI_OK;
+}
+
+/* New drafts for every entry that produced tokens: the draft stages from the last accepted
+ * position; results get the drafts, the requests keep the draft logits for the verifier. */
+static di_status propose(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
+                         di_error *err)
+{
+    uint32_t n = 0, V = ex->V, nx = ex->nextn;
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        const sched_seq_plan *p = &plan->seqs[i];
+        if (ex->lbase[i] < 0 || results[i].status != SCHED_RESULT_OK)
+            continue;
+        rx_req *r = find(ex, p->request_id);
+        uint32_t a = plan->prompt_run ? p->seqlen_q - 1 : results[i].n_tokens - 1;
+        ex->dreq[n] = (fwd_draft_req){.slot = (uint32_t)p->state_slot,
+                                      .pos = (int64_t)p->first_position + a,
+                                      .next = results[i].tokens[results[i].n_tokens - 1]};
+        ex->dentry[n] = i;
+        ex->drec[n] = r;
+        n++;
+    }
+    if (n == 0)
+        return DI_OK;
+    const model_config *c = fwd_model_config(ex->m);
+    uint32_t per_call = ex->opt.fwd.max_rows / c->dspark_block_size;
+    for (uint32_t q0 = 0; q0 < n; q0 += per_call) {
+        uint32_t m = n - q0 < per_call ? n - q0 : per_call;
+        fwd_draft_out out = {.tokens = ex->dtok + (size_t)q0 * nx,
+                             .logits = ex->dlogits + (size_t)q0 * nx * V,
+                             .confidence = ex->dconf + (size_t)q0 * nx,
+                             .cumulative = ex->dcum + (size_t)q0 * nx};
+        draft_ctx dc = {ex, q0};
+        di_status st = fwd_draft(ex->run, ex->kv, m, ex->dreq + q0, nx, draft_sample, &dc, &out,
+                                 err);
+        if (st != DI_OK)
+            return st;
+    }
+    for (uint32_t q = 0; q < n; q++) {
+        rx_req *r = ex->drec[q];
+        sched_seq_result *res = &results[ex->dentry[q]];
+        memcpy(r->drafts, ex->dtok + (size_t)q * nx, nx * sizeof(int32_t));
+        memcpy(r->draft_logits, ex->dlogits + (size_t)q * nx * V, (size_t)nx * V * sizeof(float));
+        r->n_drafts = nx;
+        res->n_drafts = nx;
+        memcpy(res->drafts, r->drafts, nx * sizeof(int32_t));
+    }
+    return DI_OK;
+}
+
+di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
+                           di_error *err)
+{
+    if (!ex || !plan || (!results && plan->n_seqs))
+        return di_fail(err, DI_EINVAL, "step: executor, plan and results are required");
+    if (plan->placeholder)
+        return DI_OK; /* one rank: nothing to run */
+    do_copies(ex, plan);
+    fwd_step st;
+    di_status s = build_step(ex, plan, &st, err);
+    if (s == DI_OK)
+        s = fwd_step_run(ex->run, ex->kv, &st, ex->logits, err);
+    if (s != DI_OK)
+        return s;
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        sched_seq_result *res = &results[i];
+        memset(res, 0, sizeof(*res));
+        res->status = SCHED_RESULT_OK;
+        rx_req *r = find(ex, plan->seqs[i].request_id);
+        r->err[0] = 0;
+        if (ex->lbase[i] < 0)
+            continue; /* an earlier prompt chunk: nothing to sample */
+        di_error e;
+        if (sample_entry(ex, plan, i, r, res, &e) != DI_OK) {
+            res->status = SCHED_RESULT_FAILED;
+            res->n_tokens = 0;
+            r->n_last = 0;
+            snprintf(r->err, sizeof r->err, "%s", e.msg);
+        }
+    }
+    return ex->nextn ? propose(ex, plan, results, err) : DI_OK;
+}

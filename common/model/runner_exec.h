@@ -1,0 +1,90 @@
+/* runner_exec.h: runs the engine's step plans on the forward pass and the sampler.
+ *
+ * For each plan (common/engine/scheduler.h) it does the fork copies, runs one forward step over
+ * the plan's sequences, samples the rows the plan consumes, and fills one sched_seq_result per
+ * entry:
+ *  - a prompt chunk with `sample` (the final chunk): the last row's token (sampler case 0 at
+ *    position seqlen_k);
+ *  - a decode entry [t, d1 .. dk]: speculative verification of the k drafts against the rows'
+ *    logits (sampler_verify: accepted drafts, then the resample or the bonus token);
+ *  - with teacher forcing, the forced continuation replaces sampling: drafts are accepted while
+ *    they equal the forced tokens, and each produced token is the forced one;
+ *  - then, when the model has draft stages and nextn > 0, new drafts from the position of the
+ *    last accepted row (MODEL.md §2.11), sampled by the draft head with the draft stream.
+ * It never frees or reuses KV: block and slot ids come from the plan.
+ *
+ * Per request the executor keeps the tokens by position (the Engram lookback reads up to three
+ * before a chunk), the sampling parameters, the draft head's logits of the pending drafts (the
+ * verifier needs the draft distribution) and the sampler results of the latest step.
+ */
+#ifndef DI_MODEL_RUNNER_EXEC_H
+#define DI_MODEL_RUNNER_EXEC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/engine/scheduler.h"
+#include "common/model/forward.h"
+#include "common/model/runner.h"
+#include "common/sampling/sampler.h"
+
+typedef struct runner_exec runner_exec;
+
+/* Called once for every produced token with the raw fp32 logits of the row that made it (the
+ * row at `position`, whose token is the next one), before any sampling step. */
+typedef void (*runner_logits_fn)(void *userdata, uint64_t request_id, int64_t position,
+                                 const float *logits, uint32_t vocab);
+
+typedef struct runner_exec_options {
+    fwd_options fwd;          /* nextn, max_rows, YOCO, dump hook; the token map is taken from
+                                 the runner_model */
+    uint32_t n_blocks;        /* KV blocks (the scheduler's num_blocks) */
+    uint32_t n_slots;         /* state slots (the scheduler's num_slots) */
+    runner_logits_fn on_logits; /* may be NULL */
+    void *logits_userdata;
+} runner_exec_options;
+
+/* What the executor must know of a request before its first plan. */
+typedef struct runner_request {
+    uint64_t id;
+    const int32_t *prompt;    /* copied */
+    uint32_t prompt_len;
+    uint32_t max_tokens;      /* sizes the token record: prompt_len + max_tokens positions */
+    sampling_params params;   /* copied (a blacklist must outlive the request) */
+    const int32_t *forced;    /* teacher-forced continuation (copied); NULL = sample */
+    uint32_t n_forced;
+} runner_request;
+
+/* The outcome of one produced token, for logprobs. */
+typedef struct runner_token {
+    int32_t token;
+    sampler_result res;       /* logprob and top logprobs (processed distribution) */
+} runner_token;
+
+/* Creates the forward model, run scratch, KV storage and sampler workspace. DI_EINVAL,
+ * DI_ENOMEM, or the forward's codes. rm and be must outlive the executor. */
+di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
+                             const runner_exec_options *opt, runner_exec **out, di_error *err);
+void runner_exec_free(runner_exec *ex); /* NULL-safe */
+
+/* Registers a request (validates its parameters against the vocabulary). DI_EINVAL,
+ * DI_EEXIST, DI_ENOMEM. */
+di_status runner_exec_add(runner_exec *ex, const runner_request *req, di_error *err);
+/* Forgets a request (after its final output). Unknown ids are ignored. */
+void runner_exec_remove(runner_exec *ex, uint64_t id);
+
+/* Runs a plan; results[i] is filled for plan->seqs[i]. A request whose sampling fails gets
+ * SCHED_RESULT_FAILED (the others go on); DI_OK then. Returns a failure only when the step
+ * itself cannot run (the forward's codes), with results untouched. */
+di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
+                           di_error *err);
+
+/* The tokens request `id` produced in the latest step that sampled it, with their sampler
+ * results; *n = 0 when none. The array stays valid until the next step. */
+const runner_token *runner_exec_tokens(const runner_exec *ex, uint64_t id, uint32_t *n);
+/* The failure message of the request's latest failed step ("" when none). */
+const char *runner_exec_error(const runner_exec *ex, uint64_t id);
+
+const fwd_model *runner_exec_model(const runner_exec *ex);
+
+#endif

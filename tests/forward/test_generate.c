@@ -1,0 +1,314 @@
+/* di-generate end to end on a tiny checkpoint written by di-mkmodel: outputs agree across
+ * speculative and plain decoding and with the forward API, the logits dump is exact, and bad
+ * inputs get a clear one-line error and a non-zero exit. */
+#include <criterion/criterion.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "tests/forward/fwd_fixture.h"
+
+static char g_dir[256];      /* the test's temporary directory */
+static char g_model[300];    /* tiny checkpoint, seed 1 */
+
+static const char *build_root(void)
+{
+    const char *b = getenv("DI_BUILD_ROOT");
+    cr_assert(b, "DI_BUILD_ROOT is not set (run under meson test)");
+    return b;
+}
+
+static void setup(void)
+{
+    snprintf(g_dir, sizeof g_dir, "%s/di-gen-test-XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
+    cr_assert(mkdtemp(g_dir));
+    snprintf(g_model, sizeof g_model, "%s/tiny", g_dir);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "%s/tools/mkmodel/di-mkmodel --quiet --seed 1 tiny %s > /dev/null",
+             build_root(), g_model);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+}
+
+static void teardown(void)
+{
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", g_dir);
+    if (system(cmd) != 0)
+        fprintf(stderr, "could not remove %s\n", g_dir);
+}
+
+/* Runs di-generate with args; stdout and stderr into malloc'd strings; returns the exit code. */
+static int gen(const char *args, char **out, char **err)
+{
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s/tools/generate/di-generate --quiet %s > %s/out 2> %s/err",
+             build_root(), args, g_dir, g_dir);
+    int rc = system(cmd);
+    char path[300];
+    char **dst[2] = {out, err};
+    const char *names[2] = {"out", "err"};
+    for (int i = 0; i < 2; i++) {
+        snprintf(path, sizeof path, "%s/%s", g_dir, names[i]);
+        FILE *f = fopen(path, "r");
+        cr_assert(f);
+        char *buf = calloc(1, 1 << 20);
+        size_t n = fread(buf, 1, (1 << 20) - 1, f);
+        buf[n] = 0;
+        fclose(f);
+        if (dst[i])
+            *dst[i] = buf;
+        else
+            free(buf);
+    }
+    return WIFEXITED(rc) ? WEXITSTATUS(rc) : -1;
+}
+
+TestSuite(generate, .init = setup, .fini = teardown, .timeout = 120);
+
+Test(generate, greedy_tokens_agree_across_spec_decode_and_in_memory_weights)
+{
+    char args[1024], *a, *b, *c;
+    snprintf(args, sizeof args, "--model %s --ids 3,17,42,99,100 --ids 5,6,7 --max-tokens 24 "
+             "--temperature 0 --nextn 0", g_model);
+    {
+        int rc_ = gen(args, &a, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    snprintf(args, sizeof args, "--model %s --ids 3,17,42,99,100 --ids 5,6,7 --max-tokens 24 "
+             "--temperature 0 --nextn 5", g_model);
+    {
+        int rc_ = gen(args, &b, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    snprintf(args, sizeof args, "--config tiny --weights-seed 1 --ids 3,17,42,99,100 --ids 5,6,7 "
+             "--max-tokens 24 --temperature 0 --nextn 3");
+    {
+        int rc_ = gen(args, &c, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    cr_assert(strstr(a, "request 1 (length):") && strstr(a, "request 2 (length):"), "%s", a);
+    cr_assert_str_eq(a, b);
+    cr_assert_str_eq(a, c);
+    free(a);
+    free(b);
+    free(c);
+}
+
+Test(generate, sampled_tokens_depend_on_the_seed_only)
+{
+    char args[1024], *a, *b, *c;
+    snprintf(args, sizeof args, "--model %s --ids 9,8,7 --max-tokens 20 --seed 5 --top-p 0.9",
+             g_model);
+    {
+        int rc_ = gen(args, &a, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    /* the same request in a batch with another one gives the same tokens */
+    snprintf(args, sizeof args, "--model %s --ids 1,2,3,4 --ids 9,8,7 --max-tokens 20 --seed 5 "
+             "--top-p 0.9", g_model);
+    {
+        int rc_ = gen(args, &b, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    snprintf(args, sizeof args, "--model %s --ids 9,8,7 --max-tokens 20 --seed 6 --top-p 0.9",
+             g_model);
+    {
+        int rc_ = gen(args, &c, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    const char *tail = strchr(a, ':');
+    cr_assert(strstr(b, tail) != NULL, "batched:\n%s\nalone:\n%s", b, a);
+    cr_assert_str_neq(a, c);
+    free(a);
+    free(b);
+    free(c);
+}
+
+/* The dump holds the raw logits of the prompt's last row, then of every teacher-forced row,
+ * equal bit for bit to a prefill of prompt + forced ids through the forward API. */
+Test(generate, dump_logits_equal_the_forward_prefill)
+{
+    char args[1024], *out;
+    static const int32_t ids[] = {3, 17, 42, 99, 100, 7, 8, 9, 4000, 12};
+    snprintf(args, sizeof args, "--model %s --ids 3,17,42,99,100 --teacher-force 7,8,9,4000,12 "
+             "--dump-logits %s/d.jsonl --json", g_model, g_dir);
+    {
+        int rc_ = gen(args, &out, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    json_error_t je;
+    json_t *doc = json_loads(out, 0, &je);
+    cr_assert(doc, "%s", je.text);
+    json_t *toks = json_object_get(json_array_get(json_object_get(doc, "requests"), 0), "tokens");
+    cr_assert_eq(json_array_size(toks), 6, "5 forced tokens and one sampled after them");
+    for (int i = 0; i < 5; i++)
+        cr_assert_eq(json_integer_value(json_array_get(toks, (size_t)i)), ids[5 + i]);
+    json_decref(doc);
+    free(out);
+
+    runner_model rm;
+    kern_backend be;
+    di_error e;
+    cr_assert_eq(kern_cpu_create(1, &be, &e), DI_OK);
+    cr_assert_eq(runner_model_load(g_model, NULL, &rm, &e), DI_OK, "%s", e.msg);
+    fwd_options o = {.max_rows = 16, .token_map = rm.token_map, .token_map_pad = rm.token_map_pad};
+    fwd_model *m;
+    fwd_run *r;
+    fwd_kv *kv;
+    cr_assert_eq(fwd_model_create(rm.w, &be, &o, &m, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(fwd_run_create(m, &r, &e), DI_OK);
+    cr_assert_eq(fwd_kv_create(fwd_model_geometry(m), &be, 2, 1, &kv, &e), DI_OK);
+    uint32_t blocks[1] = {1};
+    fwd_seq q = {.n_rows = 10, .pos0 = 0, .tokens = ids, .blocks = blocks, .n_blocks = 1};
+    int32_t rows[6] = {4, 5, 6, 7, 8, 9};
+    uint32_t V = rm.w->config.vocab_size;
+    float *want = malloc(6 * V * sizeof(float));
+    fwd_step st = {.n_seqs = 1, .seqs = &q, .n_logit_rows = 6, .logit_rows = rows};
+    cr_assert_eq(fwd_step_run(r, kv, &st, want, &e), DI_OK, "%s", e.msg);
+
+    char path[300];
+    snprintf(path, sizeof path, "%s/d.jsonl", g_dir);
+    FILE *f = fopen(path, "r");
+    cr_assert(f);
+    char *line = NULL;
+    size_t cap = 0;
+    int n = 0;
+    while (getline(&line, &cap, f) > 0) {
+        json_t *row = json_loads(line, 0, &je);
+        cr_assert(row, "line %d: %s", n, je.text);
+        cr_assert_eq(json_integer_value(json_object_get(row, "position")), 4 + n);
+        json_t *lg = json_object_get(row, "logits");
+        cr_assert_eq(json_array_size(lg), V);
+        for (uint32_t v = 0; v < V; v++) {
+            float got = (float)json_number_value(json_array_get(lg, v));
+            cr_assert_eq(got, want[(size_t)n * V + v], "row %d logit %u: %.9g vs %.9g", n, v,
+                         got, want[(size_t)n * V + v]);
+        }
+        json_decref(row);
+        n++;
+    }
+    cr_assert_eq(n, 6, "prompt's last row and 5 teacher-forced rows");
+    free(line);
+    fclose(f);
+    free(want);
+    fwd_kv_free(kv);
+    fwd_run_free(r);
+    fwd_model_free(m);
+    runner_model_free(&rm);
+    kern_cpu_destroy(&be);
+}
+
+/* Every refusal: non-zero exit, one line on stderr naming the problem. */
+Test(generate, bad_inputs_fail_with_a_clear_error)
+{
+    struct {
+        const char *args;
+        const char *msg;
+    } cases[] = {
+        {"--ids 3,99999", "outside the vocabulary"},
+        {"--ids ,", "empty prompt"},
+        {"--ids 3,x", "not a non-negative integer"},
+        {"--max-model-len 5 --ids 1,2,3,4,5,6", "exceeds the context limit"},
+        {"--top-p 1.5 --ids 3", "top_p 1.5 outside (0, 1]"},
+        {"--top-p 0 --ids 3", "top_p 0 outside (0, 1]"},
+        {"--temperature -1 --ids 3", "temperature -1 outside"},
+        {"--yoco compact --keep-tokens 100 --ids 3", "below the ring size 134"},
+        {"--nextn 9 --ids 3", "--nextn"},
+        {"--no-such-flag", "unknown option"},
+        {"--teacher-force 1,5000 --ids 3", "outside the vocabulary"},
+    };
+    char args[1024], *err;
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        snprintf(args, sizeof args, "--model %s %s", g_model, cases[i].args);
+        int rc = gen(args, NULL, &err);
+        cr_assert_neq(rc, 0, "%s: exit 0", cases[i].args);
+        cr_assert(strstr(err, cases[i].msg) != NULL, "%s: stderr '%s'", cases[i].args, err);
+        cr_assert(strchr(err, '\n') == err + strlen(err) - 1, "one line: '%s'", err);
+        free(err);
+    }
+}
+
+/* Copies the checkpoint to dir/name and sets text_config.key (or the top level) to value. */
+static void edited_copy(const char *name, const char *key, json_t *value)
+{
+    char cmd[1024], path[600];
+    snprintf(cmd, sizeof cmd, "cp -r %s %s/%s", g_model, g_dir, name);
+    cr_assert_eq(system(cmd), 0);
+    snprintf(path, sizeof path, "%s/%s/config.json", g_dir, name);
+    json_error_t je;
+    json_t *doc = json_load_file(path, 0, &je);
+    cr_assert(doc, "%s", je.text);
+    json_t *tc = json_object_get(doc, "text_config");
+    json_object_set_new(tc ? tc : doc, key, value);
+    cr_assert_eq(json_dump_file(doc, path, JSON_INDENT(1)), 0);
+    json_decref(doc);
+}
+
+Test(generate, broken_checkpoints_fail_with_a_clear_error)
+{
+    char cmd[2048], args[1024], *err;
+    /* truncated shard */
+    snprintf(cmd, sizeof cmd, "cp -r %s %s/trunc && f=%s/trunc/model-00001-of-00001.safetensors "
+             "&& truncate -s $(( $(stat -c %%s $f) - 1000 )) $f", g_model, g_dir, g_dir);
+    cr_assert_eq(system(cmd), 0);
+    snprintf(args, sizeof args, "--model %s/trunc --ids 3", g_dir);
+    {
+        int rc_ = gen(args, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
+    cr_assert(strstr(err, "truncated") != NULL, "%s", err);
+    free(err);
+    /* a config that does not match the tensors */
+    edited_copy("mism", "hidden_size", json_integer(256));
+    snprintf(args, sizeof args, "--model %s/mism --ids 3", g_dir);
+    {
+        int rc_ = gen(args, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
+    cr_assert(strstr(err, "shape") != NULL, "%s", err);
+    free(err);
+    /* inconsistent owner layers: 3 is not an index source */
+    edited_copy("own", "kv_source_layer_ids", json_pack("[i, i]", 3, 4));
+    snprintf(args, sizeof args, "--model %s/own --ids 3", g_dir);
+    {
+        int rc_ = gen(args, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
+    cr_assert(strstr(err, "KV source") != NULL, "%s", err);
+    free(err);
+}
+
+Test(generate, help_and_stdin_prompts)
+{
+    char cmd[1024], *out;
+    snprintf(cmd, sizeof cmd, "--help");
+    {
+        int rc_ = gen(cmd, &out, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    cr_assert(strstr(out, "--teacher-force") && strstr(out, "--top-p"), "%s", out);
+    free(out);
+    snprintf(cmd, sizeof cmd, "--model %s --max-tokens 3 < /dev/null", g_model);
+    char *err;
+    {
+        int rc_ = gen(cmd, NULL, &err);
+        cr_assert_neq(rc_, 0);
+    }
+    cr_assert(strstr(err, "no prompt") != NULL, "%s", err);
+    free(err);
+    char path[300];
+    snprintf(path, sizeof path, "%s/prompts", g_dir);
+    FILE *f = fopen(path, "w");
+    fputs("3 4 5\n\n6,7\n", f);
+    fclose(f);
+    snprintf(cmd, sizeof cmd, "--model %s --max-tokens 3 --temperature 0 < %s", g_model, path);
+    {
+        int rc_ = gen(cmd, &out, NULL);
+        cr_assert_eq(rc_, 0);
+    }
+    cr_assert(strstr(out, "request 1") && strstr(out, "request 2") && !strstr(out, "request 3"),
+              "%s", out);
+    free(out);
+}

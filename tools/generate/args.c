@@ -1,0 +1,343 @@
+/* args.c: di-generate's command line as a table of options. */
+#include <errno.h>
+#include <float.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "tools/generate/gen.h"
+
+typedef di_status (*opt_fn)(gen_args *a, const char *val, di_error *err);
+
+/* One option: its flag, whether it takes a value, what it does, its --help line. */
+typedef struct gen_opt {
+    const char *flag;
+    const char *metavar;         /* NULL: no value */
+    opt_fn set;
+    const char *help;
+} gen_opt;
+
+static di_status parse_u64(const char *flag, const char *v, uint64_t lo, uint64_t hi,
+                           uint64_t *out, di_error *err)
+{
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (errno || end == v || *end || v[0] == '-' || x < lo || x > hi)
+        return di_fail(err, DI_EINVAL, "%s: '%s' is not an integer in [%llu, %llu]", flag, v,
+                       (unsigned long long)lo, (unsigned long long)hi);
+    *out = x;
+    return DI_OK;
+}
+
+static di_status o_model(gen_args *a, const char *v, di_error *err)
+{
+    a->model_dir = v;
+    return DI_OK;
+}
+
+static di_status o_config(gen_args *a, const char *v, di_error *err)
+{
+    a->config = v;
+    return DI_OK;
+}
+
+static di_status o_wseed(gen_args *a, const char *v, di_error *err)
+{
+    return parse_u64("--weights-seed", v, 0, UINT64_MAX, &a->weights_seed, err);
+}
+
+static di_status add_prompt(gen_args *a, gen_ids *ids, di_error *err)
+{
+    gen_ids *n = realloc(a->prompts, (a->n_prompts + 1) * sizeof(gen_ids));
+    if (!n) {
+        free(ids->ids);
+        return di_fail(err, DI_ENOMEM, "prompts");
+    }
+    a->prompts = n;
+    a->prompts[a->n_prompts++] = *ids;
+    return DI_OK;
+}
+
+static di_status o_ids(gen_args *a, const char *v, di_error *err)
+{
+    gen_ids ids;
+    di_status st = gen_parse_ids(v, &ids, err);
+    if (st != DI_OK) {
+        di_error_prefix(err, "--ids: ");
+        return st;
+    }
+    return add_prompt(a, &ids, err);
+}
+
+static di_status o_prompt(gen_args *a, const char *v, di_error *err)
+{
+#ifdef DI_HAVE_TOKENIZER
+    gen_ids p = {.text = v};
+    return add_prompt(a, &p, err);
+#else
+    return di_fail(err, DI_EUNSUPPORTED, "--prompt needs a build with the tokenizer module "
+                   "(PCRE2, utf8proc): give token ids with --ids");
+#endif
+}
+
+static di_status o_tokenizer(gen_args *a, const char *v, di_error *err)
+{
+    a->tokenizer = v;
+    return DI_OK;
+}
+
+static di_status o_no_bos(gen_args *a, const char *v, di_error *err)
+{
+    a->no_bos = true;
+    return DI_OK;
+}
+
+static di_status o_ids_file(gen_args *a, const char *v, di_error *err)
+{
+    return gen_read_prompts(v, a, err);
+}
+
+static di_status o_teacher(gen_args *a, const char *v, di_error *err)
+{
+    free(a->forced.ids);
+    di_status st = gen_parse_ids(v, &a->forced, err);
+    if (st != DI_OK)
+        di_error_prefix(err, "--teacher-force: ");
+    a->has_forced = st == DI_OK;
+    return st;
+}
+
+static di_status o_dump(gen_args *a, const char *v, di_error *err)
+{
+    a->dump_logits = v;
+    return DI_OK;
+}
+
+static di_status o_seed(gen_args *a, const char *v, di_error *err)
+{
+    return parse_u64("--seed", v, 0, UINT64_MAX, &a->params.seed, err);
+}
+
+static di_status o_max_tokens(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--max-tokens", v, 1, 1u << 24, &x, err);
+    a->max_tokens = (uint32_t)x;
+    a->max_tokens_set = true;
+    return st;
+}
+
+static di_status o_ignore_eos(gen_args *a, const char *v, di_error *err)
+{
+    a->ignore_eos = true;
+    return DI_OK;
+}
+
+static di_status o_nextn(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--nextn", v, 0, 15, &x, err);
+    a->nextn = (int32_t)x;
+    return st;
+}
+
+static di_status o_threads(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--threads", v, 1, 256, &x, err);
+    a->threads = (uint32_t)x;
+    return st;
+}
+
+static di_status o_chunk(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--chunk", v, 1, 1u << 20, &x, err);
+    a->chunk = (uint32_t)x;
+    return st;
+}
+
+static di_status o_max_len(gen_args *a, const char *v, di_error *err)
+{
+    return parse_u64("--max-model-len", v, 2, 1ull << 32, &a->max_model_len, err);
+}
+
+static di_status o_yoco(gen_args *a, const char *v, di_error *err)
+{
+    static const char *names[] = {"off", "compact", "mask"};
+    for (int i = 0; i < 3; i++)
+        if (!strcmp(v, names[i])) {
+            a->yoco = (fwd_yoco)i;
+            return DI_OK;
+        }
+    return di_fail(err, DI_EINVAL, "--yoco: '%s' is not off, compact or mask", v);
+}
+
+static di_status o_keep(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--keep-tokens", v, 1, 1u << 30, &x, err);
+    a->keep_tokens = (uint32_t)x;
+    return st;
+}
+
+static di_status o_json(gen_args *a, const char *v, di_error *err)
+{
+    a->json = true;
+    return DI_OK;
+}
+
+static di_status o_quiet(gen_args *a, const char *v, di_error *err)
+{
+    a->quiet = true;
+    return DI_OK;
+}
+
+static const gen_opt options[] = {
+    {"--model", "DIR", o_model, "checkpoint directory (config.json, index, shards)"},
+    {"--config", "NAME|FILE", o_config,
+     "random weights for a shipped config (tiny, small, demo, v41-flash) or a config file; default small"},
+    {"--weights-seed", "N", o_wseed, "seed of the random weights (default 0, as di-mkmodel)"},
+    {"--ids", "LIST", o_ids, "a prompt as token ids, e.g. 3,17,42 (repeat for more prompts)"},
+    {"--ids-file", "FILE", o_ids_file, "one prompt of token ids per line; - reads stdin"},
+    {"--prompt", "TEXT", o_prompt, "a prompt as text (needs a tokenizer; repeat for more)"},
+    {"--tokenizer", "FILE", o_tokenizer,
+     "tokenizer.json for text prompts and output (default: the model directory's, else $DI_TOKENIZER, else the one deploy/local/install-deps.sh fetches)"},
+    {"--no-bos", NULL, o_no_bos, "do not prepend the BOS token to text prompts"},
+    {"--teacher-force", "LIST", o_teacher,
+     "feed these ids as the continuation instead of sampling (default --max-tokens: count + 1)"},
+    {"--dump-logits", "FILE", o_dump,
+     "JSON lines {\"request\", \"position\", \"logits\"}: raw fp32 logits of every row that "
+     "made a token"},
+    {"--seed", "N", o_seed, "sampling seed (default 0)"},
+    {"--max-tokens", "N", o_max_tokens, "output tokens per prompt (default 16)"},
+    {"--ignore-eos", NULL, o_ignore_eos, "do not stop at the end token"},
+    {"--nextn", "N", o_nextn, "drafts per decode step (default: the draft block size, 0 without "
+     "draft stages)"},
+    {"--threads", "N", o_threads, "CPU threads (default 2)"},
+    {"--chunk", "N", o_chunk, "prefill tokens per step (default 2048)"},
+    {"--max-model-len", "N", o_max_len, "context limit in positions (default: the config's)"},
+    {"--yoco", "MODE", o_yoco, "prefill truncation of layers >= the YOCO boundary: off, compact, "
+     "mask (default off)"},
+    {"--keep-tokens", "N", o_keep, "YOCO keep window (default 140; at least window + nextn + 1)"},
+    {"--json", NULL, o_json, "print the results as one JSON object"},
+    {"--quiet", NULL, o_quiet, "no progress on stderr"},
+};
+#define N_OPTIONS (sizeof(options) / sizeof(options[0]))
+
+/* The sampler's own parameter rows become flags too: top_p -> --top-p. */
+static void flag_of(const sampling_param_spec *s, char *out, size_t cap)
+{
+    snprintf(out, cap, "--%s", s->name);
+    for (char *p = out; *p; p++)
+        if (*p == '_')
+            *p = '-';
+}
+
+static di_status set_sampling(gen_args *a, const sampling_param_spec *s, const char *flag,
+                              const char *v, di_error *err)
+{
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (errno || end == v || *end)
+        return di_fail(err, DI_EINVAL, "%s: '%s' is not a number", flag, v);
+    char *base = (char *)&a->params + s->offset;
+    if (s->type == SAMPLING_FIELD_F32) {
+        *(float *)base = (float)x;
+    } else {
+        if (x != (double)(int64_t)x || x < INT32_MIN || x > UINT32_MAX)
+            return di_fail(err, DI_EINVAL, "%s: '%s' is not an integer", flag, v);
+        if (s->type == SAMPLING_FIELD_I32)
+            *(int32_t *)base = (int32_t)x;
+        else if (x < 0)
+            return di_fail(err, DI_EINVAL, "%s: %s must not be negative", flag, v);
+        else
+            *(uint32_t *)base = (uint32_t)x;
+    }
+    return DI_OK;
+}
+
+static void usage(void)
+{
+    printf("usage: di-generate [--model DIR | --config NAME|FILE] --ids LIST [options]\n\n"
+           "Generates tokens with the V4.1 forward pass on the CPU: an offline NORMAL engine\n"
+           "(scheduler, chunked prefill, speculative decode with the draft model, sampler) in one\n"
+           "process. Without --model it runs the small config with random weights from seed 0.\n"
+           "Prompts are token ids; without --ids or --ids-file they are read from stdin.\n\n");
+    for (size_t i = 0; i < N_OPTIONS; i++) {
+        char left[64];
+        snprintf(left, sizeof left, "%s%s%s", options[i].flag, options[i].metavar ? " " : "",
+                 options[i].metavar ? options[i].metavar : "");
+        printf("  %-26s %s\n", left, options[i].help);
+    }
+    for (size_t i = 0; i < sampling_param_spec_count; i++) {
+        char flag[64], left[80];
+        flag_of(&sampling_param_specs[i], flag, sizeof flag);
+        snprintf(left, sizeof left, "%s X", flag);
+        printf("  %-26s %s (default %g)\n", left, sampling_param_specs[i].help,
+               sampling_param_specs[i].def);
+    }
+    printf("  %-26s this text\n", "--help");
+}
+
+void gen_args_default(gen_args *a)
+{
+    memset(a, 0, sizeof(*a));
+    a->params = sampling_params_default();
+    a->max_tokens = 16;
+    a->nextn = -1;
+    a->threads = 2;
+    a->chunk = 2048;
+    a->keep_tokens = 140;
+}
+
+void gen_args_free(gen_args *a)
+{
+    for (uint32_t i = 0; i < a->n_prompts; i++)
+        free(a->prompts[i].ids);
+    free(a->prompts);
+    free(a->forced.ids);
+    a->prompts = NULL;
+    a->n_prompts = 0;
+    a->forced.ids = NULL;
+}
+
+di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *arg = argv[i];
+        if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
+            usage();
+            return DI_ECANCELED;
+        }
+        const gen_opt *o = NULL;
+        for (size_t k = 0; k < N_OPTIONS && !o; k++)
+            if (!strcmp(arg, options[k].flag))
+                o = &options[k];
+        const sampling_param_spec *sp = NULL;
+        char flag[64];
+        for (size_t k = 0; k < sampling_param_spec_count && !o && !sp; k++) {
+            flag_of(&sampling_param_specs[k], flag, sizeof flag);
+            if (!strcmp(arg, flag))
+                sp = &sampling_param_specs[k];
+        }
+        if (!o && !sp)
+            return di_fail(err, DI_EINVAL, "unknown option '%s' (see --help)", arg);
+        const char *val = NULL;
+        if (sp || o->metavar) {
+            if (i + 1 >= argc)
+                return di_fail(err, DI_EINVAL, "%s needs a value", arg);
+            val = argv[++i];
+        }
+        di_status st = sp ? set_sampling(a, sp, arg, val, err) : o->set(a, val, err);
+        if (st != DI_OK)
+            return st;
+    }
+    if (a->model_dir && a->config)
+        return di_fail(err, DI_EINVAL, "--model and --config exclude each other");
+    if (a->yoco != FWD_YOCO_OFF && a->keep_tokens == 0)
+        return di_fail(err, DI_EINVAL, "--keep-tokens must be positive");
+    return DI_OK;
+}

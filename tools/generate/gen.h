@@ -1,0 +1,63 @@
+/* gen.h: the pieces of di-generate (an offline NORMAL engine in one process). */
+#ifndef DI_TOOLS_GENERATE_GEN_H
+#define DI_TOOLS_GENERATE_GEN_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include <stdio.h>
+
+#include "common/model/forward.h"
+#include "common/sampling/sampler.h"
+#include "common/util/status.h"
+
+/* A prompt: token ids, or text to encode once the tokenizer is loaded (ids NULL). */
+typedef struct gen_ids {
+    int32_t *ids;
+    uint32_t n;
+    const char *text;            /* --prompt TEXT (borrowed from argv), or NULL */
+} gen_ids;
+
+/* Everything the command line sets (defaults in gen_args_default). */
+typedef struct gen_args {
+    const char *model_dir;       /* --model: a checkpoint directory */
+    const char *config;          /* --config: shipped name or file, random weights */
+    uint64_t weights_seed;       /* --weights-seed: the random weights' seed */
+    gen_ids *prompts;            /* --ids / --ids-file prompts, in order */
+    uint32_t n_prompts;
+    gen_ids forced;              /* --teacher-force */
+    bool has_forced;
+    const char *dump_logits;     /* --dump-logits FILE */
+    sampling_params params;      /* the sampler's flags, --seed */
+    uint32_t max_tokens;         /* --max-tokens */
+    bool max_tokens_set;
+    bool ignore_eos;             /* --ignore-eos */
+    int32_t nextn;               /* --nextn; -1 = the model's draft block size */
+    uint32_t threads;            /* --threads */
+    uint32_t chunk;              /* --chunk: prefill tokens per step */
+    uint64_t max_model_len;      /* --max-model-len; 0 = the config's limit */
+    fwd_yoco yoco;               /* --yoco */
+    uint32_t keep_tokens;        /* --keep-tokens */
+    bool json;                   /* --json */
+    bool quiet;                  /* --quiet */
+    const char *tokenizer;       /* --tokenizer FILE; default: the model directory's */
+    bool no_bos;                 /* --no-bos: do not prepend BOS to text prompts */
+} gen_args;
+
+void gen_args_default(gen_args *a);
+void gen_args_free(gen_args *a);
+
+/* Parses argv into *a. DI_OK; DI_ECANCELED after printing --help; DI_EINVAL with the offending
+ * option in err. */
+di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err);
+
+/* "3,17,42" (commas and/or blanks) into ids. DI_EINVAL naming the bad entry; an empty list is
+ * an error ("empty prompt"). */
+di_status gen_parse_ids(const char *text, gen_ids *out, di_error *err);
+/* One prompt per non-empty line of a file ("-" = stdin). */
+di_status gen_read_prompts(const char *path, gen_args *a, di_error *err);
+
+/* Runs the engine over every prompt and prints the outputs (text prompts are encoded into
+ * their ids here, so a is written). */
+di_status gen_run(gen_args *a, di_error *err);
+
+#endif

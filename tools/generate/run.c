@@ -1,0 +1,570 @@
+/* run.c: di-generate's engine loop: model, scheduler, executor, outputs. */
+#include <ctype.h>
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "common/engine/scheduler.h"
+#include "common/model/runner.h"
+#include "common/model/runner_exec.h"
+#include "common/util/clock.h"
+#include "kernels/cpu/backend.h"
+#include "tools/generate/gen.h"
+#ifdef DI_HAVE_TOKENIZER
+#include "common/tokenizer/tokenizer.h"
+#endif
+
+/* ---- prompts ---- */
+
+di_status gen_parse_ids(const char *text, gen_ids *out, di_error *err)
+{
+    gen_ids r = {0};
+    uint32_t cap = 0;
+    const char *p = text;
+    for (;;) {
+        while (*p == ',' || isspace((unsigned char)*p))
+            p++;
+        if (!*p)
+            break;
+        char *end;
+        errno = 0;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || errno || v < 0 || v > INT32_MAX ||
+            (*end && *end != ',' && !isspace((unsigned char)*end))) {
+            free(r.ids);
+            int len = 0;
+            while (p[len] && p[len] != ',' && !isspace((unsigned char)p[len]) && len < 24)
+                len++;
+            return di_fail(err, DI_EINVAL, "token id '%.*s' is not a non-negative integer", len,
+                           p);
+        }
+        if (r.n == cap) {
+            cap = cap ? 2 * cap : 64;
+            int32_t *n = realloc(r.ids, cap * sizeof(int32_t));
+            if (!n) {
+                free(r.ids);
+                return di_fail(err, DI_ENOMEM, "token ids");
+            }
+            r.ids = n;
+        }
+        r.ids[r.n++] = (int32_t)v;
+        p = end;
+    }
+    if (r.n == 0)
+        return di_fail(err, DI_EINVAL, "empty prompt: no token ids");
+    *out = r;
+    return DI_OK;
+}
+
+di_status gen_read_prompts(const char *path, gen_args *a, di_error *err)
+{
+    FILE *f = strcmp(path, "-") ? fopen(path, "r") : stdin;
+    if (!f)
+        return di_fail(err, DI_ENOENT, "%s: %s", path, strerror(errno));
+    char *line = NULL;
+    size_t cap = 0;
+    ssize_t len;
+    uint32_t lineno = 0;
+    di_status st = DI_OK;
+    while (st == DI_OK && (len = getline(&line, &cap, f)) >= 0) {
+        lineno++;
+        const char *q = line;
+        while (*q && isspace((unsigned char)*q))
+            q++;
+        if (!*q)
+            continue;
+        gen_ids ids;
+        st = gen_parse_ids(line, &ids, err);
+        if (st != DI_OK) {
+            di_error_prefix(err, "%s line %u: ", path, lineno);
+            break;
+        }
+        gen_ids *n = realloc(a->prompts, (a->n_prompts + 1) * sizeof(gen_ids));
+        if (!n) {
+            free(ids.ids);
+            st = di_fail(err, DI_ENOMEM, "prompts");
+            break;
+        }
+        a->prompts = n;
+        a->prompts[a->n_prompts++] = ids;
+    }
+    free(line);
+    if (f != stdin)
+        fclose(f);
+    return st;
+}
+
+/* ---- outputs ---- */
+
+typedef struct gen_out {
+    int32_t *tokens;
+    float *logprobs;
+    json_t *tops;                /* array of {token: logprob} objects, or NULL */
+    uint32_t n, cap;
+    sched_finish finish;
+    char error[320];
+} gen_out;
+
+typedef struct gen_ctx {
+    const gen_args *a;
+    void *tok;                   /* tok_tokenizer when loaded, else NULL */
+    FILE *dump;
+    uint32_t vocab;
+    gen_out *outs;               /* [n_prompts] */
+    uint64_t dumped;
+} gen_ctx;
+
+static void dump_row(void *ud, uint64_t id, int64_t position, const float *logits, uint32_t V)
+{
+    gen_ctx *g = ud;
+    if (!g->dump)
+        return;
+    fprintf(g->dump, "{\"request\":%llu,\"position\":%lld,\"logits\":[", (unsigned long long)id,
+            (long long)position);
+    for (uint32_t v = 0; v < V; v++) {
+        if (isfinite(logits[v]))
+            fprintf(g->dump, v ? ",%.9g" : "%.9g", (double)logits[v]);
+        else
+            fputs(v ? ",null" : "null", g->dump);
+    }
+    fputs("]}\n", g->dump);
+    g->dumped++;
+}
+
+static di_status out_append(gen_out *o, int32_t tok, const sampler_result *res,
+                            uint32_t n_logprobs, di_error *err)
+{
+    if (o->n == o->cap) {
+        uint32_t cap = o->cap ? 2 * o->cap : 32;
+        int32_t *t = realloc(o->tokens, cap * sizeof(int32_t));
+        if (t)
+            o->tokens = t;
+        float *l = realloc(o->logprobs, cap * sizeof(float));
+        if (l)
+            o->logprobs = l;
+        if (!t || !l)
+            return di_fail(err, DI_ENOMEM, "outputs");
+        o->cap = cap;
+    }
+    o->tokens[o->n] = tok;
+    o->logprobs[o->n] = res ? res->logprob : NAN;
+    o->n++;
+    if (n_logprobs && res) {
+        if (!o->tops)
+            o->tops = json_array();
+        json_t *obj = json_object();
+        for (uint32_t i = 0; i < res->n_top; i++) {
+            char key[16];
+            snprintf(key, sizeof key, "%d", res->top_tokens[i]);
+            json_object_set_new(obj, key, json_real(res->top_logprobs[i]));
+        }
+        json_array_append_new(o->tops, obj);
+    }
+    return DI_OK;
+}
+
+/* The output tokens as text ("" without a tokenizer); malloc'd. */
+static char *output_text(const gen_ctx *g, const gen_out *o)
+{
+#ifdef DI_HAVE_TOKENIZER
+    if (g->tok) {
+        char *text = NULL;
+        size_t len;
+        if (tok_decode(g->tok, o->tokens, o->n, TOK_DECODE_SKIP_SPECIAL, &text, &len, NULL) ==
+            DI_OK)
+            return text;
+    }
+#endif
+    return NULL;
+}
+
+static void print_plain(const gen_ctx *g, FILE *f)
+{
+    for (uint32_t i = 0; i < g->a->n_prompts; i++) {
+        const gen_out *o = &g->outs[i];
+        fprintf(f, "request %u (%s):", i + 1, sched_finish_name(o->finish));
+        for (uint32_t k = 0; k < o->n; k++)
+            fprintf(f, " %d", o->tokens[k]);
+        if (o->error[0])
+            fprintf(f, " [error: %s]", o->error);
+        fputc('\n', f);
+        char *text = output_text(g, o);
+        if (text)
+            fprintf(f, "text %u: %s\n", i + 1, text);
+        free(text);
+    }
+}
+
+static void print_json(const gen_ctx *g, const json_t *stats, FILE *f)
+{
+    json_t *root = json_object(), *reqs = json_array();
+    for (uint32_t i = 0; i < g->a->n_prompts; i++) {
+        const gen_out *o = &g->outs[i];
+        json_t *r = json_object(), *toks = json_array(), *lps = json_array();
+        for (uint32_t k = 0; k < o->n; k++) {
+            json_array_append_new(toks, json_integer(o->tokens[k]));
+            json_array_append_new(lps, isfinite(o->logprobs[k]) ? json_real(o->logprobs[k])
+                                                                : json_null());
+        }
+        json_object_set_new(r, "id", json_integer(i + 1));
+        json_object_set_new(r, "prompt_tokens", json_integer(g->a->prompts[i].n));
+        json_object_set_new(r, "tokens", toks);
+        json_object_set_new(r, "logprobs", lps);
+        if (o->tops)
+            json_object_set(r, "top_logprobs", o->tops);
+        json_object_set_new(r, "finish", json_string(sched_finish_name(o->finish)));
+        char *text = output_text(g, o);
+        if (text)
+            json_object_set_new(r, "text", json_string(text));
+        free(text);
+        if (o->error[0])
+            json_object_set_new(r, "error", json_string(o->error));
+        json_array_append_new(reqs, r);
+    }
+    json_object_set_new(root, "requests", reqs);
+    json_object_set(root, "stats", (json_t *)stats);
+    json_dumpf(root, f, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
+    fputc('\n', f);
+    json_decref(root);
+}
+
+/* ---- loading ---- */
+
+static void load_progress(void *ud, const model_load_progress *p)
+{
+    const gen_args *a = ud;
+    if (a->quiet)
+        return;
+    bool last = p->tensors_done == p->tensors_total;
+    if (!isatty(STDERR_FILENO) && !last)
+        return; /* a log file gets the final line only */
+    if (p->tensors_done % 64 == 0 || last)
+        fprintf(stderr, "\rdi-generate: loading: %llu/%llu tensors, %.1f/%.1f MB",
+                (unsigned long long)p->tensors_done, (unsigned long long)p->tensors_total,
+                p->bytes_done / 1e6, p->bytes_total / 1e6);
+    if (p->tensors_done == p->tensors_total)
+        fputc('\n', stderr);
+}
+
+static di_status load_model(const gen_args *a, runner_model *rm, di_error *err)
+{
+    model_load_options lo = {.flags = MODEL_LOAD_WO_A_BF16, .progress = load_progress,
+                             .progress_userdata = (void *)a};
+    if (a->model_dir)
+        return runner_model_load(a->model_dir, &lo, rm, err);
+    const char *cfg = a->config ? a->config : "small";
+    if (!a->quiet)
+        fprintf(stderr, "di-generate: building random weights for config %s (seed %llu)\n", cfg,
+                (unsigned long long)a->weights_seed);
+    return runner_model_random(cfg, a->weights_seed, NULL, &lo, rm, err);
+}
+
+/* ---- tokenizer ---- */
+
+/* Loads the tokenizer (explicit or the model directory's), builds the Engram map from it when
+ * the model directory has one (MODEL.md: it takes precedence over engram_token_map.json), and
+ * encodes the text prompts. Without a tokenizer, text prompts are refused. */
+static di_status use_tokenizer(gen_args *a, runner_model *rm, gen_ctx *g, di_error *err)
+{
+    char path[4096];
+    const char *file = a->tokenizer;
+    if (!file && a->model_dir && rm->has_tokenizer) {
+        snprintf(path, sizeof path, "%s/tokenizer.json", a->model_dir);
+        file = path;
+    }
+    bool texts = false;
+    for (uint32_t i = 0; i < a->n_prompts; i++)
+        texts |= a->prompts[i].text != NULL;
+#ifdef DI_HAVE_TOKENIZER
+    di_status st;
+    if (!file && texts)
+        file = tok_default_path(); /* $DI_TOKENIZER, else the one install-deps.sh fetched */
+    if (file) {
+        tok_tokenizer *t;
+        if ((st = tok_load_file(file, &t, err)) != DI_OK) {
+            di_error_prefix(err, "tokenizer %s: ", file);
+            return st;
+        }
+        g->tok = t;
+        const model_config *c = &rm->w->config;
+        if ((uint32_t)tok_vocab_size(t) > c->vocab_size && texts)
+            return di_fail(err, DI_EINVAL,
+                           "tokenizer %s has %d ids but the model's vocabulary is %u: use a model "
+                           "made for this tokenizer (for random weights, --config demo)",
+                           file, tok_vocab_size(t), c->vocab_size);
+        if (rm->has_tokenizer && c->n_engram_layers) {
+            tok_engram_map *map;
+            if ((st = tok_engram_map_build(t, (int32_t)c->vocab_size, (int32_t)c->engram_pad_id,
+                                           &map, err)) != DI_OK ||
+                (st = runner_model_set_token_map(rm, map->map, (uint32_t)map->vocab_size,
+                                                 map->pad_token_id, err)) != DI_OK) {
+                tok_engram_map_free(map);
+                di_error_prefix(err, "Engram token map from %s: ", file);
+                return st;
+            }
+            tok_engram_map_free(map);
+        }
+    }
+    for (uint32_t i = 0; i < a->n_prompts; i++) {
+        gen_ids *p = &a->prompts[i];
+        if (!p->text)
+            continue;
+        if (!g->tok)
+            return di_fail(err, DI_EINVAL, "prompt %u is text but there is no tokenizer: give "
+                           "--tokenizer FILE, a --model directory with tokenizer.json, set "
+                           "DI_TOKENIZER, or run deploy/local/install-deps.sh", i + 1);
+        tok_ids ids = {0};
+        int32_t bos = tok_bos_id(g->tok);
+        if (!a->no_bos && bos >= 0 && (st = tok_ids_push(&ids, bos, err)) != DI_OK)
+            return st;
+        if ((st = tok_encode(g->tok, p->text, strlen(p->text), &ids, err)) != DI_OK) {
+            tok_ids_free(&ids);
+            di_error_prefix(err, "prompt %u: ", i + 1);
+            return st;
+        }
+        p->ids = ids.v; /* owned by the prompt list now */
+        p->n = (uint32_t)ids.n;
+        if (p->n == 0)
+            return di_fail(err, DI_EINVAL, "prompt %u: empty prompt (no tokens)", i + 1);
+    }
+    return DI_OK;
+#else
+    (void)g;
+    (void)file;
+    if (texts)
+        return di_fail(err, DI_EUNSUPPORTED, "text prompts need the tokenizer module");
+    return DI_OK;
+#endif
+}
+
+/* ---- the run ---- */
+
+static di_status check_prompts(const gen_args *a, const model_config *c, uint64_t max_len,
+                               di_error *err)
+{
+    if (a->n_prompts == 0)
+        return di_fail(err, DI_EINVAL, "no prompt: give --ids, --ids-file or ids on stdin");
+    for (uint32_t i = 0; i < a->n_prompts; i++) {
+        const gen_ids *p = &a->prompts[i];
+        for (uint32_t k = 0; k < p->n; k++)
+            if ((uint32_t)p->ids[k] >= c->vocab_size)
+                return di_fail(err, DI_EINVAL, "prompt %u: token id %d at position %u is "
+                               "outside the vocabulary [0, %u)", i + 1, p->ids[k], k,
+                               c->vocab_size);
+        if (p->n >= max_len)
+            return di_fail(err, DI_EINVAL, "prompt %u of %u tokens exceeds the context limit "
+                           "of %llu positions", i + 1, p->n, (unsigned long long)max_len);
+    }
+    for (uint32_t k = 0; k < a->forced.n; k++)
+        if ((uint32_t)a->forced.ids[k] >= c->vocab_size)
+            return di_fail(err, DI_EINVAL, "teacher-forced token id %d is outside the "
+                           "vocabulary [0, %u)", a->forced.ids[k], c->vocab_size);
+    return DI_OK;
+}
+
+typedef struct run_state {
+    sched *s;
+    runner_exec *ex;
+    sched_seq_result *results;
+    uint32_t max_results;
+    uint64_t prefill_tokens, decode_steps, decode_tokens;
+    double prefill_s, decode_s;
+} run_state;
+
+static di_status step_once(gen_ctx *g, run_state *rs, di_error *err)
+{
+    sched_plan *plan;
+    di_status st = sched_schedule(rs->s, &plan, err);
+    if (st != DI_OK)
+        return st;
+    if (plan->n_seqs > rs->max_results) {
+        sched_seq_result *n = realloc(rs->results, plan->n_seqs * sizeof(*n));
+        if (!n)
+            return di_fail(err, DI_ENOMEM, "step results");
+        rs->results = n;
+        rs->max_results = plan->n_seqs;
+    }
+    uint64_t t0 = di_mono_ns();
+    if ((st = runner_exec_step(rs->ex, plan, rs->results, err)) != DI_OK)
+        return st;
+    double dt = (double)(di_mono_ns() - t0) / 1e9;
+    if (plan->prompt_run) {
+        rs->prefill_tokens += plan->n_rows;
+        rs->prefill_s += dt;
+    } else {
+        rs->decode_steps++;
+        rs->decode_s += dt;
+    }
+    for (uint32_t i = 0; i < plan->n_seqs; i++)
+        if (rs->results[i].status == SCHED_RESULT_FAILED) {
+            uint64_t id = plan->seqs[i].request_id;
+            snprintf(g->outs[id - 1].error, sizeof g->outs[id - 1].error, "%s",
+                     runner_exec_error(rs->ex, id));
+        }
+    const sched_output *outs;
+    size_t n_outs;
+    if ((st = sched_process_outputs(rs->s, plan, rs->results, plan->n_seqs, &outs, &n_outs,
+                                    err)) != DI_OK)
+        return st;
+    for (size_t k = 0; k < n_outs; k++) {
+        const sched_output *o = &outs[k];
+        gen_out *go = &g->outs[o->request_id - 1];
+        uint32_t nr;
+        const runner_token *rt = runner_exec_tokens(rs->ex, o->request_id, &nr);
+        for (uint32_t t = 0; t < o->n_tokens; t++) {
+            const sampler_result *res = t < nr && rt[t].token == o->tokens[t] ? &rt[t].res : NULL;
+            if ((st = out_append(go, o->tokens[t], res, g->a->params.n_logprobs, err)) != DI_OK)
+                return st;
+        }
+        if (!plan->prompt_run)
+            rs->decode_tokens += o->n_tokens;
+        if (o->finish != SCHED_FINISH_NONE) {
+            go->finish = o->finish;
+            runner_exec_remove(rs->ex, o->request_id);
+        }
+    }
+    return DI_OK;
+}
+
+static di_status setup(const gen_args *a, const runner_model *rm, const kern_backend *be,
+                       gen_ctx *g, run_state *rs, di_error *err)
+{
+    const model_config *c = &rm->w->config;
+    uint64_t max_len = a->max_model_len ? a->max_model_len : c->max_position_embeddings;
+    if (max_len > UINT32_MAX)
+        max_len = UINT32_MAX;
+    di_status st = check_prompts(a, c, max_len, err);
+    if (st != DI_OK)
+        return st;
+    uint32_t nextn = a->nextn >= 0 ? (uint32_t)a->nextn : (c->n_mtp ? c->dspark_block_size : 0);
+    if (nextn && !c->n_mtp)
+        return di_fail(err, DI_EINVAL, "--nextn %u needs a model with draft stages", nextn);
+    if (c->n_mtp && nextn > c->dspark_block_size)
+        return di_fail(err, DI_EINVAL, "--nextn %u exceeds the draft block size %u", nextn,
+                       c->dspark_block_size);
+    uint32_t max_tokens = a->max_tokens_set ? a->max_tokens
+                          : a->has_forced ? a->forced.n + 1 : a->max_tokens;
+    uint32_t seqs = a->n_prompts < 64 ? a->n_prompts : 64;
+    uint64_t blocks = 1;
+    for (uint32_t i = 0; i < a->n_prompts; i++)
+        blocks += (a->prompts[i].n + (uint64_t)max_tokens + nextn + 2 + 127) / 128;
+    if (blocks > (1u << 24))
+        return di_fail(err, DI_EINVAL, "%llu KV blocks needed: too many or too long prompts",
+                       (unsigned long long)blocks);
+    sched_config sc;
+    sched_config_default(&sc);
+    sc.type = SCHED_NORMAL;
+    /* one offline rank has no group to wait for: every decode step may admit prompts */
+    sc.prefill_attempt_interval = 1;
+    sc.max_num_batched_tokens = a->chunk;
+    sc.max_num_seqs = seqs;
+    sc.max_model_len = (uint32_t)max_len;
+    sc.nextn = nextn;
+    sc.num_blocks = (uint32_t)blocks;
+    sc.num_slots = seqs + 1;
+    sc.max_waiting = a->n_prompts > 4096 ? a->n_prompts : 4096;
+    sc.eos_token = (int32_t)c->eos_token_id;
+    sc.pad_token = (int32_t)c->pad_token_id;
+    sc.vocab_size = c->vocab_size;
+    uint32_t rows = a->chunk > seqs * (1 + nextn) ? a->chunk : seqs * (1 + nextn);
+    if (nextn && rows < seqs * c->dspark_block_size)
+        rows = seqs * c->dspark_block_size;
+    runner_exec_options eo = {.fwd = {.nextn = nextn, .max_rows = rows, .yoco = a->yoco,
+                                      .keep_tokens = a->yoco ? a->keep_tokens : 0},
+                              .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
+                              .on_logits = dump_row, .logits_userdata = g};
+    if ((st = sched_create(&sc, &rs->s, err)) != DI_OK ||
+        (st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK)
+        return st;
+    for (uint32_t i = 0; i < a->n_prompts; i++) {
+        runner_request rq = {.id = i + 1, .prompt = a->prompts[i].ids,
+                             .prompt_len = a->prompts[i].n, .max_tokens = max_tokens,
+                             .params = a->params, .forced = a->forced.ids,
+                             .n_forced = a->forced.n};
+        rq.params.eos_id = (int32_t)c->eos_token_id;
+        sched_request sr = {.id = i + 1, .prompt = a->prompts[i].ids,
+                            .prompt_len = a->prompts[i].n, .max_tokens = max_tokens,
+                            .ignore_eos = a->ignore_eos};
+        if ((st = runner_exec_add(rs->ex, &rq, err)) != DI_OK ||
+            (st = sched_add_request(rs->s, &sr, err)) != DI_OK) {
+            di_error_prefix(err, "prompt %u: ", i + 1);
+            return st;
+        }
+    }
+    return DI_OK;
+}
+
+di_status gen_run(gen_args *a, di_error *err)
+{
+    sampling_params check = a->params;
+    di_status st = sampling_params_validate(&check, UINT32_MAX, err);
+    if (st != DI_OK)
+        return st; /* before loading anything */
+    kern_backend be = {0};
+    runner_model rm = {0};
+    gen_ctx g = {.a = a};
+    run_state rs = {0};
+    json_t *stats = NULL;
+    if ((st = kern_cpu_create(a->threads, &be, err)) != DI_OK)
+        return st;
+    uint64_t t0 = di_mono_ns();
+    if ((st = load_model(a, &rm, err)) != DI_OK)
+        goto done;
+    double load_s = (double)(di_mono_ns() - t0) / 1e9;
+    g.vocab = rm.w->config.vocab_size;
+    if ((st = use_tokenizer(a, &rm, &g, err)) != DI_OK ||
+        (st = runner_model_check_token_map(&rm, a->model_dir, err)) != DI_OK)
+        goto done;
+    g.outs = calloc(a->n_prompts ? a->n_prompts : 1, sizeof(gen_out));
+    if (!g.outs) {
+        st = di_fail(err, DI_ENOMEM, "outputs");
+        goto done;
+    }
+    if (a->dump_logits && !(g.dump = fopen(a->dump_logits, "w"))) {
+        st = di_fail(err, DI_EIO, "%s: %s", a->dump_logits, strerror(errno));
+        goto done;
+    }
+    if ((st = setup(a, &rm, &be, &g, &rs, err)) != DI_OK)
+        goto done;
+    while (sched_has_work(rs.s) && st == DI_OK)
+        st = step_once(&g, &rs, err);
+    if (st != DI_OK)
+        goto done;
+    stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I}", "load_s", load_s, "prefill_tokens",
+                      (json_int_t)rs.prefill_tokens, "prefill_s", rs.prefill_s, "decode_steps",
+                      (json_int_t)rs.decode_steps, "decode_tokens", (json_int_t)rs.decode_tokens,
+                      "decode_s", rs.decode_s, "logit_rows_dumped", (json_int_t)g.dumped);
+    if (a->json)
+        print_json(&g, stats, stdout);
+    else
+        print_plain(&g, stdout);
+    if (!a->quiet)
+        fprintf(stderr, "di-generate: prefill %llu tokens in %.2f s (%.0f tokens/s), decode %llu "
+                "tokens in %llu steps, %.2f s (%.1f tokens/s)\n",
+                (unsigned long long)rs.prefill_tokens, rs.prefill_s,
+                rs.prefill_s > 0 ? rs.prefill_tokens / rs.prefill_s : 0.0,
+                (unsigned long long)rs.decode_tokens, (unsigned long long)rs.decode_steps,
+                rs.decode_s, rs.decode_s > 0 ? rs.decode_tokens / rs.decode_s : 0.0);
+done:
+    json_decref(stats);
+    if (g.dump && fclose(g.dump) != 0 && st == DI_OK)
+        st = di_fail(err, DI_EIO, "%s: write failed", a->dump_logits);
+    for (uint32_t i = 0; g.outs && i < a->n_prompts; i++) {
+        free(g.outs[i].tokens);
+        free(g.outs[i].logprobs);
+        json_decref(g.outs[i].tops);
+    }
+    free(g.outs);
+    free(rs.results);
+    runner_exec_free(rs.ex);
+    sched_destroy(rs.s);
+    runner_model_free(&rm);
+#ifdef DI_HAVE_TOKENIZER
+    tok_free(g.tok);
+#endif
+    kern_cpu_destroy(&be);
+    return st;
+}
