@@ -70,8 +70,12 @@ static inline __attribute__((always_inline)) uint64_t hash_body(const unsigned c
     } else {
         h = seed + K3;
     }
-    if (dst)
-        memcpy(dst, p, (size_t)(end - p));
+    if (dst) { /* hash the tail from the copy, so the copy is exactly what was hashed */
+        size_t tail = (size_t)(end - p);
+        memcpy(dst, p, tail);
+        p = dst;
+        end = dst + tail;
+    }
     h += (uint64_t)len;
     while (p + 8 <= end) {
         h ^= lane(0, load64(p));
