@@ -18,10 +18,13 @@
  * y = x @ W^T. Dequantising per call costs an extra pass over the weight (read 1 byte, write
  * and re-read 2 per value); a fused FP8/FP4 GEMM is the next step (docs/cuda.md).
  *
- * Errors: ops return the di_status of kernels.h; the message of the last failure is kept by the
- * backend (kern_cuda_last_error). A failed transfer (to_host, from_host, free return nothing)
- * is reported by the next op's status as well. Invalid parameters give DI_EINVAL naming the
- * failed condition; CUDA and cuBLASLt failures are translated in one place (cuda_check.h).
+ * Errors: every op returns DI_OK; DI_EINVAL for invalid parameters (the message names the
+ * failed condition; nothing was queued); DI_ENOMEM when its device scratch cannot grow;
+ * DI_EUNSUPPORTED or DI_EINTERNAL for a CUDA or cuBLASLt failure (translated in one place,
+ * cuda_check.h); or the failure of an earlier transfer not yet reported (to_host, from_host and
+ * free return nothing). After a failure the op's outputs are undefined (kernels.h), nothing is
+ * leaked and the backend stays usable, unless the device itself faulted (CUDA then fails every
+ * later call). The message of the last failure is kept by the backend (kern_cuda_last_error).
  *
  * A backend is used by one thread at a time (its stream orders its work).
  */

@@ -39,7 +39,8 @@ typedef struct cuda_plan {
     cublasLtMatrixLayout_t lw;  /* A: W as column-major [k, n] */
     cublasLtMatrixLayout_t lx;  /* B: x as column-major [k, m] */
     cublasLtMatrixLayout_t ly;  /* C and D: y as column-major [n, m] */
-    int have_algo;              /* 0: cuBLASLt offered none; the plain kernel runs */
+    int have_algo;              /* 0: cuBLASLt offered none (or refused it at run time);
+                                 * the plain kernel runs */
     cublasLtMatmulAlgo_t algo;  /* the heuristic's first choice */
 } cuda_plan;
 

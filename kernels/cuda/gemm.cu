@@ -57,7 +57,7 @@ __global__ void gemm_simple_kernel(cuda_gemm g)
     }
 }
 
-static di_status launch_simple(cuda_ctx *c, const cuda_gemm *g)
+static di_status launch_simple(cuda_ctx *c, const cuda_gemm *g, cudaStream_t stream)
 {
     if (g->k % SIMPLE_TILE != 0)
         return cuda_fail(c, DI_EINVAL, "gemm: k %u is not a multiple of %d", g->k, SIMPLE_TILE);
@@ -68,9 +68,9 @@ static di_status launch_simple(cuda_ctx *c, const cuda_gemm *g)
         return cuda_fail(c, DI_EINVAL, "gemm: m %u or batch %u too large for the plain kernel",
                          g->m, g->batch);
     if (g->out_f32)
-        gemm_simple_kernel<true><<<grid, block, 0, c->stream>>>(*g);
+        gemm_simple_kernel<true><<<grid, block, 0, stream>>>(*g);
     else
-        gemm_simple_kernel<false><<<grid, block, 0, c->stream>>>(*g);
+        gemm_simple_kernel<false><<<grid, block, 0, stream>>>(*g);
     di_status st = cuda_launched(c, "gemm_simple_kernel");
     if (st == DI_OK)
         c->stats.gemm_simple++;
@@ -258,19 +258,23 @@ di_status cuda_gemm_run(cuda_ctx *c, const cuda_gemm *g)
     if (g->accumulate && !g->out_f32)
         return cuda_fail(c, DI_EINVAL, "gemm: accumulate needs an f32 output");
     if (c->simple_gemm)
-        return launch_simple(c, g);
+        return launch_simple(c, g, c->stream);
     cuda_plan_key key;
     plan_key(g, &key);
     cuda_plan *pl = NULL;
     di_status st = plan_get(c, &key, &pl);
     if (st == DI_OK && !pl->have_algo)
-        return launch_simple(c, g);
+        return launch_simple(c, g, c->stream);
     if (st == DI_OK) {
         const float alpha = 1.0f, beta = g->accumulate ? 1.0f : 0.0f;
-        st = lt(c, cublasLtMatmul(c->lt, pl->desc, &alpha, g->w, pl->lw, g->x, pl->lx, &beta,
-                                  g->y, pl->ly, g->y, pl->ly, &pl->algo, c->workspace,
-                                  c->workspace_bytes, c->stream),
-                "cublasLtMatmul");
+        cublasStatus_t s = cublasLtMatmul(c->lt, pl->desc, &alpha, g->w, pl->lw, g->x, pl->lx,
+                                          &beta, g->y, pl->ly, g->y, pl->ly, &pl->algo,
+                                          c->workspace, c->workspace_bytes, c->stream);
+        if (s == CUBLAS_STATUS_NOT_SUPPORTED) { /* refused at run time: the plan falls back */
+            pl->have_algo = 0;
+            return launch_simple(c, g, c->stream);
+        }
+        st = lt(c, s, "cublasLtMatmul");
     }
     if (st != DI_OK) {
         di_error_prefix(&c->last, "gemm m=%u n=%u k=%u batch=%u ldx=%zu ldy=%zu: ", g->m, g->n,

@@ -22,6 +22,7 @@ const char *const chk_mode_name[CHK_MODES] = {
 int chk_init(chk_env *env, int argc, char **argv, const char *usage)
 {
     memset(env, 0, sizeof(*env));
+    setvbuf(stdout, NULL, _IOLBF, 0); /* keep stdout and stderr in order in one log */
     env->seed = di_wall_ms() ^ (di_mono_ns() << 20);
     int bench = 0;
     for (int i = 1; i < argc; i++) {
