@@ -255,24 +255,23 @@ double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int rep
     GPU_OK(cudaEventCreate(&t0));
     GPU_OK(cudaEventCreate(&t1));
     float *ms = chk_malloc((size_t)reps * sizeof(float));
-    for (int i = 0; i < warmup; i++)
-        if (fn(arg, i) != DI_OK) {
-            fprintf(stderr, "benchmark call: %s\n", kern_cuda_last_error(&env->gpu));
-            exit(2);
-        }
-    for (int i = 0; i < reps; i++) {
+    di_status st = DI_OK;
+    for (int i = 0; i < warmup && st == DI_OK; i++)
+        st = fn(arg, i);
+    for (int i = 0; i < reps && st == DI_OK; i++) {
         GPU_OK(cudaEventRecord(t0, s));
-        di_status st = fn(arg, warmup + i);
+        st = fn(arg, warmup + i);
         GPU_OK(cudaEventRecord(t1, s));
-        if (st != DI_OK) {
-            fprintf(stderr, "benchmark call: %s\n", kern_cuda_last_error(&env->gpu));
-            exit(2);
-        }
         GPU_OK(cudaEventSynchronize(t1));
         GPU_OK(cudaEventElapsedTime(&ms[i], t0, t1));
     }
     chk_sync(env);
-    double med = gpu_median(ms, reps);
+    double med = -1.0;
+    if (st != DI_OK)
+        fprintf(stderr, "benchmark call failed (%s): %s\n", di_status_name(st),
+                kern_cuda_last_error(&env->gpu));
+    else
+        med = gpu_median(ms, reps);
     free(ms);
     GPU_OK(cudaEventDestroy(t0));
     GPU_OK(cudaEventDestroy(t1));

@@ -84,8 +84,8 @@ void chk_count(chk_env *env, size_t mismatches);
 /* ---- timing ---- */
 
 /* Median time in milliseconds of reps calls of fn(arg, i) on the CUDA backend's stream, each
- * timed by its own pair of events, after `warmup` untimed calls. fn returns a di_status; a
- * failure exits 2. */
+ * timed by its own pair of events, after `warmup` untimed calls. When a call fails (fn returns
+ * its di_status) the message is printed and the result is -1. */
 typedef di_status (*chk_timed_fn)(void *arg, int i);
 double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int reps);
 
