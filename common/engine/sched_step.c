@@ -405,7 +405,10 @@ static di_status sched_normal_vote(sched *s, bool *prompt, uint32_t *n, di_error
         point = s->vote.any;
     if (!point)
         return DI_OK;
-    bool want = sched_cache_usage(s) <= s->cfg.cache_usage_threshold && sched_head_ready(s);
+    /* A head that already holds its blocks (a prompt between chunks) needs no more memory:
+     * it wants prefill whatever the cache usage, or a full cache would park it forever. */
+    bool want = sched_head_ready(s) && (sched_wq_at(s, 0)->reserved ||
+                                        sched_cache_usage(s) <= s->cfg.cache_usage_threshold);
     bool agree;
     s->stats.votes++;
     di_status st = point(s->vote.userdata, want, &agree, err);

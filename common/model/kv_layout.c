@@ -185,8 +185,8 @@ void kv_header_fill(kv_header *hdr, uint32_t magic, const kv_geometry *g, const 
     hdr->checksum = di_hash64(payload, payload_bytes, g->model_id);
 }
 
-di_status kv_object_verify(const void *object, size_t bytes, uint32_t magic, const kv_geometry *g,
-                           di_error *err)
+di_status kv_header_check(const void *object, size_t bytes, uint32_t magic, const kv_geometry *g,
+                          di_error *err)
 {
     if (bytes < KV_HEADER_BYTES)
         return di_fail(err, DI_ECORRUPT, "object of %zu bytes is shorter than its header",
@@ -208,10 +208,26 @@ di_status kv_object_verify(const void *object, size_t bytes, uint32_t magic, con
     if (magic == KV_WINDOW_MAGIC && hdr.ring_positions != g->ring_positions)
         return di_fail(err, DI_ECORRUPT, "window state has %u ring positions, expected %u",
                        hdr.ring_positions, g->ring_positions);
-    uint64_t sum = di_hash64((const unsigned char *)object + KV_HEADER_BYTES, hdr.payload_bytes,
-                             g->model_id);
-    if (sum != hdr.checksum)
-        return di_fail(err, DI_ECORRUPT, "checksum mismatch (stored %016llx, computed %016llx)",
-                       (unsigned long long)hdr.checksum, (unsigned long long)sum);
     return DI_OK;
+}
+
+di_status kv_checksum_check(const void *object, uint64_t payload_sum, di_error *err)
+{
+    kv_header hdr;
+    memcpy(&hdr, object, sizeof(hdr));
+    if (payload_sum != hdr.checksum)
+        return di_fail(err, DI_ECORRUPT, "checksum mismatch (stored %016llx, computed %016llx)",
+                       (unsigned long long)hdr.checksum, (unsigned long long)payload_sum);
+    return DI_OK;
+}
+
+di_status kv_object_verify(const void *object, size_t bytes, uint32_t magic, const kv_geometry *g,
+                           di_error *err)
+{
+    di_status st = kv_header_check(object, bytes, magic, g, err);
+    if (st != DI_OK)
+        return st;
+    uint64_t sum = di_hash64((const unsigned char *)object + KV_HEADER_BYTES,
+                             bytes - KV_HEADER_BYTES, g->model_id);
+    return kv_checksum_check(object, sum, err);
 }

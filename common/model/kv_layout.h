@@ -123,5 +123,12 @@ void kv_header_fill(kv_header *hdr, uint32_t magic, const kv_geometry *g, const 
  * and checksum. DI_ECORRUPT (with what failed) on any mismatch. */
 di_status kv_object_verify(const void *object, size_t bytes, uint32_t magic, const kv_geometry *g,
                            di_error *err);
+/* kv_object_verify in two steps, for readers that checksum the payload while copying it
+ * (di_hash64_copy, seeded with g->model_id): kv_header_check does every check but the
+ * checksum; kv_checksum_check compares the header's checksum with the one computed. Same
+ * codes and messages as kv_object_verify. */
+di_status kv_header_check(const void *object, size_t bytes, uint32_t magic, const kv_geometry *g,
+                          di_error *err);
+di_status kv_checksum_check(const void *object, uint64_t payload_sum, di_error *err);
 
 #endif

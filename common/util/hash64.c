@@ -36,19 +36,30 @@ static inline uint64_t avalanche(uint64_t h)
     return h;
 }
 
-uint64_t di_hash64(const void *data, size_t len, uint64_t seed)
+/* The one definition of the hash. When dst is not NULL every byte read is also stored there,
+ * so a copy and its checksum take one pass over memory; always_inline lets the compiler drop
+ * the stores (and the test) from di_hash64. */
+static inline __attribute__((always_inline)) uint64_t hash_body(const unsigned char *p, size_t len,
+                                                                uint64_t seed, unsigned char *dst)
 {
-    const unsigned char *p = data;
     const unsigned char *end = p + len;
     uint64_t h;
     if (len >= 32) {
         uint64_t a = seed + K1 + K2, b = seed + K2, c = seed, d = seed - K1;
         const unsigned char *stop = end - 32;
         do {
-            a = lane(a, load64(p));
-            b = lane(b, load64(p + 8));
-            c = lane(c, load64(p + 16));
-            d = lane(d, load64(p + 24));
+            uint64_t w0 = load64(p), w1 = load64(p + 8), w2 = load64(p + 16), w3 = load64(p + 24);
+            if (dst) {
+                memcpy(dst, &w0, 8);
+                memcpy(dst + 8, &w1, 8);
+                memcpy(dst + 16, &w2, 8);
+                memcpy(dst + 24, &w3, 8);
+                dst += 32;
+            }
+            a = lane(a, w0);
+            b = lane(b, w1);
+            c = lane(c, w2);
+            d = lane(d, w3);
             p += 32;
         } while (p <= stop);
         h = rotl64(a, 1) + rotl64(b, 7) + rotl64(c, 12) + rotl64(d, 18);
@@ -59,6 +70,8 @@ uint64_t di_hash64(const void *data, size_t len, uint64_t seed)
     } else {
         h = seed + K3;
     }
+    if (dst)
+        memcpy(dst, p, (size_t)(end - p));
     h += (uint64_t)len;
     while (p + 8 <= end) {
         h ^= lane(0, load64(p));
@@ -71,4 +84,14 @@ uint64_t di_hash64(const void *data, size_t len, uint64_t seed)
         p++;
     }
     return avalanche(h);
+}
+
+uint64_t di_hash64(const void *data, size_t len, uint64_t seed)
+{
+    return hash_body(data, len, seed, NULL);
+}
+
+uint64_t di_hash64_copy(void *dst, const void *src, size_t len, uint64_t seed)
+{
+    return hash_body(src, len, seed, dst);
 }

@@ -1,12 +1,93 @@
 #!/usr/bin/env bash
-# The main job: builds the project and runs the local deployment on loopback with a small
-# model on the CPU backend. It grows with the project: today it builds everything and runs the
-# offline pieces that exist.
+# The main job on one machine, everything on loopback, small model on the CPU backend:
+#   1. builds the project (build/);
+#   2. starts the KV store (di-kvstore) with engine and admin tokens, RocksDB in a temp dir;
+#   3. generates text with the offline NORMAL engine (di-generate: scheduler, V4.1 forward on the
+#      CPU, speculative decoding with the draft model, sampler) on the `demo` config (random
+#      weights, the DeepSeek tokenizer's vocabulary);
+#   4. writes the KV of prompts sharing a system prompt into the store and shows what it holds
+#      (di-kvctl stats, inspect);
+#   5. runs the scheduler simulator (di-sim) on two ranks, and sizes the KV of V4.1-Flash
+#      (di-plan kv);
+#   6. stops the store and removes its data.
+# Options: --keep keeps the temp dir; --prompt TEXT changes the prompt.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
+
+keep=0
+prompt="The capital of France is"
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --keep) keep=1 ;;
+    --prompt) prompt=$2; shift ;;
+    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+
+step() { printf '\n== %s\n' "$*"; }
+
+step "build"
 if [ ! -f build/build.ninja ]; then
-  meson setup build --buildtype=debugoptimized
+  meson setup build --buildtype=debugoptimized >/dev/null
 fi
-ninja -C build
-meson introspect build --targets | python3 -c 'import json,sys; print("built:", " ".join(sorted(t["name"] for t in json.load(sys.stdin) if t["type"]=="executable" and t["name"].startswith("di-"))) or "(no binaries yet)")'
+ninja -C build >/dev/null
+for b in kvstore/di-kvstore kvstore/di-kvctl kvstore/kvdemo tools/generate/di-generate \
+         tools/sim/di-sim tools/plan/di-plan; do
+  [ -x "build/$b" ] || { echo "run.sh: build/$b was not built (missing dependencies? run deploy/local/install-deps.sh)" >&2; exit 1; }
+done
+tok=data/tokenizer/deepseek-v3/tokenizer.json
+[ -f "$tok" ] || { echo "run.sh: $tok is missing: run deploy/local/install-deps.sh" >&2; exit 1; }
+echo "built in build/"
+
+work=$(mktemp -d /tmp/deepinfer-local.XXXXXX)
+store_pid=
+cleanup() {
+  if [ -n "$store_pid" ] && kill -0 "$store_pid" 2>/dev/null; then
+    kill -TERM "$store_pid" 2>/dev/null || true
+    wait "$store_pid" 2>/dev/null || true
+  fi
+  if [ "$keep" = 1 ]; then echo "kept $work"; else rm -rf "$work"; fi
+}
+trap cleanup EXIT
+
+step "KV store on loopback"
+head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/engine.token"
+head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/admin.token"
+build/kvstore/di-kvstore --dir "$work/kv" --listen 127.0.0.1:0 --port-file "$work/port" \
+  --geometry demo --token-file "$work/engine.token" --admin-token-file "$work/admin.token" \
+  --dram-bytes 64MiB --disk-bytes 1GiB --log-level warn >"$work/kvstore.log" 2>&1 &
+store_pid=$!
+for _ in $(seq 1 200); do
+  [ -s "$work/port" ] && break
+  kill -0 "$store_pid" 2>/dev/null || { cat "$work/kvstore.log" >&2; exit 1; }
+  sleep 0.05
+done
+[ -s "$work/port" ] || { echo "run.sh: di-kvstore did not start" >&2; cat "$work/kvstore.log" >&2; exit 1; }
+addr=127.0.0.1:$(cat "$work/port")
+echo "di-kvstore serving on $addr (pid $store_pid, data in $work/kv)"
+
+step "generate: di-generate --config demo (random weights, so the text is noise)"
+build/tools/generate/di-generate --config demo --prompt "$prompt" --max-tokens 24 \
+  --temperature 0.8 --seed 7 --logprobs 0
+
+step "KV of three prompts sharing a 512-token system prompt, written into the store"
+(cd "$work" && "$root/build/kvstore/kvdemo" --store "$addr" --token "$(cat engine.token)" \
+   --tokens 1000 --prompts 3 --shared 512 --ids-dir "$work")
+export DI_KVSTORE_TARGET=$addr
+export DI_KVSTORE_ADMIN_TOKEN=$(cat "$work/admin.token")
+build/kvstore/di-kvctl stats
+build/kvstore/di-kvctl inspect "$work/prompt0.ids"
+
+step "scheduler simulation: di-sim, 2 ranks, 400 requests"
+build/tools/sim/di-sim --requests 400 --rate 20 --ranks 2 --async --seed 1
+
+step "KV sizes of DeepSeek-V4.1-Flash: di-plan kv"
+echo '{"config": "v41-flash", "tokens": [16389, 50000]}' | build/tools/plan/di-plan kv
+
+step "stop"
+kill -TERM "$store_pid"
+wait "$store_pid" && echo "di-kvstore stopped cleanly"
+store_pid=

@@ -642,6 +642,35 @@ Test(sched, abort_between_chunks_returns_391_blocks)
     sched_destroy(s);
 }
 
+/* A prompt between chunks already holds every block it needs, so a cache over the usage
+ * threshold must not stop its next chunk: with only its own blocks in the pool (usage 100%)
+ * the second chunk still runs at the next vote point and the request finishes. */
+Test(sched, prompt_between_chunks_continues_over_the_cache_threshold)
+{
+    sched_config c;
+    h_config(&c);
+    c.num_blocks = 2; /* block 0 + the prompt's one block */
+    c.max_num_batched_tokens = 32;
+    c.nextn = 0;
+    sched *s = h_make(&c);
+    h_add(s, 5, 40, 4);
+    sched_plan *p = h_schedule(s);
+    cr_assert(p->prompt_run);
+    cr_assert_eq(p->seqs[0].seqlen_q, 32);
+    size_t n;
+    h_process(s, p, NULL, &n, &lg);
+    cr_assert_eq(sched_cache_usage(s), 1.0, "the pool is full of the prompt's own block");
+    p = h_schedule(s);
+    cr_assert(p->prompt_run, "the cut prompt continues instead of idling in decode");
+    cr_assert_eq(p->seqs[0].seqlen_q, 8);
+    h_process(s, p, NULL, &n, &lg);
+    for (int i = 0; i < 10 && sched_has_work(s); i++)
+        h_step(s, &lg);
+    cr_assert_eq(lg.finals[5], 1, "the request finished");
+    cr_assert_eq(lg.tokens[5], 4);
+    sched_destroy(s);
+}
+
 /* Abort from every place a request can be, synchronously: waiting, in a prompt step not yet
  * processed, running. */
 Test(sched, abort_from_every_queue)

@@ -435,7 +435,7 @@ Test(sched_random, the_workload_reaches_preemption_and_aborts, .timeout = 60)
     cr_assert_gt(st->preempted_recompute + st->preempted_stop, 5, "preemptions");
     cr_assert_gt(st->prompt_steps, 50);
     cr_assert_gt(rk.aborted, 5);
-    cr_assert_gt(rk.forked, 3);
+    cr_assert_geq(rk.forked, 3, "forks: %llu", (unsigned long long)rk.forked);
     sched_destroy(rk.s);
     synth_destroy(rk.y);
 }

@@ -457,6 +457,8 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
     sched_config sc;
     sched_config_default(&sc);
     sc.type = SCHED_NORMAL;
+    /* one offline rank has no group to wait for: every decode step may admit prompts */
+    sc.prefill_attempt_interval = 1;
     sc.max_num_batched_tokens = a->chunk;
     sc.max_num_seqs = seqs;
     sc.max_model_len = (uint32_t)max_len;

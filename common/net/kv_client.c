@@ -1,0 +1,1052 @@
+#include "common/net/kv_client.h"
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/net/kvstore.pb-c.h"
+#include "common/net/rpc.h"
+#include "common/net/ucx_xport.h"
+#include "common/util/clock.h"
+
+#define UCX_WINDOW 16 /* transfers in flight per batch */
+
+/* One job of a batch: item `index` of the batch handed to pool_begin. */
+typedef void (*job_fn)(void *batch, size_t index);
+
+/* Helper threads that share a batch's per-item work (verifying after UCX gets, or copying with
+ * verification from the store's mapped memory) with the caller's thread. */
+typedef struct work_pool {
+    pthread_mutex_t mu;
+    pthread_cond_t work;         /* an index was queued, or stop */
+    pthread_cond_t idle;         /* outstanding reached 0 */
+    size_t queue[KVC_MAX_BATCH]; /* FIFO of item indices */
+    size_t head, tail;           /* queue[head..tail) */
+    size_t outstanding;          /* queued or being worked on */
+    job_fn fn;                   /* the batch's job */
+    void *batch;                 /* its argument */
+    int stop;                    /* ends the threads */
+    pthread_t *threads;
+    int n_threads;
+} work_pool;
+
+struct kvc_client {
+    kvc_options o;            /* copy; strings point at the copies below */
+    char *target, *token, *tls_ca, *tls_name;
+    rpc_client *rpc;          /* control channel */
+    ucxt_ctx *ucx;            /* UCX context (created at the first connect) */
+    ucxt_peer *peer;          /* endpoint to the store's worker */
+    ucxt_rkey *rkey;          /* the store's arena key */
+    int connected;            /* 1 while peer and rkey match info.store_id */
+    kvc_store_info info;      /* from Connect */
+    uint64_t arena_base;      /* store's arena address */
+    uint64_t arena_bytes;
+    uint8_t *mapped;          /* the store's arena mapped here (same host), else NULL */
+    work_pool vp;             /* helpers (n_threads may be 0) */
+    int vp_started;           /* vp initialised */
+};
+
+/* Commit and Abort requests have the same fields; commit_or_abort packs one struct with either
+ * descriptor. */
+_Static_assert(sizeof(Di__Kvstore__CommitRequest) == sizeof(Di__Kvstore__AbortRequest) &&
+                   offsetof(Di__Kvstore__CommitRequest, alloc_ids) ==
+                       offsetof(Di__Kvstore__AbortRequest, alloc_ids),
+               "AbortRequest differs from CommitRequest");
+
+void kvc_options_default(kvc_options *o)
+{
+    memset(o, 0, sizeof(*o));
+    o->deadline_ms = 10000;
+    o->lease_ms = 10000;
+    o->verify = 1;
+    o->verify_threads = 1;
+}
+
+/* ---------------------------------------------------------------- per-item work */
+
+static void verify_item(const kv_geometry *g, kvc_item *it)
+{
+    di_status st = kvkey_object_verify(it->cls, &it->key, it->buf, it->bytes, g, &it->error);
+    if (st != DI_OK) {
+        it->status = st;
+        di_error_prefix(&it->error, "%s read from the store failed verification: ",
+                        kvkey_class_name(it->cls));
+    }
+}
+
+/* What the jobs of one get or put batch need. */
+typedef struct batch_ctx {
+    kvc_client *c;
+    kvc_item *items;
+    const size_t *which;       /* op index -> item index */
+    const ucxt_op *ops;        /* remote addresses (direct copies) */
+} batch_ctx;
+
+/* After a UCX get: verify the bytes that arrived. */
+static void job_verify(void *arg, size_t op)
+{
+    batch_ctx *b = arg;
+    verify_item(&b->c->info.geometry, &b->items[b->which[op]]);
+}
+
+static const uint8_t *mapped_at(const kvc_client *c, uint64_t remote)
+{
+    return c->mapped + (remote - c->arena_base);
+}
+
+/* Same host: copy from the store's mapped memory, checksumming in the same pass. */
+static void job_copy_in(void *arg, size_t op)
+{
+    batch_ctx *b = arg;
+    kvc_item *it = &b->items[b->which[op]];
+    const uint8_t *src = mapped_at(b->c, b->ops[op].remote);
+    it->status = DI_OK;
+    if (!b->c->o.verify) {
+        memcpy(it->buf, src, it->bytes);
+        return;
+    }
+    di_status st = kvkey_object_copy_verify(it->cls, &it->key, it->buf, src, it->bytes,
+                                            &b->c->info.geometry, &it->error);
+    if (st != DI_OK) {
+        it->status = st;
+        di_error_prefix(&it->error, "%s read from the store failed verification: ",
+                        kvkey_class_name(it->cls));
+    }
+}
+
+/* Same host: copy an object into its allocated slot. */
+static void job_copy_out(void *arg, size_t op)
+{
+    batch_ctx *b = arg;
+    memcpy((void *)mapped_at(b->c, b->ops[op].remote), b->ops[op].local, b->ops[op].len);
+}
+
+static void *pool_main(void *arg)
+{
+    work_pool *p = arg;
+    pthread_mutex_lock(&p->mu);
+    for (;;) {
+        while (p->head == p->tail && !p->stop)
+            pthread_cond_wait(&p->work, &p->mu);
+        if (p->stop)
+            break;
+        size_t i = p->queue[p->head++];
+        job_fn fn = p->fn;
+        void *batch = p->batch;
+        pthread_mutex_unlock(&p->mu);
+        fn(batch, i);
+        pthread_mutex_lock(&p->mu);
+        if (--p->outstanding == 0)
+            pthread_cond_broadcast(&p->idle);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return NULL;
+}
+
+static void pool_start(work_pool *p, int n)
+{
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->work, NULL);
+    pthread_cond_init(&p->idle, NULL);
+    p->threads = n > 0 ? calloc((size_t)n, sizeof(pthread_t)) : NULL;
+    for (int i = 0; p->threads && i < n; i++)
+        if (pthread_create(&p->threads[i], NULL, pool_main, p) == 0)
+            p->n_threads++;
+}
+
+static void pool_stop(work_pool *p)
+{
+    pthread_mutex_lock(&p->mu);
+    p->stop = 1;
+    pthread_cond_broadcast(&p->work);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 0; i < p->n_threads; i++)
+        pthread_join(p->threads[i], NULL);
+    free(p->threads);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->work);
+    pthread_cond_destroy(&p->idle);
+}
+
+/* Sets the job of the coming pushes (the pool is idle between batches). */
+static void pool_begin(work_pool *p, job_fn fn, void *batch)
+{
+    p->fn = fn;
+    p->batch = batch;
+    p->head = p->tail = 0;
+}
+
+/* Queues one index; without helper threads the job runs here and now. */
+static void pool_push(work_pool *p, size_t i)
+{
+    if (p->n_threads == 0) {
+        p->fn(p->batch, i);
+        return;
+    }
+    pthread_mutex_lock(&p->mu);
+    p->queue[p->tail++] = i;
+    p->outstanding++;
+    pthread_cond_signal(&p->work);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The caller's thread takes jobs too, then waits until the helpers are done. */
+static void pool_drain(work_pool *p)
+{
+    if (p->n_threads == 0)
+        return;
+    pthread_mutex_lock(&p->mu);
+    while (p->outstanding > 0) {
+        if (p->head < p->tail) {
+            size_t i = p->queue[p->head++];
+            pthread_mutex_unlock(&p->mu);
+            p->fn(p->batch, i);
+            pthread_mutex_lock(&p->mu);
+            if (--p->outstanding == 0)
+                pthread_cond_broadcast(&p->idle);
+        } else
+            pthread_cond_wait(&p->idle, &p->mu);
+    }
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* Runs fn on ops 0..n-1, shared between the caller and the helpers. */
+static void pool_run(work_pool *p, job_fn fn, void *batch, size_t n)
+{
+    pool_begin(p, fn, batch);
+    for (size_t i = 0; i < n; i++)
+        pool_push(p, i);
+    pool_drain(p);
+}
+
+/* UCX get completions feed the verification jobs. */
+static void on_get_done(void *ud, size_t op)
+{
+    batch_ctx *b = ud;
+    b->items[b->which[op]].status = DI_OK;
+    if (b->c->o.verify)
+        pool_push(&b->c->vp, op);
+}
+
+/* ---------------------------------------------------------------- open / close */
+
+static char *dup_or_null(const char *s, int *oom)
+{
+    if (!s)
+        return NULL;
+    char *d = strdup(s);
+    if (!d)
+        *oom = 1;
+    return d;
+}
+
+di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
+{
+    if (!o || !o->target || !*o->target || !out)
+        return di_fail(err, DI_EINVAL, "kvc_open: a store target host:port is required");
+    kvc_client *c = calloc(1, sizeof(*c));
+    if (!c)
+        return di_fail(err, DI_ENOMEM, "cannot allocate a kvstore client");
+    c->o = *o;
+    int oom = 0;
+    c->o.target = c->target = dup_or_null(o->target, &oom);
+    c->o.token = c->token = dup_or_null(o->token, &oom);
+    c->o.tls_ca_pem = c->tls_ca = dup_or_null(o->tls_ca_pem, &oom);
+    c->o.tls_target_name = c->tls_name = dup_or_null(o->tls_target_name, &oom);
+    if (!c->o.deadline_ms)
+        c->o.deadline_ms = 10000;
+    if (!c->o.lease_ms)
+        c->o.lease_ms = 10000;
+    if (oom) {
+        kvc_close(c);
+        return di_fail(err, DI_ENOMEM, "cannot copy the client options");
+    }
+    rpc_client_config rc = {.target = c->target, .token = c->token, .tls_ca_pem = c->tls_ca,
+                            .tls_target_name = c->tls_name};
+    di_status st = rpc_client_open(&rc, &c->rpc, err);
+    if (st != DI_OK) {
+        kvc_close(c);
+        return st;
+    }
+    pool_start(&c->vp, o->verify ? o->verify_threads : 0);
+    c->vp_started = 1;
+    *out = c;
+    return DI_OK;
+}
+
+static void drop_transport(kvc_client *c)
+{
+    c->mapped = NULL;
+    c->rkey = ucxt_rkey_free(c->rkey);
+    c->peer = ucxt_peer_close(c->peer);
+    c->connected = 0;
+}
+
+kvc_client *kvc_close(kvc_client *c)
+{
+    if (!c)
+        return NULL;
+    drop_transport(c);
+    c->ucx = ucxt_destroy(c->ucx);
+    c->rpc = rpc_client_close(c->rpc);
+    if (c->vp_started)
+        pool_stop(&c->vp);
+    free(c->target);
+    free(c->token);
+    free(c->tls_ca);
+    free(c->tls_name);
+    free(c);
+    return NULL;
+}
+
+void kvc_cancel(kvc_client *c)
+{
+    if (c && c->rpc)
+        rpc_client_cancel(c->rpc);
+}
+
+/* ---------------------------------------------------------------- calls */
+
+static uint32_t ms_until(uint64_t deadline_ns)
+{
+    uint64_t now = di_mono_ns();
+    return now >= deadline_ns ? 1 : (uint32_t)((deadline_ns - now + 999999) / 1000000);
+}
+
+/* Methods retried after DI_EUNAVAIL until the deadline: repeating them is harmless (a lease
+ * granted twice ends by its timeout). Alloc and Commit are not: a lost reply would turn into a
+ * conflict with the caller's own allocation. */
+static const char *const retry_unavailable[] = {"Connect", "Lookup", "Lease", "Release",
+                                                "Delete", "Abort"};
+
+static int may_retry(const char *method)
+{
+    for (size_t i = 0; i < sizeof(retry_unavailable) / sizeof(retry_unavailable[0]); i++)
+        if (strcmp(method, retry_unavailable[i]) == 0)
+            return 1;
+    return 0;
+}
+
+/* Sleeps for the k-th retry (50 ms doubling to 500 ms), not past the deadline. 0 when no time
+ * is left. */
+static int backoff(unsigned k, uint64_t deadline_ns)
+{
+    uint64_t now = di_mono_ns();
+    uint64_t ms = 50ull << (k < 4 ? k : 4);
+    if (ms > 500)
+        ms = 500;
+    if (now + ms * 1000000ull >= deadline_ns)
+        return 0;
+    struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)(ms * 1000000ull)};
+    nanosleep(&ts, NULL);
+    return 1;
+}
+
+/* One RPC: packs msg, calls method, returns the reply bytes. */
+static di_status call_packed(kvc_client *c, const char *method, const ProtobufCMessage *msg,
+                             uint64_t deadline_ns, uint8_t **reply, size_t *len, di_error *err)
+{
+    size_t n = protobuf_c_message_get_packed_size(msg);
+    uint8_t *buf = malloc(n ? n : 1);
+    if (!buf)
+        return di_fail(err, DI_ENOMEM, "cannot allocate a %zu-byte request", n);
+    protobuf_c_message_pack(msg, buf);
+    char full[64];
+    snprintf(full, sizeof(full), KVC_SERVICE "%s", method);
+    di_status st;
+    unsigned k = 0;
+    do
+        st = rpc_client_call(c->rpc, full, buf, n, ms_until(deadline_ns), reply, len, err);
+    while (st == DI_EUNAVAIL && may_retry(method) && backoff(k++, deadline_ns));
+    free(buf);
+    if (st == DI_EUNAVAIL)
+        drop_transport(c); /* the store may come back as another instance */
+    return st;
+}
+
+/* One RPC with protobuf messages: packs req, calls method, unpacks the reply as desc. *out is
+ * freed with protobuf_c_message_free_unpacked. */
+static di_status call_msg(kvc_client *c, const char *method, const ProtobufCMessage *req,
+                          const ProtobufCMessageDescriptor *desc, uint64_t deadline_ns,
+                          ProtobufCMessage **out, di_error *err)
+{
+    uint8_t *rep = NULL;
+    size_t len = 0;
+    di_status st = call_packed(c, method, req, deadline_ns, &rep, &len, err);
+    if (st != DI_OK)
+        return st;
+    ProtobufCMessage *m = protobuf_c_message_unpack(desc, NULL, len, rep);
+    free(rep);
+    if (!m)
+        return di_fail(err, DI_EPROTO, "malformed %s from the store", desc->short_name);
+    *out = m;
+    return DI_OK;
+}
+
+/* Frees a reply whose result count is not the request's and says so. */
+static di_status wrong_count(ProtobufCMessage *m, size_t got, size_t want, di_error *err)
+{
+    const char *name = m->descriptor->short_name;
+    protobuf_c_message_free_unpacked(m, NULL);
+    return di_fail(err, DI_EPROTO, "%s from the store has %zu results for %zu items", name, got,
+                   want);
+}
+
+di_status kvc_call(kvc_client *c, const char *method, const void *req, size_t len,
+                   uint8_t **reply, size_t *reply_len, di_error *err)
+{
+    if (!c || !method)
+        return di_fail(err, DI_EINVAL, "kvc_call: NULL argument");
+    char full[64];
+    snprintf(full, sizeof(full), KVC_SERVICE "%s", method);
+    return rpc_client_call(c->rpc, full, req, len, c->o.deadline_ms, reply, reply_len, err);
+}
+
+static void info_from(kvc_client *c, const Di__Kvstore__ConnectReply *r)
+{
+    kvc_store_info *in = &c->info;
+    memset(in, 0, sizeof(*in));
+    in->store_id = r->store_id;
+    const Di__Kvstore__Geometry *g = r->geometry;
+    kv_geometry *k = &in->geometry;
+    k->block_tokens = g->block_tokens;
+    k->head_dim = g->head_dim;
+    k->index_head_dim = g->index_head_dim;
+    k->window = g->window;
+    k->ring_positions = g->ring_positions;
+    k->n_layers = g->n_layers;
+    k->n_draft_stages = g->n_draft_stages;
+    k->n_owners = (uint32_t)g->n_owner_layer;
+    for (size_t i = 0; i < g->n_owner_layer && i < KV_MAX_OWNERS; i++)
+        k->owner_layer[i] = g->owner_layer[i];
+    for (size_t i = 0; i < g->n_owner_ratio && i < KV_MAX_OWNERS; i++)
+        k->owner_ratio[i] = g->owner_ratio[i];
+    k->yoco_boundary = g->yoco_boundary;
+    k->model_id = g->model_id;
+    in->object_bytes[KVKEY_BLOCK] = r->block_bytes;
+    in->object_bytes[KVKEY_WINDOW] = r->window_bytes;
+    in->object_bytes[KVKEY_HANDOFF] = r->handoff_max_bytes;
+    snprintf(in->durability, sizeof(in->durability), "%s", r->durability ? r->durability : "?");
+    in->lease_max_ms = r->lease_max_ms;
+    c->arena_base = r->arena_base;
+    c->arena_bytes = r->arena_bytes;
+}
+
+static di_status check_connect_reply(const Di__Kvstore__ConnectReply *r, di_error *err)
+{
+    if (!r)
+        return di_fail(err, DI_EPROTO, "malformed ConnectReply from the store");
+    if (!r->geometry || r->geometry->n_owner_layer > KV_MAX_OWNERS ||
+        r->geometry->n_owner_layer != r->geometry->n_owner_ratio || r->worker_address.len == 0 ||
+        r->rkey.len == 0 || r->arena_bytes == 0)
+        return di_fail(err, DI_EPROTO, "incomplete ConnectReply from the store");
+    return DI_OK;
+}
+
+/* A UCX endpoint and the arena's key. peer_errors: see ucxt_peer_connect. */
+static di_status connect_ucx(kvc_client *c, const Di__Kvstore__ConnectReply *r, int peer_errors,
+                             di_error *err)
+{
+    di_status st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len,
+                                     peer_errors, &c->peer, err);
+    if (st == DI_OK)
+        st = ucxt_rkey_unpack(c->peer, r->rkey.data, r->rkey.len, &c->rkey, err);
+    return st;
+}
+
+/* Connects (Connect RPC, UCX endpoint and key) unless already connected. */
+static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error *err)
+{
+    if (c->connected && !ucxt_peer_failed(c->peer))
+        return DI_OK;
+    drop_transport(c);
+    Di__Kvstore__ConnectRequest req = DI__KVSTORE__CONNECT_REQUEST__INIT;
+    req.model_id = c->o.model_id;
+    Di__Kvstore__ConnectReply *r = NULL;
+    di_status st = call_msg(c, "Connect", &req.base, &di__kvstore__connect_reply__descriptor,
+                            deadline_ns, (ProtobufCMessage **)&r, err);
+    if (st != DI_OK)
+        return st;
+    st = check_connect_reply(r, err);
+    if (st == DI_OK && !c->ucx)
+        st = ucxt_create(0, &c->ucx, err);
+    /* First without peer-failure handling, which UCX's shared-memory transports lack: if the
+     * store's memory then maps here, it is on this host. Otherwise reconnect with it, so that
+     * a dead store fails transfers instead of hanging them. */
+    void *p = NULL;
+    int here = 0;
+    if (st == DI_OK)
+        st = connect_ucx(c, r, 0, err);
+    if (st == DI_OK)
+        here = ucxt_rkey_ptr(c->rkey, r->arena_base, &p, NULL) == DI_OK;
+    if (st == DI_OK && !here) {
+        drop_transport(c);
+        st = connect_ucx(c, r, 1, err);
+    }
+    if (st == DI_OK) {
+        info_from(c, r);
+        c->connected = 1;
+        if (here && !c->o.ucx_rma)
+            c->mapped = p; /* same host: copy straight from the store's memory */
+    } else
+        drop_transport(c);
+    if (r)
+        di__kvstore__connect_reply__free_unpacked(r, NULL);
+    if (st != DI_OK)
+        di_error_prefix(err, "connecting to the store at %s: ", c->target);
+    return st;
+}
+
+di_status kvc_info(kvc_client *c, kvc_store_info *out, di_error *err)
+{
+    di_status st = ensure_connected(c, di_mono_ns() + c->o.deadline_ms * 1000000ull, err);
+    if (st == DI_OK) {
+        *out = c->info;
+        out->mapped = c->mapped != NULL;
+    }
+    return st;
+}
+
+/* A reply's store id differs from ours: the store restarted; its new arena needs a new key. */
+static di_status follow_restart(kvc_client *c, uint64_t store_id, uint64_t deadline_ns,
+                                di_error *err)
+{
+    if (store_id == c->info.store_id)
+        return DI_OK;
+    drop_transport(c);
+    di_status st = ensure_connected(c, deadline_ns, err);
+    if (st == DI_OK && c->info.store_id != store_id)
+        st = di_fail(err, DI_EUNAVAIL, "the store restarted during the call; retry");
+    return st;
+}
+
+di_status kvc_lookup(kvc_client *c, const kvkey *keys, size_t n, uint32_t *blocks_hit,
+                     uint32_t *windows, size_t max_windows, size_t *n_windows, di_error *err)
+{
+    if (!c || (n > 0 && !keys) || !blocks_hit || !n_windows || (max_windows > 0 && !windows))
+        return di_fail(err, DI_EINVAL, "kvc_lookup: NULL argument");
+    if (n > KVC_MAX_LOOKUP)
+        return di_fail(err, DI_EINVAL, "%zu keys in one lookup, at most %u", n, KVC_MAX_LOOKUP);
+    ProtobufCBinaryData *b = calloc(n ? n : 1, sizeof(*b));
+    if (!b)
+        return di_fail(err, DI_ENOMEM, "cannot allocate %zu keys", n);
+    for (size_t i = 0; i < n; i++)
+        b[i] = (ProtobufCBinaryData){KVKEY_BYTES, (uint8_t *)keys[i].b};
+    Di__Kvstore__LookupRequest req = DI__KVSTORE__LOOKUP_REQUEST__INIT;
+    req.n_block_keys = n;
+    req.block_keys = b;
+    Di__Kvstore__LookupReply *r = NULL;
+    di_status st = call_msg(c, "Lookup", &req.base, &di__kvstore__lookup_reply__descriptor,
+                            di_mono_ns() + c->o.deadline_ms * 1000000ull, (ProtobufCMessage **)&r,
+                            err);
+    free(b);
+    if (st != DI_OK)
+        return st;
+    size_t nw = r->n_window_blocks < max_windows ? r->n_window_blocks : max_windows;
+    for (size_t i = 0; i < nw; i++)
+        windows[i] = r->window_blocks[i];
+    *blocks_hit = r->blocks_hit;
+    *n_windows = nw;
+    di__kvstore__lookup_reply__free_unpacked(r, NULL);
+    return DI_OK;
+}
+
+/* ---------------------------------------------------------------- batches */
+
+static di_status check_items(const kvc_item *items, size_t n, int need_buf, di_error *err)
+{
+    if (n > 0 && !items)
+        return di_fail(err, DI_EINVAL, "items is NULL");
+    if (n > KVC_MAX_BATCH)
+        return di_fail(err, DI_EINVAL, "%zu items in one batch, at most %u", n, KVC_MAX_BATCH);
+    for (size_t i = 0; i < n; i++) {
+        if (items[i].cls < 0 || items[i].cls >= (int)KVKEY_CLASS_COUNT)
+            return di_fail(err, DI_EINVAL, "item %zu: unknown object class %d", i, items[i].cls);
+        if (need_buf && (!items[i].buf || items[i].cap == 0))
+            return di_fail(err, DI_EINVAL, "item %zu: no buffer", i);
+    }
+    return DI_OK;
+}
+
+/* Every item starts as "not processed", so that a batch failing before the store answered
+ * for an item can never leave it looking successful. */
+static void mark_pending(kvc_item *items, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        items[i].status = di_fail(&items[i].error, DI_EINTERNAL, "not processed");
+}
+
+static void mark_all(kvc_item *items, size_t n, di_status st, const di_error *e)
+{
+    for (size_t i = 0; i < n; i++)
+        if (items[i].status == DI_OK || items[i].status == DI_EINTERNAL) {
+            items[i].status = st;
+            items[i].error = *e;
+        }
+}
+
+static void set_item(kvc_item *it, int32_t status, const char *msg)
+{
+    it->status = (di_status)status;
+    if (status != DI_OK)
+        di_fail(&it->error, (di_status)status, "%s", msg ? msg : "");
+    else
+        di_error_clear(&it->error);
+}
+
+/* Refs of a batch, for Lease and Delete. */
+static di_status make_refs(const kvc_item *items, size_t n, Di__Kvstore__ObjRef **refs,
+                           Di__Kvstore__ObjRef ***ptrs, di_error *err)
+{
+    *refs = calloc(n ? n : 1, sizeof(**refs));
+    *ptrs = calloc(n ? n : 1, sizeof(**ptrs));
+    if (!*refs || !*ptrs) {
+        free(*refs);
+        free(*ptrs);
+        return di_fail(err, DI_ENOMEM, "cannot allocate %zu refs", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        di__kvstore__obj_ref__init(&(*refs)[i]);
+        (*refs)[i].cls = (Di__Kvstore__ObjClass)items[i].cls;
+        (*refs)[i].key = (ProtobufCBinaryData){KVKEY_BYTES, (uint8_t *)items[i].key.b};
+        (*ptrs)[i] = &(*refs)[i];
+    }
+    return DI_OK;
+}
+
+static di_status release_ids(kvc_client *c, const uint64_t *ids, size_t n, kvc_item *items,
+                             const size_t *which, uint64_t deadline_ns, di_error *err)
+{
+    if (n == 0)
+        return DI_OK;
+    Di__Kvstore__ReleaseRequest req = DI__KVSTORE__RELEASE_REQUEST__INIT;
+    req.n_lease_ids = n;
+    req.lease_ids = (uint64_t *)ids;
+    Di__Kvstore__ReleaseReply *r = NULL;
+    di_status st = call_msg(c, "Release", &req.base, &di__kvstore__release_reply__descriptor,
+                            deadline_ns, (ProtobufCMessage **)&r, err);
+    if (st != DI_OK)
+        return st;
+    if (r->n_results != n)
+        return wrong_count(&r->base, r->n_results, n, err);
+    for (size_t k = 0; items && k < n; k++) {
+        kvc_item *it = &items[which[k]];
+        if (r->results[k]->status != DI_OK && it->status == DI_OK)
+            set_item(it, r->results[k]->status, r->results[k]->error);
+    }
+    di__kvstore__release_reply__free_unpacked(r, NULL);
+    return DI_OK;
+}
+
+/* Lease RPC for a batch; fills ops for the granted items. */
+static di_status lease_batch(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline_ns,
+                             ucxt_op *ops, size_t *which, uint64_t *lease_ids, size_t *n_ops,
+                             uint64_t *store_id, di_error *err)
+{
+    Di__Kvstore__ObjRef *refs, **ptrs;
+    di_status st = make_refs(items, n, &refs, &ptrs, err);
+    if (st != DI_OK)
+        return st;
+    Di__Kvstore__LeaseRequest req = DI__KVSTORE__LEASE_REQUEST__INIT;
+    req.n_items = n;
+    req.items = ptrs;
+    req.lease_ms = c->o.lease_ms;
+    Di__Kvstore__LeaseReply *r = NULL;
+    st = call_msg(c, "Lease", &req.base, &di__kvstore__lease_reply__descriptor, deadline_ns,
+                  (ProtobufCMessage **)&r, err);
+    free(refs);
+    free(ptrs);
+    if (st != DI_OK)
+        return st;
+    if (r->n_results != n)
+        return wrong_count(&r->base, r->n_results, n, err);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        Di__Kvstore__LeaseResult *lr = r->results[i];
+        set_item(&items[i], lr->status, lr->error);
+        if (lr->status != DI_OK)
+            continue;
+        lease_ids[m] = lr->lease_id;
+        which[m] = i;
+        items[i].bytes = lr->bytes;
+        ops[m++] = (ucxt_op){.remote = lr->remote_addr, .local = items[i].buf, .len = lr->bytes};
+        items[i].status = DI_EINTERNAL; /* until its get completes */
+    }
+    *store_id = r->store_id;
+    *n_ops = m;
+    di__kvstore__lease_reply__free_unpacked(r, NULL);
+    return DI_OK;
+}
+
+/* Checks granted items against their buffers and the store's arena (known once a restart
+ * was followed), and drops the ops of those that fail, keeping the lease list whole. */
+static size_t compact_ops(const kvc_client *c, kvc_item *items, ucxt_op *ops, const size_t *which,
+                          size_t n, size_t *get_which)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) {
+        kvc_item *it = &items[which[i]];
+        if (it->bytes > it->cap) {
+            it->status = di_fail(&it->error, DI_ERANGE,
+                                 "%s of %llu bytes does not fit a %llu-byte buffer",
+                                 kvkey_class_name(it->cls), (unsigned long long)it->bytes,
+                                 (unsigned long long)it->cap);
+            continue;
+        }
+        if (ops[i].remote < c->arena_base ||
+            ops[i].remote + ops[i].len > c->arena_base + c->arena_bytes) {
+            it->status = di_fail(&it->error, DI_EPROTO,
+                                 "the store leased an address outside its DRAM tier");
+            continue;
+        }
+        ops[k] = ops[i];
+        get_which[k++] = which[i];
+    }
+    return k;
+}
+
+di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err)
+{
+    if (!c)
+        return di_fail(err, DI_EINVAL, "kvc_get: client is NULL");
+    di_status st = check_items(items, n, 1, err);
+    if (st != DI_OK || n == 0)
+        return st;
+    mark_pending(items, n);
+    uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
+    ucxt_op *ops = calloc(n, sizeof(*ops));
+    size_t *which = calloc(n, sizeof(*which)), *get_which = calloc(n, sizeof(*get_which));
+    uint64_t *ids = calloc(n, sizeof(*ids));
+    if (!ops || !which || !get_which || !ids)
+        st = di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", n);
+    size_t m = 0;
+    uint64_t store_id = 0;
+    if (st == DI_OK)
+        st = ensure_connected(c, deadline, err);
+    if (st == DI_OK)
+        st = lease_batch(c, items, n, deadline, ops, which, ids, &m, &store_id, err);
+    if (st == DI_OK)
+        st = follow_restart(c, store_id, deadline, err);
+    if (st == DI_OK && m > 0) {
+        size_t g = compact_ops(c, items, ops, which, m, get_which);
+        batch_ctx b = {.c = c, .items = items, .which = get_which, .ops = ops};
+        if (c->mapped)
+            pool_run(&c->vp, job_copy_in, &b, g);
+        else {
+            pool_begin(&c->vp, job_verify, &b);
+            st = ucxt_get(c->peer, c->rkey, ops, g, UCX_WINDOW, deadline, on_get_done, &b, err);
+            pool_drain(&c->vp);
+        }
+        if (st != DI_OK)
+            drop_transport(c);
+    }
+    /* Release what was granted even after a failed transfer (else it waits for its timeout). */
+    di_error rerr;
+    di_status rst = st == DI_OK || m == 0
+                        ? release_ids(c, ids, m, items, which, deadline, &rerr)
+                        : release_ids(c, ids, m, NULL, which, deadline, &rerr);
+    if (st == DI_OK && rst != DI_OK) {
+        st = rst;
+        *err = rerr;
+    }
+    if (st != DI_OK)
+        mark_all(items, n, st, err);
+    free(ops);
+    free(which);
+    free(get_which);
+    free(ids);
+    return st;
+}
+
+/* Alloc RPC; fills ops for granted items (EEXIST items are done). */
+static di_status alloc_batch(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline_ns,
+                             ucxt_op *ops, size_t *which, uint64_t *ids, size_t *n_ops,
+                             uint64_t *store_id, di_error *err)
+{
+    Di__Kvstore__AllocItem *ai = calloc(n, sizeof(*ai));
+    Di__Kvstore__AllocItem **ptrs = calloc(n, sizeof(*ptrs));
+    if (!ai || !ptrs) {
+        free(ai);
+        free(ptrs);
+        return di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", n);
+    }
+    for (size_t i = 0; i < n; i++) {
+        di__kvstore__alloc_item__init(&ai[i]);
+        ai[i].cls = (Di__Kvstore__ObjClass)items[i].cls;
+        ai[i].key = (ProtobufCBinaryData){KVKEY_BYTES, items[i].key.b};
+        ai[i].bytes = items[i].cap;
+        ptrs[i] = &ai[i];
+    }
+    Di__Kvstore__AllocRequest req = DI__KVSTORE__ALLOC_REQUEST__INIT;
+    req.n_items = n;
+    req.items = ptrs;
+    Di__Kvstore__AllocReply *r = NULL;
+    di_status st = call_msg(c, "Alloc", &req.base, &di__kvstore__alloc_reply__descriptor,
+                            deadline_ns, (ProtobufCMessage **)&r, err);
+    free(ai);
+    free(ptrs);
+    if (st != DI_OK)
+        return st;
+    if (r->n_results != n)
+        return wrong_count(&r->base, r->n_results, n, err);
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        Di__Kvstore__AllocResult *ar = r->results[i];
+        set_item(&items[i], ar->status, ar->error);
+        if (ar->status != DI_OK)
+            continue;
+        ops[m] = (ucxt_op){.remote = ar->remote_addr, .local = items[i].buf, .len = items[i].cap};
+        ids[m] = ar->alloc_id;
+        which[m++] = i;
+    }
+    *store_id = r->store_id;
+    *n_ops = m;
+    di__kvstore__alloc_reply__free_unpacked(r, NULL);
+    return DI_OK;
+}
+
+static di_status commit_or_abort(kvc_client *c, const char *method, const uint64_t *ids, size_t m,
+                                 kvc_item *items, const size_t *which, uint64_t deadline_ns,
+                                 di_error *err)
+{
+    Di__Kvstore__CommitRequest req = DI__KVSTORE__COMMIT_REQUEST__INIT;
+    req.n_alloc_ids = m;
+    req.alloc_ids = (uint64_t *)ids;
+    if (strcmp(method, "Abort") == 0)
+        req.base.descriptor = &di__kvstore__abort_request__descriptor; /* same fields */
+    Di__Kvstore__CommitReply *r = NULL;
+    di_status st = call_msg(c, method, &req.base, &di__kvstore__commit_reply__descriptor,
+                            deadline_ns, (ProtobufCMessage **)&r, err);
+    if (st != DI_OK)
+        return st;
+    if (!items) {
+        di__kvstore__commit_reply__free_unpacked(r, NULL);
+        return DI_OK;
+    }
+    if (r->n_results != m)
+        return wrong_count(&r->base, r->n_results, m, err);
+    for (size_t k = 0; k < m; k++)
+        set_item(&items[which[k]], r->results[k]->status, r->results[k]->error);
+    di__kvstore__commit_reply__free_unpacked(r, NULL);
+    return DI_OK;
+}
+
+di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err)
+{
+    if (!c)
+        return di_fail(err, DI_EINVAL, "kvc_put: client is NULL");
+    di_status st = check_items(items, n, 1, err);
+    if (st != DI_OK || n == 0)
+        return st;
+    mark_pending(items, n);
+    uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
+    ucxt_op *ops = calloc(n, sizeof(*ops));
+    size_t *which = calloc(n, sizeof(*which));
+    uint64_t *ids = calloc(n, sizeof(*ids));
+    if (!ops || !which || !ids)
+        st = di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", n);
+    size_t m = 0;
+    uint64_t store_id = 0;
+    if (st == DI_OK)
+        st = ensure_connected(c, deadline, err);
+    if (st == DI_OK)
+        st = alloc_batch(c, items, n, deadline, ops, which, ids, &m, &store_id, err);
+    if (st == DI_OK)
+        st = follow_restart(c, store_id, deadline, err);
+    if (st == DI_OK && m > 0 && c->mapped) {
+        batch_ctx b = {.c = c, .items = items, .which = which, .ops = ops};
+        pool_run(&c->vp, job_copy_out, &b, m);
+    } else if (st == DI_OK && m > 0) {
+        st = ucxt_put(c->peer, c->rkey, ops, m, UCX_WINDOW, deadline, err);
+        if (st != DI_OK) {
+            drop_transport(c);
+            di_error aerr;
+            commit_or_abort(c, "Abort", ids, m, NULL, which, deadline, &aerr);
+        }
+    }
+    if (st == DI_OK && m > 0)
+        st = commit_or_abort(c, "Commit", ids, m, items, which, deadline, err);
+    if (st != DI_OK) {
+        for (size_t k = 0; k < m; k++) /* allocated: their fate is the batch's */
+            items[which[k]].status = DI_EINTERNAL;
+        mark_all(items, n, st, err);
+    }
+    free(ops);
+    free(which);
+    free(ids);
+    return st;
+}
+
+/* The Delete RPC of a batch whose refs are made. */
+static di_status delete_batch(kvc_client *c, kvc_item *items, size_t n, Di__Kvstore__ObjRef **ptrs,
+                              di_error *err);
+
+di_status kvc_delete(kvc_client *c, kvc_item *items, size_t n, di_error *err)
+{
+    if (!c)
+        return di_fail(err, DI_EINVAL, "kvc_delete: client is NULL");
+    di_status st = check_items(items, n, 0, err);
+    if (st != DI_OK || n == 0)
+        return st;
+    mark_pending(items, n);
+    Di__Kvstore__ObjRef *refs, **ptrs;
+    st = make_refs(items, n, &refs, &ptrs, err);
+    if (st == DI_OK) {
+        st = delete_batch(c, items, n, ptrs, err);
+        free(refs);
+        free(ptrs);
+    }
+    if (st != DI_OK)
+        mark_all(items, n, st, err);
+    return st;
+}
+
+static di_status delete_batch(kvc_client *c, kvc_item *items, size_t n, Di__Kvstore__ObjRef **ptrs,
+                              di_error *err)
+{
+    di_status st;
+    Di__Kvstore__DeleteRequest req = DI__KVSTORE__DELETE_REQUEST__INIT;
+    req.n_items = n;
+    req.items = ptrs;
+    Di__Kvstore__DeleteReply *r = NULL;
+    st = call_msg(c, "Delete", &req.base, &di__kvstore__delete_reply__descriptor,
+                  di_mono_ns() + c->o.deadline_ms * 1000000ull, (ProtobufCMessage **)&r, err);
+    if (st != DI_OK)
+        return st;
+    if (r->n_results != n)
+        return wrong_count(&r->base, r->n_results, n, err);
+    for (size_t i = 0; i < n; i++)
+        set_item(&items[i], r->results[i]->status, r->results[i]->error);
+    di__kvstore__delete_reply__free_unpacked(r, NULL);
+    return DI_OK;
+}
+
+/* ---------------------------------------------------------------- single objects */
+
+static di_status single(di_status st, const kvc_item *it, di_error *err)
+{
+    if (st != DI_OK)
+        return st;
+    if (it->status != DI_OK && err)
+        *err = it->error;
+    return it->status;
+}
+
+di_status kvc_get1(kvc_client *c, int cls, const kvkey *key, void *buf, uint64_t cap,
+                   uint64_t *bytes, di_error *err)
+{
+    if (!key)
+        return di_fail(err, DI_EINVAL, "kvc_get1: key is NULL");
+    kvc_item it = {.cls = cls, .key = *key, .buf = buf, .cap = cap};
+    di_status st = single(kvc_get(c, &it, 1, err), &it, err);
+    if (st == DI_OK && bytes)
+        *bytes = it.bytes;
+    return st;
+}
+
+di_status kvc_put1(kvc_client *c, int cls, const kvkey *key, const void *obj, uint64_t bytes,
+                   di_error *err)
+{
+    if (!key)
+        return di_fail(err, DI_EINVAL, "kvc_put1: key is NULL");
+    kvc_item it = {.cls = cls, .key = *key, .buf = (void *)obj, .cap = bytes};
+    return single(kvc_put(c, &it, 1, err), &it, err);
+}
+
+di_status kvc_delete1(kvc_client *c, int cls, const kvkey *key, di_error *err)
+{
+    if (!key)
+        return di_fail(err, DI_EINVAL, "kvc_delete1: key is NULL");
+    kvc_item it = {.cls = cls, .key = *key};
+    return single(kvc_delete(c, &it, 1, err), &it, err);
+}
+
+/* ---------------------------------------------------------------- explicit leases */
+
+di_status kvc_acquire(kvc_client *c, int cls, const kvkey *key, uint32_t lease_ms, kvc_lease *out,
+                      di_error *err)
+{
+    if (!c || !key || !out || cls < 0 || cls >= (int)KVKEY_CLASS_COUNT)
+        return di_fail(err, DI_EINVAL, "kvc_acquire: bad class or NULL argument");
+    uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
+    di_status st = ensure_connected(c, deadline, err);
+    if (st != DI_OK)
+        return st;
+    Di__Kvstore__ObjRef ref = DI__KVSTORE__OBJ_REF__INIT, *ptr = &ref;
+    ref.cls = (Di__Kvstore__ObjClass)cls;
+    ref.key = (ProtobufCBinaryData){KVKEY_BYTES, (uint8_t *)key->b};
+    Di__Kvstore__LeaseRequest req = DI__KVSTORE__LEASE_REQUEST__INIT;
+    req.n_items = 1;
+    req.items = &ptr;
+    req.lease_ms = lease_ms;
+    Di__Kvstore__LeaseReply *r = NULL;
+    st = call_msg(c, "Lease", &req.base, &di__kvstore__lease_reply__descriptor, deadline,
+                  (ProtobufCMessage **)&r, err);
+    if (st != DI_OK)
+        return st;
+    if (r->n_results != 1)
+        return wrong_count(&r->base, r->n_results, 1, err);
+    Di__Kvstore__LeaseResult *lr = r->results[0];
+    st = (di_status)lr->status;
+    if (st != DI_OK)
+        di_fail(err, st, "%s", lr->error);
+    else
+        *out = (kvc_lease){.lease_id = lr->lease_id, .remote_addr = lr->remote_addr,
+                           .bytes = lr->bytes, .expires_in_ms = lr->expires_in_ms};
+    uint64_t sid = r->store_id;
+    di__kvstore__lease_reply__free_unpacked(r, NULL);
+    if (st == DI_OK)
+        st = follow_restart(c, sid, deadline, err);
+    return st;
+}
+
+di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l, void *buf,
+                   uint64_t cap, di_error *err)
+{
+    if (!c || !key || !l || !buf)
+        return di_fail(err, DI_EINVAL, "kvc_read: NULL argument");
+    if (l->bytes > cap)
+        return di_fail(err, DI_ERANGE, "object of %llu bytes does not fit a %llu-byte buffer",
+                       (unsigned long long)l->bytes, (unsigned long long)cap);
+    uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
+    if (!c->connected || ucxt_peer_failed(c->peer))
+        return di_fail(err, DI_EUNAVAIL, "the store connection was lost; acquire again");
+    ucxt_op op = {.remote = l->remote_addr, .local = buf, .len = l->bytes};
+    kvc_item it = {.cls = cls, .key = *key, .buf = buf, .bytes = l->bytes, .status = DI_OK};
+    if (op.remote < c->arena_base || op.remote + op.len > c->arena_base + c->arena_bytes)
+        return di_fail(err, DI_EPROTO, "the lease's address is outside the store's DRAM tier");
+    size_t which = 0;
+    batch_ctx b = {.c = c, .items = &it, .which = &which, .ops = &op};
+    if (c->mapped)
+        job_copy_in(&b, 0);
+    else {
+        di_status st = ucxt_get(c->peer, c->rkey, &op, 1, 1, deadline, NULL, NULL, err);
+        if (st != DI_OK) {
+            drop_transport(c);
+            return st;
+        }
+        if (c->o.verify)
+            job_verify(&b, 0);
+    }
+    if (it.status != DI_OK && err)
+        *err = it.error;
+    return it.status;
+}
+
+di_status kvc_release(kvc_client *c, const kvc_lease *l, di_error *err)
+{
+    if (!c || !l)
+        return di_fail(err, DI_EINVAL, "kvc_release: NULL argument");
+    kvc_item it = {.status = DI_OK};
+    size_t which = 0;
+    di_status st = release_ids(c, &l->lease_id, 1, &it, &which,
+                               di_mono_ns() + c->o.deadline_ms * 1000000ull, err);
+    if (st != DI_OK)
+        return st;
+    if (it.status != DI_OK && err)
+        *err = it.error;
+    return it.status;
+}

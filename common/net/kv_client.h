@@ -1,0 +1,150 @@
+/* kv_client.h: the KV store client library, linked by the prefill and decode engines, the
+ * router and di-kvctl.
+ *
+ * One kvc_client talks to one store: control over gRPC (common/net/rpc.h), KV bytes over UCX
+ * one-sided gets and puts straight between the caller's buffers and the store's DRAM tier
+ * (common/net/ucx_xport.h). It connects lazily and again after a store restart (the store id
+ * changes), so callers just retry a call that returned DI_EUNAVAIL.
+ *
+ *   get  = Lease (one RPC for a batch) + one-sided reads into the caller's buffers + checks
+ *          of every object's kv_header (checksum, key, model) + Release (one RPC). The store
+ *          never sees the bytes move; the lease keeps them from being evicted or reused.
+ *   put  = Alloc (one RPC) + one-sided writes + Commit (one RPC); the store verifies each
+ *          object and acknowledges it only once durable at its --durability level.
+ *
+ * One-sided reads and writes: when the store runs on this host, UCX maps its DRAM arena into
+ * this process (ucp_rkey_ptr on the store's remote key) and the client copies through that
+ * mapping, checksumming in the same pass (di_hash64_copy), so a verified get costs about a
+ * memcpy. Otherwise it uses ucp_get_nbx / ucp_put_nbx and verifies what arrived. Either way
+ * the copies of a batch are shared between the caller and verify_threads helpers.
+ *
+ * Every call has a deadline (kvc_options.deadline_ms unless the call takes one) and returns a
+ * di_status with a message: DI_EUNAVAIL (store down or unreachable), DI_ETIMEDOUT (deadline),
+ * DI_ENOENT (not stored, expired, or dropped as corrupt), DI_EPERM / DI_EAUTH (token),
+ * DI_EFULL / DI_ENOSPC (store out of DRAM slots, leases or disk), DI_ECORRUPT (bytes failed
+ * verification after a transfer), DI_EINVAL (bad arguments, wrong object size). Batch calls
+ * return per-item results and DI_OK when the batch as a whole ran.
+ *
+ * A client is used by one thread at a time (kvc_cancel excepted); engines open one per thread.
+ */
+#ifndef DI_NET_KV_CLIENT_H
+#define DI_NET_KV_CLIENT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/model/kv_layout.h"
+#include "common/net/kv_keys.h"
+#include "common/util/log.h"
+#include "common/util/status.h"
+
+#define KVC_SERVICE "/di.kvstore.KvStore/"
+#define KVC_MAX_BATCH 1024u    /* most items in one Alloc, Commit, Lease, Release or Delete */
+#define KVC_MAX_LOOKUP 16384u  /* most keys in one Lookup or Inspect (2M tokens) */
+
+typedef struct kvc_options {
+    const char *target;          /* "host:port" of di-kvstore */
+    const char *token;           /* engine or admin token; NULL when the store has none */
+    const char *tls_ca_pem;      /* NULL: plaintext gRPC */
+    const char *tls_target_name; /* name on the store's certificate; NULL: the host */
+    uint32_t deadline_ms;        /* per call; 0 = 10,000 */
+    uint32_t lease_ms;           /* lease asked for by gets; 0 = 10,000 */
+    uint64_t model_id;           /* refuse a store holding another model's KV; 0 = any */
+    int verify;                  /* 1 (default when built by kvc_options_default): verify
+                                    objects after every get */
+    int verify_threads;          /* helper threads sharing the per-object copy and verification
+                                    work of a batch with the caller; 0 = all on the caller */
+    int ucx_rma;                 /* 1: always ucp_get/ucp_put, even when the store's memory is
+                                    mapped here (tests of the cross-host path) */
+    const di_logger *log;        /* debug lines; may be NULL */
+} kvc_options;
+
+/* Defaults: deadline 10 s, lease 10 s, verify on, one verification thread. */
+void kvc_options_default(kvc_options *o);
+
+typedef struct kvc_client kvc_client;
+
+/* Creates a client; nothing is sent until the first call. DI_OK, DI_EINVAL, DI_ENOMEM. */
+di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err);
+/* NULL-safe; returns NULL. */
+kvc_client *kvc_close(kvc_client *c);
+/* Cancels the RPC in flight (from another thread); the call returns DI_ECANCELED. */
+void kvc_cancel(kvc_client *c);
+
+/* What the store told us at connect time. */
+typedef struct kvc_store_info {
+    uint64_t store_id;          /* changes when the store restarts */
+    kv_geometry geometry;       /* model geometry (for verification and keys) */
+    uint64_t object_bytes[KVKEY_CLASS_COUNT]; /* block, window; handoff maximum */
+    char durability[8];         /* "none", "wal", "fsync" */
+    uint32_t lease_max_ms;
+    int mapped;                 /* 1: the store's memory is mapped here (same host) */
+} kvc_store_info;
+/* Connects if needed and returns the store's description. DI_OK; DI_EUNAVAIL, DI_ETIMEDOUT,
+ * DI_EAUTH, DI_EINVAL (the store holds another model than options.model_id). */
+di_status kvc_info(kvc_client *c, kvc_store_info *out, di_error *err);
+
+/* Longest cached prefix of a prompt's block keys: *blocks_hit leading blocks are stored;
+ * windows[0..*n_windows) lists each k <= *blocks_hit with a window state at 128*k. Hits refresh
+ * the objects' TTLs. DI_OK; DI_EINVAL (more than KVC_MAX_LOOKUP keys, NULL pointers); the
+ * call's failures (DI_EUNAVAIL, DI_ETIMEDOUT, DI_EAUTH, ...). Outputs written only on DI_OK. */
+di_status kvc_lookup(kvc_client *c, const kvkey *keys, size_t n, uint32_t *blocks_hit,
+                     uint32_t *windows, size_t max_windows, size_t *n_windows, di_error *err);
+
+/* One object of a batch get or put. */
+typedef struct kvc_item {
+    int cls;           /* kvkey_class */
+    kvkey key;         /* object key */
+    void *buf;         /* get: destination; put: source (const) */
+    uint64_t cap;      /* get: buffer capacity; put: object size */
+    uint64_t bytes;    /* get: object size, written on success */
+    di_status status;  /* per-item outcome (DI_EEXIST on put: already stored, fine) */
+    di_error error;    /* its message */
+} kvc_item;
+
+/* Reads up to KVC_MAX_BATCH objects into their buffers. Items that fail (not stored, buffer
+ * too small, failed verification) have their own status; a failure of the whole batch
+ * (store unreachable, deadline) is returned and marks every item with it. */
+di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err);
+/* Writes up to KVC_MAX_BATCH objects (each a full object with its kv_header). An item is
+ * DI_OK once durable at the store's level, DI_EEXIST when already stored. */
+di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err);
+/* Deletes objects; per-item status (DI_ENOENT when absent). */
+di_status kvc_delete(kvc_client *c, kvc_item *items, size_t n, di_error *err);
+
+/* Single-object conveniences over the batch calls; they return the batch's failure or else
+ * the item's status (DI_OK, DI_ENOENT, DI_EEXIST for a put of a stored object, ...). */
+di_status kvc_get1(kvc_client *c, int cls, const kvkey *key, void *buf, uint64_t cap,
+                   uint64_t *bytes, di_error *err);
+di_status kvc_put1(kvc_client *c, int cls, const kvkey *key, const void *obj, uint64_t bytes,
+                   di_error *err);
+di_status kvc_delete1(kvc_client *c, int cls, const kvkey *key, di_error *err);
+
+/* ---- lower level: a lease held across the caller's own transfers ---- */
+
+typedef struct kvc_lease {
+    uint64_t lease_id;     /* for kvc_release */
+    uint64_t remote_addr;  /* object address in the store's DRAM tier */
+    uint64_t bytes;        /* object size */
+    uint32_t expires_in_ms;
+} kvc_lease;
+/* Leases one object for lease_ms (clamped by the store). DI_OK (*out written), DI_ENOENT,
+ * DI_EFULL (no DRAM slot or lease record), and the call's failures. */
+di_status kvc_acquire(kvc_client *c, int cls, const kvkey *key, uint32_t lease_ms, kvc_lease *out,
+                      di_error *err);
+/* Copies a leased object into buf with verification (unless verify is off). DI_OK,
+ * DI_ERANGE (buf too small), DI_ECORRUPT (failed verification), DI_EUNAVAIL (connection lost:
+ * acquire again), DI_ETIMEDOUT. buf is written even on failure. */
+di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l, void *buf,
+                   uint64_t cap, di_error *err);
+/* Ends a lease. DI_ETIMEDOUT when it had already expired: discard what was read under it. */
+di_status kvc_release(kvc_client *c, const kvc_lease *l, di_error *err);
+
+/* ---- raw control calls (di-kvctl and tests) ---- */
+
+/* Sends one request message (already packed) to method name ("Stats") and returns the reply
+ * bytes (malloc'd). */
+di_status kvc_call(kvc_client *c, const char *method, const void *req, size_t len,
+                   uint8_t **reply, size_t *reply_len, di_error *err);
+
+#endif
