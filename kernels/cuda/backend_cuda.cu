@@ -1,0 +1,378 @@
+/* backend_cuda.cu: construction of the CUDA backend, its memory entries (alloc, free, to_host,
+ * from_host), the device scratch, error recording and the capability query. The numeric ops
+ * live one family per file (embed.cu, rmsnorm.cu, rope.cu, fakequant.cu, linear.cu, gemm.cu). */
+#include <cuda_runtime.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/backend_cuda.h"
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_internal.h"
+
+#ifndef DI_CUDA_ARCH
+#define DI_CUDA_ARCH "?"
+#endif
+
+#define DEFAULT_WORKSPACE_BYTES ((size_t)32 << 20)
+#define SCRATCH_ROUND ((size_t)1 << 20)
+
+/* ---- the table's entries by name (the capability query reads the table through these) ---- */
+
+#define KERN_OPS_FIELDS(XX)                                                                  \
+    XX(alloc) XX(free) XX(to_host) XX(from_host) XX(embed) XX(rmsnorm) XX(rope) XX(hc_mixes) \
+    XX(hc_collapse) XX(hc_expand) XX(linear_fp8) XX(linear_fp4) XX(linear_bf16) XX(head)     \
+    XX(fakequant) XX(ring_store) XX(compress_pool) XX(compressed_store) XX(sparse_attn)      \
+    XX(index_scores) XX(index_candidates) XX(index_topk) XX(moe_gate) XX(swiglu)             \
+    XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows)
+
+typedef struct op_row {
+    const char *name;           /* kern_ops field name */
+    size_t offset;              /* offsetof(kern_ops, field) */
+} op_row;
+
+static const op_row op_rows[] = {
+#define OP_ROW(f) {#f, offsetof(kern_ops, f)},
+    KERN_OPS_FIELDS(OP_ROW)
+#undef OP_ROW
+};
+
+typedef void (*any_fn)(void);
+/* Every kern_ops field is a function pointer and every one has a row above. */
+static_assert(sizeof(kern_ops) == sizeof(op_rows) / sizeof(op_rows[0]) * sizeof(any_fn),
+              "op_rows must list every kern_ops field");
+
+/* ---- errors ---- */
+
+di_status cuda_fail(cuda_ctx *c, di_status code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    di_status st = di_vfail(&c->last, code, fmt, ap);
+    va_end(ap);
+    return st;
+}
+
+di_status cuda_check(cuda_ctx *c, cudaError_t e, const char *what)
+{
+    return di_cuda_status(e, what, &c->last);
+}
+
+di_status cuda_launched(cuda_ctx *c, const char *kernel)
+{
+    return di_cuda_launch_status(kernel, &c->last);
+}
+
+di_status cuda_op_begin(cuda_ctx *c, const void *params, const char *op)
+{
+    if (c->pending != DI_OK) {
+        di_status st = c->pending; /* its message is already in c->last */
+        c->pending = DI_OK;
+        return st;
+    }
+    if (!params)
+        return cuda_fail(c, DI_EINVAL, "%s: params are NULL", op);
+    return cuda_check(c, cudaSetDevice(c->device), "cudaSetDevice");
+}
+
+/* ---- memory ---- */
+
+di_status cuda_scratch(cuda_ctx *c, size_t bytes, uint8_t **out)
+{
+    if (bytes <= c->scratch_bytes && c->scratch) {
+        *out = c->scratch;
+        return DI_OK;
+    }
+    size_t want = (bytes + SCRATCH_ROUND - 1) / SCRATCH_ROUND * SCRATCH_ROUND;
+    /* queued ops may still use the old scratch */
+    di_status st = cuda_check(c, cudaStreamSynchronize(c->stream), "scratch: cudaStreamSynchronize");
+    if (st != DI_OK)
+        return st;
+    if (c->scratch)
+        cudaFree(c->scratch);
+    c->scratch = NULL;
+    c->scratch_bytes = 0;
+    c->stats.scratch_bytes = 0;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, want);
+    if (e != cudaSuccess) {
+        cudaGetLastError(); /* not sticky: clear it */
+        return cuda_fail(c, DI_ENOMEM, "device scratch of %zu bytes: %s", want,
+                         cudaGetErrorString(e));
+    }
+    c->scratch = (uint8_t *)p;
+    c->scratch_bytes = want;
+    c->stats.scratch_bytes = want;
+    *out = c->scratch;
+    return DI_OK;
+}
+
+di_status cuda_upload(cuda_ctx *c, void *dst, const void *src, size_t bytes)
+{
+    if (bytes == 0)
+        return DI_OK;
+    if (bytes > c->stage_bytes) {
+        uint8_t *s = (uint8_t *)realloc(c->stage, bytes);
+        if (!s)
+            return cuda_fail(c, DI_ENOMEM, "host staging of %zu bytes", bytes);
+        c->stage = s;
+        c->stage_bytes = bytes;
+    }
+    /* The staging buffer is pageable: the copy has taken the bytes when the call returns, so
+     * the caller's array (pinned or not) and the staging buffer are free again at once. */
+    memcpy(c->stage, src, bytes);
+    return cuda_check(c, cudaMemcpyAsync(dst, c->stage, bytes, cudaMemcpyHostToDevice, c->stream),
+                      "upload: cudaMemcpyAsync");
+}
+
+static void *cuda_alloc(void *ctx, size_t bytes)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    if (cuda_check(c, cudaSetDevice(c->device), "alloc: cudaSetDevice") != DI_OK)
+        return NULL;
+    size_t b = bytes ? bytes : 64;
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, b);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        cuda_fail(c, DI_ENOMEM, "alloc of %zu bytes: %s", b, cudaGetErrorString(e));
+        return NULL;
+    }
+    if (cuda_check(c, cudaMemsetAsync(p, 0, b, c->stream), "alloc: cudaMemsetAsync") != DI_OK) {
+        cudaFree(p);
+        return NULL;
+    }
+    return p;
+}
+
+static void cuda_free_mem(void *ctx, void *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    if (!p)
+        return;
+    di_status st = cuda_check(c, cudaSetDevice(c->device), "free: cudaSetDevice");
+    if (st == DI_OK)
+        st = cuda_check(c, cudaFree(p), "free: cudaFree");
+    if (st != DI_OK)
+        c->pending = st;
+}
+
+/* A copy on the stream, finished on return; cudaMemcpyDefault lets either side be host or
+ * device memory. */
+static void cuda_copy(cuda_ctx *c, void *dst, const void *src, size_t bytes, const char *what)
+{
+    if (bytes == 0)
+        return;
+    di_status st = cuda_check(c, cudaSetDevice(c->device), what);
+    if (st == DI_OK)
+        st = cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream), what);
+    if (st == DI_OK)
+        st = cuda_check(c, cudaStreamSynchronize(c->stream), what);
+    if (st != DI_OK)
+        c->pending = st;
+}
+
+static void cuda_to_host(void *ctx, void *dst, const void *src, size_t bytes)
+{
+    cuda_copy((cuda_ctx *)ctx, dst, src, bytes, "to_host");
+}
+
+static void cuda_from_host(void *ctx, void *dst, const void *src, size_t bytes)
+{
+    cuda_copy((cuda_ctx *)ctx, dst, src, bytes, "from_host");
+}
+
+/* ---- construction ---- */
+
+/* A kernel that does nothing: asking for its attributes tells whether this build carries code
+ * for the device. */
+__global__ void cuda_probe_kernel(void)
+{
+}
+
+static void ctx_release(cuda_ctx *c)
+{
+    if (!c)
+        return;
+    cudaSetDevice(c->device);
+    if (c->stream)
+        cudaStreamSynchronize(c->stream);
+    cuda_gemm_release(c);
+    if (c->scratch)
+        cudaFree(c->scratch);
+    if (c->workspace)
+        cudaFree(c->workspace);
+    if (c->lt)
+        cublasLtDestroy(c->lt);
+    if (c->stream)
+        cudaStreamDestroy(c->stream);
+    free(c->stage);
+    free(c);
+}
+
+static di_status check_device(int device, di_error *err)
+{
+    cudaFuncAttributes attr;
+    cudaError_t e = cudaFuncGetAttributes(&attr, cuda_probe_kernel);
+    if (e == cudaSuccess)
+        return DI_OK;
+    cudaGetLastError();
+    cudaDeviceProp prop;
+    int major = 0, minor = 0;
+    if (cudaGetDeviceProperties(&prop, device) == cudaSuccess) {
+        major = prop.major;
+        minor = prop.minor;
+    }
+    if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction)
+        return di_fail(err, DI_EUNSUPPORTED,
+                       "device %d has compute capability %d.%d but this build carries code for "
+                       "sm_%s only (meson option gpu_arch)",
+                       device, major, minor, DI_CUDA_ARCH);
+    return di_cuda_status(e, "probe kernel attributes", err);
+}
+
+static di_status ctx_init(cuda_ctx *c, di_error *err)
+{
+    di_status st = di_cuda_status(cudaSetDevice(c->device), "cudaSetDevice", err);
+    if (st == DI_OK)
+        st = check_device(c->device, err);
+    if (st == DI_OK)
+        st = di_cuda_status(cudaStreamCreate(&c->stream), "cudaStreamCreate", err);
+    if (st == DI_OK)
+        st = di_cublas_status(cublasLtCreate(&c->lt), "cublasLtCreate", err);
+    if (st == DI_OK) {
+        cudaError_t e = cudaMalloc(&c->workspace, c->workspace_bytes);
+        if (e != cudaSuccess) {
+            cudaGetLastError();
+            c->workspace = NULL;
+            st = di_fail(err, DI_ENOMEM, "cuBLASLt workspace of %zu bytes: %s",
+                         c->workspace_bytes, cudaGetErrorString(e));
+        }
+    }
+    return st;
+}
+
+extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend *out,
+                                      di_error *err)
+{
+    if (!out)
+        return di_fail(err, DI_EINVAL, "backend output is NULL");
+    kern_cuda_config def;
+    memset(&def, 0, sizeof(def));
+    if (!cfg)
+        cfg = &def;
+    if (cfg->device < 0)
+        return di_fail(err, DI_EINVAL, "device %d is negative", cfg->device);
+    int count = 0;
+    cudaError_t e = cudaGetDeviceCount(&count);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return di_cuda_status(e, "cudaGetDeviceCount", err);
+    }
+    if (count == 0)
+        return di_fail(err, DI_EUNAVAIL, "no CUDA device");
+    if (cfg->device >= count)
+        return di_fail(err, DI_EINVAL, "device %d requested, %d present", cfg->device, count);
+    cuda_ctx *c = (cuda_ctx *)calloc(1, sizeof(*c));
+    if (!c)
+        return di_fail(err, DI_ENOMEM, "CUDA backend state");
+    c->device = cfg->device;
+    c->simple_gemm = cfg->simple_gemm != 0;
+    c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;
+    di_status st = ctx_init(c, err);
+    if (st != DI_OK) {
+        ctx_release(c);
+        return st;
+    }
+    kern_backend be;
+    memset(&be, 0, sizeof(be));
+    be.name = "cuda";
+    be.ctx = c;
+    be.ops.alloc = cuda_alloc;
+    be.ops.free = cuda_free_mem;
+    be.ops.to_host = cuda_to_host;
+    be.ops.from_host = cuda_from_host;
+    be.ops.embed = cuda_op_embed;
+    be.ops.rmsnorm = cuda_op_rmsnorm;
+    be.ops.rope = cuda_op_rope;
+    be.ops.fakequant = cuda_op_fakequant;
+    be.ops.linear_fp8 = cuda_op_linear_fp8;
+    be.ops.linear_fp4 = cuda_op_linear_fp4;
+    be.ops.linear_bf16 = cuda_op_linear_bf16;
+    be.ops.head = cuda_op_head;
+    *out = be;
+    return DI_OK;
+}
+
+extern "C" void kern_cuda_destroy(kern_backend *be)
+{
+    if (!be || !be->ctx)
+        return;
+    ctx_release((cuda_ctx *)be->ctx);
+    memset(be, 0, sizeof(*be));
+}
+
+/* ---- queries ---- */
+
+extern "C" size_t kern_cuda_op_count(void)
+{
+    return sizeof(op_rows) / sizeof(op_rows[0]);
+}
+
+extern "C" const char *kern_cuda_op_name(size_t index)
+{
+    return index < kern_cuda_op_count() ? op_rows[index].name : NULL;
+}
+
+extern "C" int kern_cuda_supports(const kern_backend *be, const char *op)
+{
+    if (!be || !be->ctx || !op)
+        return 0;
+    for (size_t i = 0; i < kern_cuda_op_count(); i++) {
+        if (strcmp(op_rows[i].name, op) != 0)
+            continue;
+        any_fn fn;
+        memcpy(&fn, (const char *)&be->ops + op_rows[i].offset, sizeof(fn));
+        return fn != NULL;
+    }
+    return 0;
+}
+
+extern "C" const char *kern_cuda_last_error(const kern_backend *be)
+{
+    if (!be || !be->ctx)
+        return "";
+    return ((const cuda_ctx *)be->ctx)->last.msg;
+}
+
+extern "C" void *kern_cuda_stream(const kern_backend *be)
+{
+    if (!be || !be->ctx)
+        return NULL;
+    return (void *)((const cuda_ctx *)be->ctx)->stream;
+}
+
+extern "C" di_status kern_cuda_sync(kern_backend *be, di_error *err)
+{
+    if (!be || !be->ctx)
+        return di_fail(err, DI_EINVAL, "backend is NULL");
+    cuda_ctx *c = (cuda_ctx *)be->ctx;
+    di_status st = c->pending;
+    c->pending = DI_OK;
+    if (st == DI_OK)
+        st = cuda_check(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize");
+    if (st != DI_OK && err)
+        *err = c->last;
+    return st;
+}
+
+extern "C" void kern_cuda_get_stats(const kern_backend *be, kern_cuda_stats *out)
+{
+    if (!out)
+        return;
+    memset(out, 0, sizeof(*out));
+    if (be && be->ctx)
+        *out = ((const cuda_ctx *)be->ctx)->stats;
+}

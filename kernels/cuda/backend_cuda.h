@@ -1,0 +1,98 @@
+/* backend_cuda.h: the CUDA backend of kernels/kernels.h (a kern_backend named "cuda").
+ *
+ * Tensors live in device memory: alloc is cudaMalloc (256-byte aligned) zeroed on the backend's
+ * stream, free is cudaFree, to_host and from_host are copies on the stream that have finished
+ * when they return (cudaMemcpyDefault, so either side may also be device memory). Every op is
+ * queued on the backend's one stream, in call order; step metadata (ids, positions) is copied
+ * from the caller's host arrays before the op returns, so the caller may reuse them at once.
+ *
+ * The backend fills only the table entries it implements; the others stay NULL, and
+ * kern_cuda_supports() says which is which. It never computes an approximation in place of a
+ * missing entry. Filled now: alloc, free, to_host, from_host, embed, rmsnorm, rope, fakequant,
+ * linear_fp8, linear_fp4, linear_bf16, head. Each matches its CPU twin (kernels/cpu) within the
+ * tolerance kernels.h states for it; tests/gpu/check_basic.c and check_linear.c compare them.
+ *
+ * Linear layers: the input rows are fake-quantised by procedure (A) into a bf16 scratch (FP8
+ * and FP4 weights), the weight is dequantised into a bf16 scratch (E4M3 x UE8M0 and E2M1 x UE8M0
+ * values are exact in bf16), then one cuBLASLt BF16 GEMM with fp32 accumulation computes
+ * y = x @ W^T. Dequantising per call costs an extra pass over the weight (read 1 byte, write
+ * and re-read 2 per value); a fused FP8/FP4 GEMM is the next step (docs/cuda.md).
+ *
+ * Errors: every op returns DI_OK; DI_EINVAL for invalid parameters (the message names the
+ * failed condition; nothing was queued); DI_ENOMEM when its device scratch cannot grow;
+ * DI_EUNSUPPORTED or DI_EINTERNAL for a CUDA or cuBLASLt failure (translated in one place,
+ * cuda_check.h); or the failure of an earlier transfer not yet reported (to_host, from_host and
+ * free return nothing). After a failure the op's outputs are undefined (kernels.h), nothing is
+ * leaked and the backend stays usable, unless the device itself faulted (CUDA then fails every
+ * later call). The message of the last failure is kept by the backend (kern_cuda_last_error).
+ *
+ * A backend is used by one thread at a time (its stream orders its work).
+ */
+#ifndef DI_KERNELS_CUDA_BACKEND_CUDA_H
+#define DI_KERNELS_CUDA_BACKEND_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/util/status.h"
+#include "kernels/kernels.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* How to build the backend. A zeroed struct (or NULL) gives the defaults. */
+typedef struct kern_cuda_config {
+    int device;                 /* CUDA device ordinal (0 = first) */
+    size_t workspace_bytes;     /* cuBLASLt workspace in bytes; 0 = 32 MiB */
+    int simple_gemm;            /* 1: every GEMM runs the plain CUDA-core kernel instead of
+                                 * cuBLASLt (how the checks exercise that path) */
+} kern_cuda_config;
+
+/* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
+typedef struct kern_cuda_stats {
+    uint64_t gemm_cublaslt;     /* GEMMs run by cuBLASLt */
+    uint64_t gemm_simple;       /* GEMMs run by the plain kernel: simple_gemm set, or cuBLASLt
+                                 * had no algorithm for the shape and alignment */
+    uint64_t plans_built;       /* cuBLASLt plans built (descriptors + heuristic query) */
+    size_t scratch_bytes;       /* current size of the device scratch */
+} kern_cuda_stats;
+
+/* Fills *out with the CUDA backend on cfg->device: a stream, a cuBLASLt handle with its
+ * workspace, an empty scratch. Returns DI_OK; DI_EINVAL (out NULL, bad device ordinal);
+ * DI_EUNAVAIL (no device or driver too old); DI_EUNSUPPORTED (this build has no code for the
+ * device's architecture: see -Dgpu_arch); DI_ENOMEM; DI_EINTERNAL (other CUDA or cuBLASLt
+ * failure). *out is untouched on failure and nothing is left allocated. */
+di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend *out, di_error *err);
+
+/* Waits for the stream, releases everything kern_cuda_create made and zeroes *be. NULL-safe,
+ * and safe on a zeroed struct. Device memory from alloc must be freed before. */
+void kern_cuda_destroy(kern_backend *be);
+
+/* 1 when the backend fills the table entry named op ("rope", "linear_fp8", "alloc", ...: the
+ * field names of kern_ops), 0 when that entry is NULL or no entry has that name. Read from
+ * the table itself, so it cannot disagree with it. be NULL: 0. */
+int kern_cuda_supports(const kern_backend *be, const char *op);
+
+/* The kern_ops field names, for listing: index < kern_cuda_op_count(); NULL past the end. */
+size_t kern_cuda_op_count(void);
+const char *kern_cuda_op_name(size_t index);
+
+/* The message of the backend's last failure ("" when none). Valid until the next op. */
+const char *kern_cuda_last_error(const kern_backend *be);
+
+/* The backend's cudaStream_t, for events and graph capture around its ops. */
+void *kern_cuda_stream(const kern_backend *be);
+
+/* Waits until every queued op has finished. DI_OK; the failure of an earlier transfer not yet
+ * reported; or the CUDA error of a failed op (a device fault surfaces here); message in err. */
+di_status kern_cuda_sync(kern_backend *be, di_error *err);
+
+/* Copies the counters into *out. */
+void kern_cuda_get_stats(const kern_backend *be, kern_cuda_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

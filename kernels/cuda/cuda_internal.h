@@ -1,0 +1,131 @@
+/* cuda_internal.h: the state of the CUDA backend and the pieces its op files share (not a
+ * public header; .cu files only). */
+#ifndef DI_KERNELS_CUDA_INTERNAL_H
+#define DI_KERNELS_CUDA_INTERNAL_H
+
+#include <cublasLt.h>
+#include <cuda_runtime.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "common/util/status.h"
+#include "kernels/cuda/backend_cuda.h"
+#include "kernels/kernels.h"
+
+/* Threads per block of the element-wise kernels. */
+#define CUDA_THREADS 256
+/* cuBLASLt plans kept (descriptors + chosen algorithm per shape); replaced round robin. */
+#define CUDA_PLAN_SLOTS 64
+/* Sub-allocations of the scratch start on this boundary (bytes). */
+#define CUDA_SCRATCH_ALIGN 256
+
+/* What selects a cuBLASLt plan: the GEMM's shape, strides and output type, and the alignment
+ * (bytes, a power of two <= 256) its pointers are known to have. Compared with memcmp: build
+ * it zeroed. */
+typedef struct cuda_plan_key {
+    uint32_t m, n, k, batch;    /* y[m, n] = x[m, k] @ w[n, k]^T, batch times */
+    uint32_t out_f32;           /* 1: y fp32, 0: y bf16 */
+    uint32_t align_x, align_w, align_y;
+    uint64_t ldx, ldw, ldy;     /* row strides (elements) */
+    uint64_t x_batch, w_batch, y_batch; /* offsets between batches (elements) */
+} cuda_plan_key;
+
+/* One cached cuBLASLt plan. Written by cuda_gemm_run (gemm.cu), released by
+ * cuda_gemm_release. */
+typedef struct cuda_plan {
+    int used;                   /* slot holds a plan */
+    cuda_plan_key key;
+    cublasLtMatmulDesc_t desc;  /* fp32 compute and scale, op(A) = W^T */
+    cublasLtMatrixLayout_t lw;  /* A: W as column-major [k, n] */
+    cublasLtMatrixLayout_t lx;  /* B: x as column-major [k, m] */
+    cublasLtMatrixLayout_t ly;  /* C and D: y as column-major [n, m] */
+    int have_algo;              /* 0: cuBLASLt offered none (or refused it at run time);
+                                 * the plain kernel runs */
+    cublasLtMatmulAlgo_t algo;  /* the heuristic's first choice */
+} cuda_plan;
+
+/* The backend state, handed to every op as ctx. Written by backend_cuda.cu except where a
+ * field says otherwise. */
+typedef struct cuda_ctx {
+    int device;                 /* CUDA device ordinal */
+    cudaStream_t stream;        /* every op and transfer runs on it */
+    cublasLtHandle_t lt;        /* cuBLASLt handle */
+    void *workspace;            /* cuBLASLt workspace, device */
+    size_t workspace_bytes;
+    uint8_t *scratch;           /* growable device scratch (quantised inputs, dequantised
+                                 * weights, step metadata); contents live for one op */
+    size_t scratch_bytes;
+    uint8_t *stage;             /* pageable host staging of step metadata before its upload */
+    size_t stage_bytes;
+    int simple_gemm;            /* 1: GEMMs bypass cuBLASLt (kern_cuda_config) */
+    cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
+    uint32_t plan_next;         /* slot the next new plan replaces */
+    kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */
+    di_error last;              /* message of the last failure */
+    di_status pending;          /* failure of a transfer, returned by the next op */
+} cuda_ctx;
+
+/* ---- errors (backend_cuda.cu) ---- */
+
+/* Records a failure in c->last and returns code. */
+di_status cuda_fail(cuda_ctx *c, di_status code, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+/* DI_OK for cudaSuccess; else records "what: CUDA error" and returns its di_status. */
+di_status cuda_check(cuda_ctx *c, cudaError_t e, const char *what);
+/* Checks the launch that just happened (configuration errors show at once). */
+di_status cuda_launched(cuda_ctx *c, const char *kernel);
+/* Start of every op: returns (and clears) a pending transfer failure; DI_EINVAL when the op's
+ * params are NULL. */
+di_status cuda_op_begin(cuda_ctx *c, const void *params, const char *op);
+
+/* ---- memory (backend_cuda.cu) ---- */
+
+/* Rounds up to the scratch alignment. */
+static inline size_t cuda_align_up(size_t bytes)
+{
+    return (bytes + CUDA_SCRATCH_ALIGN - 1) / CUDA_SCRATCH_ALIGN * CUDA_SCRATCH_ALIGN;
+}
+
+/* Makes the scratch at least `bytes` long (waiting for queued work before replacing it) and
+ * returns its start. DI_ENOMEM with the size in the message. */
+di_status cuda_scratch(cuda_ctx *c, size_t bytes, uint8_t **out);
+/* Copies `bytes` of host memory to device memory dst, queued on the stream; src may be reused
+ * as soon as this returns (it goes through the pageable staging buffer). */
+di_status cuda_upload(cuda_ctx *c, void *dst, const void *src, size_t bytes);
+
+/* ---- shared launchers ---- */
+
+/* fakequant.cu: rows [n_rows, n] bf16 of src (row stride src_stride) quantised and dequantised
+ * by fmt into dst (row stride dst_stride); dst may be src. n a multiple of the format's block. */
+di_status cuda_fakequant_rows(cuda_ctx *c, kern_qfmt fmt, const uint16_t *src, size_t src_stride,
+                              uint16_t *dst, size_t dst_stride, uint32_t n_rows, uint32_t n);
+
+/* gemm.cu: y = x @ w^T in bf16 operands with fp32 accumulation, row-major tensors. */
+typedef struct cuda_gemm {
+    uint32_t m, n, k;           /* y [m, n], x [m, k], w [n, k] per batch */
+    uint32_t batch;             /* >= 1: strided batch (the groups of linear_bf16) */
+    const uint16_t *x;          /* bf16, row stride ldx, batch b at x + b * x_batch */
+    size_t ldx, x_batch;
+    const uint16_t *w;          /* bf16, row stride ldw, batch b at w + b * w_batch */
+    size_t ldw, w_batch;
+    void *y;                    /* bf16 or f32, row stride ldy, batch b at y + b * y_batch */
+    size_t ldy, y_batch;
+    int out_f32;                /* 1: y f32 */
+    int accumulate;             /* f32 only: y += x @ w^T */
+} cuda_gemm;
+di_status cuda_gemm_run(cuda_ctx *c, const cuda_gemm *g);
+/* Destroys every cached plan. */
+void cuda_gemm_release(cuda_ctx *c);
+
+/* ---- table entries (one op file each) ---- */
+
+di_status cuda_op_embed(void *ctx, const kern_embed *p);
+di_status cuda_op_rmsnorm(void *ctx, const kern_rmsnorm *p);
+di_status cuda_op_rope(void *ctx, const kern_rope *p);
+di_status cuda_op_fakequant(void *ctx, const kern_fakequant *p);
+di_status cuda_op_linear_fp8(void *ctx, const kern_linear *p);
+di_status cuda_op_linear_fp4(void *ctx, const kern_linear *p);
+di_status cuda_op_linear_bf16(void *ctx, const kern_linear *p);
+di_status cuda_op_head(void *ctx, const kern_linear *p);
+
+#endif

@@ -1,0 +1,279 @@
+/* check_util.c: helpers shared by the CUDA-vs-C op checks (see check_util.h). */
+#include "tests/gpu/check_util.h"
+
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/util/clock.h"
+#include "kernels/cpu/backend.h"
+#include "kernels/cpu/numfmt.h"
+#include "kernels/cuda/backend_cuda.h"
+#include "tests/gpu/gpu_common.h"
+
+#define SHOW_MISMATCHES 5
+
+const char *const chk_mode_name[CHK_MODES] = {
+    "zeros", "ones", "arange", "normal", "tiny", "large", "edges", "specials",
+};
+
+int chk_init(chk_env *env, int argc, char **argv, const char *usage)
+{
+    memset(env, 0, sizeof(*env));
+    setvbuf(stdout, NULL, _IOLBF, 0); /* keep stdout and stderr in order in one log */
+    env->seed = di_wall_ms() ^ (di_mono_ns() << 20);
+    int bench = 0;
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--help") == 0) {
+            printf("%s", usage);
+            exit(0);
+        } else if (strcmp(argv[i], "--bench") == 0) {
+            bench = 1;
+        } else if (strcmp(argv[i], "--seed") == 0 && i + 1 < argc) {
+            char *end = NULL;
+            env->seed = strtoull(argv[++i], &end, 0);
+            if (!end || *end) {
+                fprintf(stderr, "bad --seed value '%s'\n", argv[i]);
+                exit(2);
+            }
+        } else {
+            fprintf(stderr, "unknown argument '%s'\n%s", argv[i], usage);
+            exit(2);
+        }
+    }
+    di_error e;
+    if (kern_cpu_create(0, &env->cpu, &e) != DI_OK) {
+        fprintf(stderr, "CPU backend: %s\n", e.msg);
+        exit(2);
+    }
+    if (kern_cuda_create(NULL, &env->gpu, &e) != DI_OK) {
+        fprintf(stderr, "CUDA backend: %s\n", e.msg);
+        exit(2);
+    }
+    printf("seed %" PRIu64 " (rerun with --seed %" PRIu64 ")\n", env->seed, env->seed);
+    return bench;
+}
+
+void chk_fini(chk_env *env)
+{
+    kern_cuda_destroy(&env->gpu);
+    kern_cpu_destroy(&env->cpu);
+}
+
+uint64_t chk_case_rng(chk_env *env, di_rng *rng)
+{
+    uint64_t s = env->seed + env->cases++;
+    di_rng_init(rng, s);
+    return s;
+}
+
+void *chk_malloc(size_t bytes)
+{
+    void *p = malloc(bytes ? bytes : 1);
+    if (!p) {
+        fprintf(stderr, "host allocation of %zu bytes failed\n", bytes);
+        exit(2);
+    }
+    return p;
+}
+
+void chk_sync(chk_env *env)
+{
+    di_error e;
+    if (kern_cuda_sync(&env->gpu, &e) != DI_OK) {
+        fprintf(stderr, "CUDA backend: %s\n", e.msg);
+        exit(2);
+    }
+}
+
+void *chk_dev_alloc(chk_env *env, size_t bytes)
+{
+    void *p = env->gpu.ops.alloc(env->gpu.ctx, bytes);
+    if (!p) {
+        fprintf(stderr, "device allocation of %zu bytes: %s\n", bytes,
+                kern_cuda_last_error(&env->gpu));
+        exit(2);
+    }
+    return p;
+}
+
+void chk_dev_free(chk_env *env, void *p)
+{
+    env->gpu.ops.free(env->gpu.ctx, p);
+    chk_sync(env);
+}
+
+void chk_put(chk_env *env, void *dev, const void *host, size_t bytes)
+{
+    env->gpu.ops.from_host(env->gpu.ctx, dev, host, bytes);
+    chk_sync(env);
+}
+
+void chk_get(chk_env *env, void *host, const void *dev, size_t bytes)
+{
+    env->gpu.ops.to_host(env->gpu.ctx, host, dev, bytes);
+    chk_sync(env);
+}
+
+/* ---- inputs ---- */
+
+/* values a block's numbers are made of in CHK_EDGES, before the block's power of two */
+static const float edge_values[] = {
+    448.0f,                    /* (A) block maximum exactly on a scale step */
+    448.0f * 1.0078125f,       /* just past it: the next scale */
+    447.0f,                    /* just below */
+    1.0625f,                   /* E4M3 tie between 1 and 1.125 */
+    0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.0f, /* E2M1 midpoints (ties) */
+    6.0f,                      /* (B) block maximum on a scale step */
+    6.0f * 1.0078125f,         /* just past it */
+    0.001953125f,              /* 2^-9: smallest E4M3 subnormal */
+    0.0029296875f,             /* 3 * 2^-10: tie between two E4M3 subnormals */
+    -0.0f,
+};
+
+void chk_fill_bf16(uint16_t *x, size_t n, int mode, di_rng *rng)
+{
+    const size_t ne = sizeof(edge_values) / sizeof(edge_values[0]);
+    float block_scale = 1.0f;
+    for (size_t i = 0; i < n; i++) {
+        float v = 0.0f;
+        switch (mode) {
+        case CHK_ZEROS: v = 0.0f; break;
+        case CHK_ONES: v = 1.0f; break;
+        case CHK_ARANGE: v = (float)((int)(i % 64) - 32) / 8.0f; break;
+        case CHK_NORMAL: v = (float)di_rng_normal(rng); break;
+        case CHK_TINY: v = (float)(di_rng_normal(rng) * 1e-6); break;
+        case CHK_LARGE: v = (float)(di_rng_normal(rng) * 3e3); break;
+        case CHK_EDGES:
+            if (i % 16 == 0) /* a power of two per 16 numbers: every 16- and 32-block gets some */
+                block_scale = ldexpf(1.0f, (int)di_rng_below(rng, 25) - 12);
+            v = edge_values[di_rng_below(rng, ne)] * block_scale;
+            if (di_rng_below(rng, 2))
+                v = -v;
+            break;
+        default: /* CHK_SPECIALS */
+            v = (float)di_rng_normal(rng);
+            if (i % 37 == 5)
+                v = di_rng_below(rng, 2) ? NAN : -NAN;
+            else if (i % 41 == 7)
+                v = INFINITY;
+            else if (i % 43 == 11)
+                v = -INFINITY;
+            break;
+        }
+        x[i] = di_f32_to_bf16(v);
+    }
+}
+
+void chk_fill_bf16_fast(uint16_t *x, size_t n, float scale, di_rng *rng)
+{
+    uint64_t bits = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (i % 4 == 0)
+            bits = di_rng_u64(rng);
+        uint32_t r = (uint32_t)(bits >> (16 * (i % 4))) & 0xffffu;
+        /* sign, exponent 120..127, 7 mantissa bits: magnitudes in [2^-7, 2) */
+        uint32_t u = ((r & 0x8000u) << 16) | ((120u + ((r >> 7) & 7u)) << 23) | ((r & 0x7fu) << 16);
+        float f;
+        memcpy(&f, &u, 4);
+        x[i] = di_f32_to_bf16(f * scale);
+    }
+}
+
+void chk_fill_u16(uint16_t *x, size_t n, uint16_t v)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = v;
+}
+
+/* ---- comparisons ---- */
+
+static int bf16_isnan(uint16_t h)
+{
+    return (h & 0x7fffu) > 0x7f80u;
+}
+
+/* Position on a line where consecutive bf16 values are one apart (+0 and -0 coincide). */
+static int32_t bf16_order(uint16_t h)
+{
+    int32_t mag = h & 0x7fff;
+    return (h & 0x8000) ? -mag : mag;
+}
+
+static void show(const char *what, size_t i, uint16_t c, uint16_t g)
+{
+    fprintf(stderr, "MISMATCH %s at [%zu]: cpu 0x%04x (%g) gpu 0x%04x (%g)\n", what, i, c,
+            (double)di_bf16_to_f32(c), g, (double)di_bf16_to_f32(g));
+}
+
+size_t chk_cmp_bf16_exact(const char *what, const uint16_t *cpu, const uint16_t *gpu, size_t n)
+{
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (cpu[i] == gpu[i] || (bf16_isnan(cpu[i]) && bf16_isnan(gpu[i])))
+            continue;
+        if (bad++ < SHOW_MISMATCHES)
+            show(what, i, cpu[i], gpu[i]);
+    }
+    return bad;
+}
+
+size_t chk_cmp_bf16_ulp(const char *what, const uint16_t *cpu, const uint16_t *gpu,
+                        const uint8_t *mask, size_t n, unsigned ulp)
+{
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        uint16_t c = cpu[i], g = gpu[i];
+        int ok;
+        if (bf16_isnan(c) || bf16_isnan(g))
+            ok = bf16_isnan(c) && bf16_isnan(g);
+        else if (mask && !mask[i])
+            ok = c == g;
+        else
+            ok = abs(bf16_order(c) - bf16_order(g)) <= (int)ulp;
+        if (!ok && bad++ < SHOW_MISMATCHES)
+            show(what, i, c, g);
+    }
+    return bad;
+}
+
+void chk_count(chk_env *env, size_t mismatches)
+{
+    env->checks++;
+    if (mismatches)
+        env->failures++;
+}
+
+/* ---- timing ---- */
+
+double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int reps)
+{
+    cudaStream_t s = (cudaStream_t)kern_cuda_stream(&env->gpu);
+    cudaEvent_t t0, t1;
+    GPU_OK(cudaEventCreate(&t0));
+    GPU_OK(cudaEventCreate(&t1));
+    float *ms = chk_malloc((size_t)reps * sizeof(float));
+    di_status st = DI_OK;
+    for (int i = 0; i < warmup && st == DI_OK; i++)
+        st = fn(arg, i);
+    for (int i = 0; i < reps && st == DI_OK; i++) {
+        GPU_OK(cudaEventRecord(t0, s));
+        st = fn(arg, warmup + i);
+        GPU_OK(cudaEventRecord(t1, s));
+        GPU_OK(cudaEventSynchronize(t1));
+        GPU_OK(cudaEventElapsedTime(&ms[i], t0, t1));
+    }
+    chk_sync(env);
+    double med = -1.0;
+    if (st != DI_OK)
+        fprintf(stderr, "benchmark call failed (%s): %s\n", di_status_name(st),
+                kern_cuda_last_error(&env->gpu));
+    else
+        med = gpu_median(ms, reps);
+    free(ms);
+    GPU_OK(cudaEventDestroy(t0));
+    GPU_OK(cudaEventDestroy(t1));
+    return med;
+}
