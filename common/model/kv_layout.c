@@ -167,6 +167,14 @@ size_t kv_window_state_bytes(const kv_geometry *g)
     return KV_HEADER_BYTES + kv_window_state_payload_bytes(g);
 }
 
+uint64_t kv_checksum_combine(const kv_header *hdr, uint64_t payload_sum)
+{
+    kv_header h = *hdr;
+    h.checksum = 0;
+    uint64_t pair[2] = {di_hash64(&h, sizeof(h), h.model_id), payload_sum};
+    return di_hash64(pair, sizeof(pair), 0x6b76686472636b73ull /* "kvhdrcks" */);
+}
+
 void kv_header_fill(kv_header *hdr, uint32_t magic, const kv_geometry *g, const uint8_t key[32],
                     uint32_t token_count, uint64_t first_position, const void *payload,
                     size_t payload_bytes)
@@ -182,7 +190,7 @@ void kv_header_fill(kv_header *hdr, uint32_t magic, const kv_geometry *g, const 
     if (key)
         memcpy(hdr->key, key, 32);
     hdr->ring_positions = g->ring_positions;
-    hdr->checksum = di_hash64(payload, payload_bytes, g->model_id);
+    hdr->checksum = kv_checksum_combine(hdr, di_hash64(payload, payload_bytes, g->model_id));
 }
 
 di_status kv_header_check(const void *object, size_t bytes, uint32_t magic, const kv_geometry *g,
@@ -215,9 +223,10 @@ di_status kv_checksum_check(const void *object, uint64_t payload_sum, di_error *
 {
     kv_header hdr;
     memcpy(&hdr, object, sizeof(hdr));
-    if (payload_sum != hdr.checksum)
+    uint64_t sum = kv_checksum_combine(&hdr, payload_sum);
+    if (sum != hdr.checksum)
         return di_fail(err, DI_ECORRUPT, "checksum mismatch (stored %016llx, computed %016llx)",
-                       (unsigned long long)hdr.checksum, (unsigned long long)payload_sum);
+                       (unsigned long long)hdr.checksum, (unsigned long long)sum);
     return DI_OK;
 }
 

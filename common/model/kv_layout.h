@@ -23,7 +23,8 @@
  *    straddle a block) and stored as zeros.
  *
  * Layout inside a ring entry and a main-KV entry: values first, then scales. Everything is
- * little-endian. The header carries a checksum of the payload, verified on every read.
+ * little-endian. The header carries a checksum of itself and the payload, verified on every
+ * read.
  */
 #ifndef DI_MODEL_KV_LAYOUT_H
 #define DI_MODEL_KV_LAYOUT_H
@@ -36,7 +37,7 @@
 #define KV_BLOCK_TOKENS 128u
 #define KV_HEADER_BYTES 128u
 #define KV_MAX_OWNERS 16u
-#define KV_FORMAT_VERSION 1u
+#define KV_FORMAT_VERSION 2u /* 2: the checksum covers the header too */
 #define KV_BLOCK_MAGIC 0x424b4944u  /* "DIKB" little-endian */
 #define KV_WINDOW_MAGIC 0x574b4944u /* "DIKW" */
 
@@ -67,7 +68,9 @@ typedef struct kv_header {
     uint64_t model_id;       /* kv_geometry.model_id of the writer */
     uint64_t first_position; /* block: absolute position of its first token; window: p */
     uint8_t key[32];         /* the chain hash the object is stored under */
-    uint64_t checksum;       /* di_hash64 of the payload, seeded with model_id */
+    uint64_t checksum;       /* kv_checksum_combine(header with this field 0, di_hash64 of the
+                              * payload seeded with model_id): every header field and every
+                              * payload byte */
     uint32_t ring_positions; /* window: ring size of the writer (reader must match) */
     uint8_t reserved[52];    /* zero */
 } kv_header;
@@ -130,5 +133,8 @@ di_status kv_object_verify(const void *object, size_t bytes, uint32_t magic, con
 di_status kv_header_check(const void *object, size_t bytes, uint32_t magic, const kv_geometry *g,
                           di_error *err);
 di_status kv_checksum_check(const void *object, uint64_t payload_sum, di_error *err);
+/* The stored checksum for a header (its checksum field ignored) and a payload checksum
+ * (di_hash64 of the payload seeded with model_id): a flipped header field fails it too. */
+uint64_t kv_checksum_combine(const kv_header *hdr, uint64_t payload_sum);
 
 #endif

@@ -168,10 +168,12 @@ static di_status check_object(int cls, const kvkey *key, const void *obj, size_t
         return di_fail(err, DI_EINVAL, "unknown object class %d", cls);
     }
     di_status st = kv_header_check(obj, bytes, magic, g, err);
-    if (st == DI_OK)
-        st = kv_checksum_check(obj, payload_sum, err);
+    /* a misdirected object (another key's header) is named as such before the checksum, which
+     * covers the header and would fail too */
     if (st == DI_OK && memcmp(h.key, key->b, KVKEY_BYTES) != 0)
         st = di_fail(err, DI_ECORRUPT, "the header names another key than the object's");
+    if (st == DI_OK)
+        st = kv_checksum_check(obj, payload_sum, err);
     return st;
 }
 

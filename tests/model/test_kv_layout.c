@@ -1,4 +1,5 @@
 #include <criterion/criterion.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -96,6 +97,16 @@ Test(kv_layout, header_roundtrip_and_corruption_detected)
     cr_assert_eq(kv_object_verify(obj, n, KV_BLOCK_MAGIC, &g, &e), DI_ECORRUPT);
     cr_assert(strstr(e.msg, "checksum") != NULL, "%s", e.msg);
     obj[n / 2] ^= 0x10;
+    /* the checksum covers the header too: a flipped token count, position or key byte fails */
+    size_t fields[] = {offsetof(kv_header, token_count), offsetof(kv_header, first_position),
+                       offsetof(kv_header, key) + 17, offsetof(kv_header, reserved) + 3};
+    for (size_t i = 0; i < sizeof(fields) / sizeof(fields[0]); i++) {
+        obj[fields[i]] ^= 0x01;
+        cr_assert_eq(kv_object_verify(obj, n, KV_BLOCK_MAGIC, &g, &e), DI_ECORRUPT,
+                     "header byte %zu", fields[i]);
+        obj[fields[i]] ^= 0x01;
+    }
+    cr_assert_eq(kv_object_verify(obj, n, KV_BLOCK_MAGIC, &g, &e), DI_OK, "%s", e.msg);
     kv_geometry other = g;
     other.model_id ^= 1;
     cr_assert_eq(kv_object_verify(obj, n, KV_BLOCK_MAGIC, &other, &e), DI_ECORRUPT);
