@@ -55,6 +55,11 @@ const fwd_model *runner_exec_model(const runner_exec *ex)
     return ex->m;
 }
 
+fwd_kv *runner_exec_kv(const runner_exec *ex)
+{
+    return ex->kv;
+}
+
 static rx_req *find(const runner_exec *ex, uint64_t id)
 {
     for (uint32_t i = 0; i < ex->n_reqs; i++)
@@ -254,9 +259,9 @@ static di_status build_step(runner_exec *ex, const sched_plan *plan, fwd_step *s
         if (!r)
             return di_fail(err, DI_EINVAL, "plan entry %u: request %llu is not registered", i,
                            (unsigned long long)p->request_id);
-        if (p->n_load || p->load_window)
-            return di_fail(err, DI_EUNSUPPORTED, "plan entry %u: loading KV from the store is "
-                           "not part of the offline runner", i);
+        if ((p->n_load || p->load_window) && !ex->opt.on_load)
+            return di_fail(err, DI_EUNSUPPORTED, "plan entry %u: loading KV from the store "
+                           "needs a loader (runner_exec_options.on_load)", i);
         if ((uint64_t)p->first_position + p->seqlen_q > r->cap)
             return di_fail(err, DI_EINVAL, "plan entry %u: positions beyond the request's "
                            "max_tokens", i);
@@ -470,6 +475,9 @@ di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_re
     do_copies(ex, plan);
     fwd_step st;
     di_status s = build_step(ex, plan, &st, err);
+    for (uint32_t i = 0; s == DI_OK && i < plan->n_seqs; i++)
+        if (plan->seqs[i].n_load || plan->seqs[i].load_window)
+            s = ex->opt.on_load(ex->opt.load_userdata, ex->kv, &plan->seqs[i], err);
     if (s == DI_OK)
         s = fwd_step_run(ex->run, ex->kv, &st, ex->logits, err);
     if (s != DI_OK)

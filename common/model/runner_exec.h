@@ -35,6 +35,12 @@ typedef struct runner_exec runner_exec;
 typedef void (*runner_logits_fn)(void *userdata, uint64_t request_id, int64_t position,
                                  const float *logits, uint32_t vocab);
 
+/* Loads the KV a plan entry brings from the store (sched_seq_plan.n_load, load_window) into
+ * its blocks and state slot; called after the plan's copies and before its forward. A failure
+ * fails the step. */
+typedef di_status (*runner_load_fn)(void *userdata, fwd_kv *kv, const sched_seq_plan *entry,
+                                    di_error *err);
+
 typedef struct runner_exec_options {
     fwd_options fwd;          /* nextn, max_rows, YOCO, dump hook; the token map is taken from
                                  the runner_model */
@@ -42,6 +48,8 @@ typedef struct runner_exec_options {
     uint32_t n_slots;         /* state slots (the scheduler's num_slots) */
     runner_logits_fn on_logits; /* may be NULL */
     void *logits_userdata;
+    runner_load_fn on_load;   /* NULL: plans that load KV are refused (DI_EUNSUPPORTED) */
+    void *load_userdata;
 } runner_exec_options;
 
 /* What the executor must know of a request before its first plan. */
@@ -86,5 +94,7 @@ const runner_token *runner_exec_tokens(const runner_exec *ex, uint64_t id, uint3
 const char *runner_exec_error(const runner_exec *ex, uint64_t id);
 
 const fwd_model *runner_exec_model(const runner_exec *ex);
+/* The KV storage the plans' block and slot ids address (for exporting KV to the store). */
+fwd_kv *runner_exec_kv(const runner_exec *ex);
 
 #endif
