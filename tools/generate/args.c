@@ -3,6 +3,7 @@
 #include <float.h>
 #include <limits.h>
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 
 #include "tools/generate/gen.h"
@@ -169,9 +170,52 @@ static di_status o_yoco(gen_args *a, const char *v, di_error *err)
     for (int i = 0; i < 3; i++)
         if (!strcmp(v, names[i])) {
             a->yoco = (fwd_yoco)i;
+            a->yoco_set = true;
             return DI_OK;
         }
     return di_fail(err, DI_EINVAL, "--yoco: '%s' is not off, compact or mask", v);
+}
+
+static di_status o_kvstore(gen_args *a, const char *v, di_error *err)
+{
+    if (!*v || !strchr(v, ':'))
+        return di_fail(err, DI_EINVAL, "--kvstore: '%s' is not HOST:PORT", v);
+    a->kvstore = v;
+    return DI_OK;
+}
+
+static di_status o_kv_token(gen_args *a, const char *v, di_error *err)
+{
+    a->kvstore_token_file = v;
+    return DI_OK;
+}
+
+/* "250ms", "2s" or milliseconds. */
+static di_status o_kv_deadline(gen_args *a, const char *v, di_error *err)
+{
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    double ms = !strcmp(end, "s") ? x * 1000 : (!*end || !strcmp(end, "ms")) ? x : -1;
+    if (errno || end == v || !(ms >= 1 && ms <= 600000))
+        return di_fail(err, DI_EINVAL, "--kvstore-deadline: '%s' is not a duration between 1ms "
+                       "and 600s (e.g. 500ms, 2s)", v);
+    a->kvstore_deadline_ms = (uint32_t)ms;
+    return DI_OK;
+}
+
+static di_status o_kv_replay(gen_args *a, const char *v, di_error *err)
+{
+    a->kvstore_replay = true;
+    return DI_OK;
+}
+
+static di_status o_kv_every(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--kvstore-window-every", v, 0, 1u << 20, &x, err);
+    a->kvstore_window_every = (uint32_t)x;
+    return st;
 }
 
 static di_status o_keep(gen_args *a, const char *v, di_error *err)
@@ -219,8 +263,18 @@ static const gen_opt options[] = {
     {"--chunk", "N", o_chunk, "prefill tokens per step (default 2048)"},
     {"--max-model-len", "N", o_max_len, "context limit in positions (default: the config's)"},
     {"--yoco", "MODE", o_yoco, "prefill truncation of layers >= the YOCO boundary: off, compact, "
-     "mask (default off)"},
+     "mask (default off; compact with --kvstore)"},
     {"--keep-tokens", "N", o_keep, "YOCO keep window (default 140; at least window + nextn + 1)"},
+    {"--kvstore", "HOST:PORT", o_kvstore,
+     "reuse cached prompt prefixes from di-kvstore and store the KV computed here"},
+    {"--kvstore-token-file", "FILE", o_kv_token, "engine token of the store (default "
+     "$DI_KVSTORE_TOKEN)"},
+    {"--kvstore-deadline", "DUR", o_kv_deadline, "deadline of each store call (default 2s)"},
+    {"--kvstore-replay", NULL, o_kv_replay, "when the window state at the hit is missing, replay "
+     "128 tokens with clipped windows (faster; logits then differ slightly) instead of resuming "
+     "at an older window state"},
+    {"--kvstore-window-every", "N", o_kv_every, "also store the window state at every Nth "
+     "multiple of 128 (default 0: only where a request can resume)"},
     {"--json", NULL, o_json, "print the results as one JSON object"},
     {"--quiet", NULL, o_quiet, "no progress on stderr"},
 };
@@ -291,6 +345,7 @@ void gen_args_default(gen_args *a)
     a->threads = 2;
     a->chunk = 2048;
     a->keep_tokens = 140;
+    a->kvstore_deadline_ms = 2000;
 }
 
 void gen_args_free(gen_args *a)
@@ -299,9 +354,42 @@ void gen_args_free(gen_args *a)
         free(a->prompts[i].ids);
     free(a->prompts);
     free(a->forced.ids);
+    free(a->kvstore_token);
+    a->kvstore_token = NULL;
     a->prompts = NULL;
     a->n_prompts = 0;
     a->forced.ids = NULL;
+}
+
+/* The store's window state holds the layers below the YOCO boundary only: a cached prefix is
+ * exact when prefill truncates the layers above it (kv_io.h), so --kvstore runs with truncation
+ * (compact unless --yoco says mask). The token comes from its file or the environment. */
+static di_status kvstore_args(gen_args *a, di_error *err)
+{
+    if (a->yoco_set && a->yoco == FWD_YOCO_OFF)
+        return di_fail(err, DI_EINVAL, "--kvstore needs --yoco compact or mask: the stored window "
+                       "state holds the layers below the YOCO boundary only, so a cached prefix "
+                       "is exact only when prefill truncates the layers above it");
+    if (!a->yoco_set)
+        a->yoco = FWD_YOCO_COMPACT;
+    const char *env = getenv("DI_KVSTORE_TOKEN");
+    if (!a->kvstore_token_file) {
+        a->kvstore_token = env && *env ? strdup(env) : NULL;
+        return env && *env && !a->kvstore_token ? di_fail(err, DI_ENOMEM, "token") : DI_OK;
+    }
+    FILE *f = fopen(a->kvstore_token_file, "r");
+    if (!f)
+        return di_fail(err, DI_EINVAL, "--kvstore-token-file %s: %s", a->kvstore_token_file,
+                       strerror(errno));
+    char line[512] = "";
+    bool got = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    line[strcspn(line, "\r\n")] = 0;
+    if (!got || !line[0])
+        return di_fail(err, DI_EINVAL, "--kvstore-token-file %s: no token on its first line",
+                       a->kvstore_token_file);
+    a->kvstore_token = strdup(line);
+    return a->kvstore_token ? DI_OK : di_fail(err, DI_ENOMEM, "token");
 }
 
 di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
@@ -339,5 +427,5 @@ di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
         return di_fail(err, DI_EINVAL, "--model and --config exclude each other");
     if (a->yoco != FWD_YOCO_OFF && a->keep_tokens == 0)
         return di_fail(err, DI_EINVAL, "--keep-tokens must be positive");
-    return DI_OK;
+    return a->kvstore ? kvstore_args(a, err) : DI_OK;
 }

@@ -41,6 +41,13 @@ typedef struct gen_args {
     bool quiet;                  /* --quiet */
     const char *tokenizer;       /* --tokenizer FILE; default: the model directory's */
     bool no_bos;                 /* --no-bos: do not prepend BOS to text prompts */
+    bool yoco_set;               /* --yoco was given */
+    const char *kvstore;         /* --kvstore HOST:PORT, or NULL */
+    const char *kvstore_token_file; /* --kvstore-token-file */
+    char *kvstore_token;         /* the engine token (from the file or $DI_KVSTORE_TOKEN); owned */
+    uint32_t kvstore_deadline_ms; /* --kvstore-deadline */
+    bool kvstore_replay;         /* --kvstore-replay */
+    uint32_t kvstore_window_every; /* --kvstore-window-every */
 } gen_args;
 
 void gen_args_default(gen_args *a);

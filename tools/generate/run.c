@@ -13,6 +13,7 @@
 #include "common/util/clock.h"
 #include "kernels/cpu/backend.h"
 #include "tools/generate/gen.h"
+#include "tools/generate/kvcache.h"
 #ifdef DI_HAVE_TOKENIZER
 #include "common/tokenizer/tokenizer.h"
 #endif
@@ -110,6 +111,7 @@ typedef struct gen_out {
 
 typedef struct gen_ctx {
     const gen_args *a;
+    di_logger log;               /* store warnings and lines */
     void *tok;                   /* tok_tokenizer when loaded, else NULL */
     FILE *dump;
     uint32_t vocab;
@@ -368,6 +370,7 @@ static di_status check_prompts(const gen_args *a, const model_config *c, uint64_
 typedef struct run_state {
     sched *s;
     runner_exec *ex;
+    gen_kv *kv;                  /* --kvstore client, or NULL */
     sched_seq_result *results;
     uint32_t max_results;
     uint64_t prefill_tokens, decode_steps, decode_tokens;
@@ -388,7 +391,8 @@ static di_status step_once(gen_ctx *g, run_state *rs, di_error *err)
         rs->max_results = plan->n_seqs;
     }
     uint64_t t0 = di_mono_ns();
-    if ((st = runner_exec_step(rs->ex, plan, rs->results, err)) != DI_OK)
+    if ((st = runner_exec_step(rs->ex, plan, rs->results, err)) != DI_OK ||
+        (st = gen_kv_after_step(rs->kv, runner_exec_kv(rs->ex), plan, rs->results, err)) != DI_OK)
         return st;
     double dt = (double)(di_mono_ns() - t0) / 1e9;
     if (plan->prompt_run) {
@@ -423,10 +427,37 @@ static di_status step_once(gen_ctx *g, run_state *rs, di_error *err)
             rs->decode_tokens += o->n_tokens;
         if (o->finish != SCHED_FINISH_NONE) {
             go->finish = o->finish;
+            gen_kv_finished(rs->kv, o->request_id, o->finish);
             runner_exec_remove(rs->ex, o->request_id);
         }
     }
     return DI_OK;
+}
+
+/* Warnings and per-prompt store lines on stderr ("di-generate: ..."). */
+static void log_line(void *ud, di_log_level level, const char *line)
+{
+    fprintf(stderr, "di-generate: %s%s\n", level <= DI_LOG_WARN ? "warning: " : "", line);
+}
+
+/* The store client for this model's KV geometry (--kvstore); prompts are then cut at every
+ * multiple of 128 so that the window state there can be copied. */
+static di_status open_kvstore(const gen_args *a, const model_config *c, uint32_t nextn,
+                              uint32_t max_tokens, const di_logger *log, sched_config *sc,
+                              run_state *rs, di_error *err)
+{
+    if (!a->kvstore)
+        return DI_OK;
+    kv_geometry geo;
+    model_config_kv_geometry(c, nextn, &geo);
+    gen_kv_options ko = {.target = a->kvstore, .token = a->kvstore_token,
+                         .deadline_ms = a->kvstore_deadline_ms, .allow_replay = a->kvstore_replay,
+                         .window_every = a->kvstore_window_every,
+                         .always_compute = a->keep_tokens > geo.ring_positions
+                                               ? a->keep_tokens : geo.ring_positions,
+                         .n_requests = a->n_prompts, .max_tokens = max_tokens, .log = log};
+    sc->max_chunk_tokens = geo.block_tokens;
+    return gen_kv_open(&ko, &geo, &rs->kv, err);
 }
 
 static di_status setup(const gen_args *a, const runner_model *rm, const kern_backend *be,
@@ -472,10 +503,13 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
     uint32_t rows = a->chunk > seqs * (1 + nextn) ? a->chunk : seqs * (1 + nextn);
     if (nextn && rows < seqs * c->dspark_block_size)
         rows = seqs * c->dspark_block_size;
+    if ((st = open_kvstore(a, c, nextn, max_tokens, &g->log, &sc, rs, err)) != DI_OK)
+        return st;
     runner_exec_options eo = {.fwd = {.nextn = nextn, .max_rows = rows, .yoco = a->yoco,
                                       .keep_tokens = a->yoco ? a->keep_tokens : 0},
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
-                              .on_logits = dump_row, .logits_userdata = g};
+                              .on_logits = dump_row, .logits_userdata = g,
+                              .on_load = gen_kv_load, .load_userdata = rs->kv};
     if ((st = sched_create(&sc, &rs->s, err)) != DI_OK ||
         (st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK)
         return st;
@@ -489,6 +523,8 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
                             .prompt_len = a->prompts[i].n, .max_tokens = max_tokens,
                             .ignore_eos = a->ignore_eos};
         if ((st = runner_exec_add(rs->ex, &rq, err)) != DI_OK ||
+            (rs->kv && (st = gen_kv_admit(rs->kv, sr.id, sr.prompt, sr.prompt_len, &sr, err)) !=
+                           DI_OK) ||
             (st = sched_add_request(rs->s, &sr, err)) != DI_OK) {
             di_error_prefix(err, "prompt %u: ", i + 1);
             return st;
@@ -505,7 +541,7 @@ di_status gen_run(gen_args *a, di_error *err)
         return st; /* before loading anything */
     kern_backend be = {0};
     runner_model rm = {0};
-    gen_ctx g = {.a = a};
+    gen_ctx g = {.a = a, .log = {.fn = log_line, .level = a->quiet ? DI_LOG_WARN : DI_LOG_INFO}};
     run_state rs = {0};
     json_t *stats = NULL;
     if ((st = kern_cpu_create(a->threads, &be, err)) != DI_OK)
@@ -537,6 +573,20 @@ di_status gen_run(gen_args *a, di_error *err)
                       (json_int_t)rs.prefill_tokens, "prefill_s", rs.prefill_s, "decode_steps",
                       (json_int_t)rs.decode_steps, "decode_tokens", (json_int_t)rs.decode_tokens,
                       "decode_s", rs.decode_s, "logit_rows_dumped", (json_int_t)g.dumped);
+    if (rs.kv) {
+        gen_kv_stats ks = gen_kv_get_stats(rs.kv);
+        json_object_set_new(stats, "kvstore", json_pack(
+            "{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b}", "hit_tokens", (json_int_t)ks.hit_tokens,
+            "replay_tokens", (json_int_t)ks.replay_tokens, "blocks_loaded",
+            (json_int_t)ks.blocks_loaded, "windows_loaded", (json_int_t)ks.windows_loaded,
+            "blocks_stored", (json_int_t)ks.blocks_stored, "windows_stored",
+            (json_int_t)ks.windows_stored, "errors", (json_int_t)ks.errors, "disabled",
+            ks.disabled));
+        if (!a->quiet)
+            fprintf(stderr, "di-generate: KV store: %llu prompt tokens loaded; stored: %llu "
+                    "blocks, %llu window states\n", (unsigned long long)ks.hit_tokens,
+                    (unsigned long long)ks.blocks_stored, (unsigned long long)ks.windows_stored);
+    }
     if (a->json)
         print_json(&g, stats, stdout);
     else
@@ -560,6 +610,7 @@ done:
     free(g.outs);
     free(rs.results);
     runner_exec_free(rs.ex);
+    gen_kv_close(rs.kv);
     sched_destroy(rs.s);
     runner_model_free(&rm);
 #ifdef DI_HAVE_TOKENIZER
