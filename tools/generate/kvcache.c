@@ -238,9 +238,19 @@ static void fetch_bad(fetch *f, const char *what, uint32_t index, const di_error
         snprintf(f->first_bad, sizeof f->first_bad, "%s %u: %s", what, index, e->msg);
 }
 
+/* A sound object that is not what its key names (another position, another key) is wrong for
+ * every reader: delete it, so that the correct one can be stored again. */
+static void delete_wrong(gen_kv *k, const kvc_item *it)
+{
+    di_error e;
+    di_status st = kvc_delete1(k->c, it->cls, &it->key, &e);
+    if (st == DI_EUNAVAIL || st == DI_ETIMEDOUT)
+        give_up(k, "deleting a wrong object", &e);
+}
+
 /* Gets the objects decision h needs that are not fetched yet; an unusable one lowers what is
- * believed usable. Returns false when the store failed as a whole (given up). */
-static bool fetch_round(gen_kv *k, kv_req *r, fetch *f, const prefix_hit *h, bool *done)
+ * believed usable. *done: every object of h is in hand. */
+static void fetch_round(gen_kv *k, kv_req *r, fetch *f, const prefix_hit *h, bool *done)
 {
     uint32_t bt = k->g.block_tokens, nb = h->kv_tokens / bt;
     uint32_t wk = h->load_window ? h->compute_from / bt : 0;
@@ -257,7 +267,7 @@ static bool fetch_round(gen_kv *k, kv_req *r, fetch *f, const prefix_hit *h, boo
     }
     *done = n == 0;
     if (n == 0)
-        return true;
+        return;
     for (uint32_t i = 0; i < n; i++)
         items[i].buf = malloc(items[i].cap);
     di_error e;
@@ -274,16 +284,19 @@ static bool fetch_round(gen_kv *k, kv_req *r, fetch *f, const prefix_hit *h, boo
         give_up(k, doing, &e);
         for (uint32_t i = 0; i < n; i++)
             free(items[i].buf);
-        return false;
+        return;
     }
     for (uint32_t i = 0; i < n; i++) {
         kvc_item *it = &items[i];
         bool block = it->cls == KVKEY_BLOCK;
-        if (it->status == DI_OK)
+        if (it->status == DI_OK) {
             it->status = block ? kvio_block_check(&k->g, it->buf, it->bytes, it->key.b,
                                                   (uint64_t)idx[i] * bt, &it->error)
                                : kvio_window_check(&k->g, it->buf, it->bytes, it->key.b,
                                                    (uint64_t)idx[i] * bt, &it->error);
+            if (it->status != DI_OK)
+                delete_wrong(k, it);
+        }
         if (it->status == DI_OK) {
             (block ? f->blk : f->win)[idx[i]] = it->buf;
             continue;
@@ -295,7 +308,6 @@ static bool fetch_round(gen_kv *k, kv_req *r, fetch *f, const prefix_hit *h, boo
         if (!block)
             f->has_window[idx[i]] = false;
     }
-    return true;
 }
 
 /* Moves the objects decision h uses into r->load; the rest of f is freed by the caller. */
@@ -355,9 +367,10 @@ static di_status find_prefix(gen_kv *k, kv_req *r, uint32_t len, di_error *err)
     bool done = false;
     while (st == DI_OK && !k->off && !done) {
         r->hit = decide(k, len, f.avail, f.has_window, n + 1);
-        if (!fetch_round(k, r, &f, &r->hit, &done))
-            r->hit = (prefix_hit){.prefill_tokens = len};
+        fetch_round(k, r, &f, &r->hit, &done);
     }
+    if (!done)
+        r->hit = (prefix_hit){.prefill_tokens = len}; /* the store gave out on the way */
     if (f.n_bad)
         di_log(k->o.log, DI_LOG_WARN, "prompt %u: %u object%s from the KV store unusable (%s): "
                "ignoring %s, computing from position %u", (unsigned)(r - k->reqs) + 1, f.n_bad,
