@@ -4,9 +4,10 @@
 #   2. starts the KV store (di-kvstore) with engine and admin tokens, RocksDB in a temp dir;
 #   3. generates text with the offline NORMAL engine (di-generate: scheduler, V4.1 forward on the
 #      CPU, speculative decoding with the draft model, sampler) on the `demo` config (random
-#      weights, the DeepSeek tokenizer's vocabulary);
-#   4. writes the KV of prompts sharing a system prompt into the store and shows what it holds
-#      (di-kvctl stats, inspect);
+#      weights, the DeepSeek tokenizer's vocabulary), twice on the same long prompt with the KV
+#      store: the first run stores the prompt's KV, the second loads its cached prefix and
+#      prefills only the rest, with the same text;
+#   4. shows what the store holds (di-kvctl stats, inspect of the prompt);
 #   5. runs the scheduler simulator (di-sim) on two ranks, and sizes the KV of V4.1-Flash
 #      (di-plan kv);
 #   6. stops the store and removes its data.
@@ -21,7 +22,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --keep) keep=1 ;;
     --prompt) prompt=$2; shift ;;
-    -h|--help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
@@ -34,7 +35,7 @@ if [ ! -f build/build.ninja ]; then
   meson setup build --buildtype=debugoptimized >/dev/null
 fi
 ninja -C build >/dev/null
-for b in kvstore/di-kvstore kvstore/di-kvctl kvstore/kvdemo tools/generate/di-generate \
+for b in kvstore/di-kvstore kvstore/di-kvctl tools/generate/di-generate \
          tools/sim/di-sim tools/plan/di-plan; do
   [ -x "build/$b" ] || { echo "run.sh: build/$b was not built (missing dependencies? run deploy/local/install-deps.sh)" >&2; exit 1; }
 done
@@ -69,17 +70,26 @@ done
 addr=127.0.0.1:$(cat "$work/port")
 echo "di-kvstore serving on $addr (pid $store_pid, data in $work/kv)"
 
-step "generate: di-generate --config demo (random weights, so the text is noise)"
-build/tools/generate/di-generate --config demo --prompt "$prompt" --max-tokens 24 \
-  --temperature 0.8 --seed 7 --logprobs 0
+step "generate twice with the KV store: di-generate --config demo (random weights, so the text is noise)"
+# a long system prompt (whole 128-token blocks to cache) and the question
+system=$(for i in $(seq 1 30); do printf 'Rule %d: answer briefly, and name the source of every number you give. ' "$i"; done)
+printf '%s Question: %s' "$system" "$prompt" >"$work/prompt.txt"
+for run in 1 2; do
+  echo "-- run $run"
+  build/tools/generate/di-generate --config demo --prompt "$(cat "$work/prompt.txt")" \
+    --max-tokens 24 --temperature 0.8 --seed 7 --kvstore "$addr" \
+    --kvstore-token-file "$work/engine.token" >"$work/run$run.out" 2>"$work/run$run.err"
+  grep -E 'prompt 1:|KV store:|prefill|warning' "$work/run$run.err" | sed 's/^di-generate: /  /'
+  grep '^text' "$work/run$run.out" | sed 's/^/  /'
+done
+if cmp -s "$work/run1.out" "$work/run2.out"; then echo "same tokens and text in both runs"
+else echo "run.sh: the run with the cached prefix gave other tokens" >&2; exit 1; fi
 
-step "KV of three prompts sharing a 512-token system prompt, written into the store"
-(cd "$work" && "$root/build/kvstore/kvdemo" --store "$addr" --token "$(cat engine.token)" \
-   --tokens 1000 --prompts 3 --shared 512 --ids-dir "$work")
+step "what the store holds: di-kvctl stats, inspect of the prompt"
 export DI_KVSTORE_TARGET=$addr
 export DI_KVSTORE_ADMIN_TOKEN=$(cat "$work/admin.token")
 build/kvstore/di-kvctl stats
-build/kvstore/di-kvctl inspect "$work/prompt0.ids"
+build/kvstore/di-kvctl inspect --text "$work/prompt.txt" --bos
 
 step "scheduler simulation: di-sim, 2 ranks, 400 requests"
 build/tools/sim/di-sim --requests 400 --rate 20 --ranks 2 --async --seed 1
