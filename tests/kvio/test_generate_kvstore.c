@@ -773,6 +773,7 @@ Test(generate_kvstore, bad_store_options_are_refused_with_one_line)
         {"--kvstore 127.0.0.1:1 --kvstore-deadline 0", "--kvstore-deadline"},
         {"--kvstore 127.0.0.1:1 --kvstore-deadline 5x", "--kvstore-deadline"},
         {"--kvstore 127.0.0.1:1 --kvstore-window-every -1", "--kvstore-window-every"},
+        {"--kvstore 127.0.0.1:1 --chunk 64", "--kvstore needs --chunk 128 or more"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         gen_res r;

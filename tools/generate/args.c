@@ -372,6 +372,9 @@ static di_status kvstore_args(gen_args *a, di_error *err)
                        "is exact only when prefill truncates the layers above it");
     if (!a->yoco_set)
         a->yoco = FWD_YOCO_COMPACT;
+    if (a->chunk < 128)
+        return di_fail(err, DI_EINVAL, "--kvstore needs --chunk 128 or more: prompts are cut at "
+                       "every multiple of 128, where the window state is copied");
     const char *env = getenv("DI_KVSTORE_TOKEN");
     if (!a->kvstore_token_file) {
         a->kvstore_token = env && *env ? strdup(env) : NULL;

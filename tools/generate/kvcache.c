@@ -107,6 +107,11 @@ static di_status block_key(gen_kv *k, kv_req *r, uint32_t j, di_error *err)
 
 /* ---- open / close ---- */
 
+bool gen_kv_supported(void)
+{
+    return true;
+}
+
 /* The store must keep objects of exactly our formats. */
 static bool same_formats(gen_kv *k, const kvc_store_info *in, di_error *e)
 {

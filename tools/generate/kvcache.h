@@ -41,6 +41,9 @@
 
 typedef struct gen_kv gen_kv;
 
+/* Whether this build has the store client (the services are built). */
+bool gen_kv_supported(void);
+
 typedef struct gen_kv_options {
     const char *target;        /* HOST:PORT of di-kvstore */
     const char *token;         /* engine token; NULL when the store has none */

@@ -1,6 +1,11 @@
 /* kvcache_none.c: di-generate built without the services has no KV store client. */
 #include "tools/generate/kvcache.h"
 
+bool gen_kv_supported(void)
+{
+    return false;
+}
+
 di_status gen_kv_open(const gen_kv_options *o, const kv_geometry *g, gen_kv **out,
                       di_error *err)
 {
