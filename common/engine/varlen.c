@@ -12,16 +12,6 @@ typedef struct ranked_draft {
     uint32_t idx; /* draft index within the request */
 } ranked_draft;
 
-static int cmp_ranked(const void *pa, const void *pb)
-{
-    const ranked_draft *a = pa, *b = pb;
-    if (a->conf != b->conf)
-        return a->conf > b->conf ? -1 : 1;
-    if (a->req != b->req)
-        return a->req < b->req ? -1 : 1;
-    return a->idx < b->idx ? -1 : (a->idx > b->idx);
-}
-
 static int cmp_graph_rows(const void *pa, const void *pb)
 {
     const varlen_graph_time *a = pa, *b = pb;
@@ -49,8 +39,8 @@ static di_status check_request(const varlen_request *r, uint32_t i, di_error *er
 }
 
 /* Validates the table and returns a copy sorted by rows (caller frees). */
-static di_status sorted_table(const varlen_graph_time *times, size_t ntimes, uint32_t n,
-                              varlen_graph_time **out, di_error *err)
+static di_status sorted_table(const varlen_graph_time *times, size_t ntimes,
+                              const di_alloc *a, varlen_graph_time **out, di_error *err)
 {
     if (!times || ntimes == 0)
         return di_fail(err, DI_EINVAL, "step_ms: the step-time table is empty");
@@ -62,7 +52,7 @@ static di_status sorted_table(const varlen_graph_time *times, size_t ntimes, uin
                            "%g and %g ms", times[i].rows, times[i].step_ms, VARLEN_MIN_MS,
                            VARLEN_MAX_MS);
     }
-    varlen_graph_time *t = malloc(ntimes * sizeof(*t));
+    varlen_graph_time *t = di_alloc_mem(a, ntimes * sizeof(*t));
     if (!t)
         return di_fail(err, DI_ENOMEM, "out of memory for the step-time table");
     memcpy(t, times, ntimes * sizeof(*t));
@@ -70,38 +60,82 @@ static di_status sorted_table(const varlen_graph_time *times, size_t ntimes, uin
     for (size_t i = 1; i < ntimes; i++)
         if (t[i].rows == t[i - 1].rows) {
             uint32_t r = t[i].rows;
-            free(t);
+            di_alloc_release(a, t);
             return di_fail(err, DI_EINVAL, "step_ms: graph size %u appears twice", r);
         }
-    if (t[ntimes - 1].rows < n) {
-        uint32_t r = t[ntimes - 1].rows;
-        free(t);
-        return di_fail(err, DI_EINVAL,
-                       "step_ms: largest graph (%u rows) cannot hold one row for each of %u "
-                       "requests", r, n);
-    }
     *out = t;
     return DI_OK;
 }
 
-/* Ranks every draft (caller frees *out). */
-static di_status rank_drafts(const varlen_request *reqs, uint32_t n, ranked_draft **out,
-                             size_t *count, di_error *err)
+/* Radix sort of the ranking: 8 passes of one byte each over a 64-bit key. */
+#define VARLEN_RADIX_PASSES 8
+#define VARLEN_RADIX_BUCKETS 256
+
+struct varlen_planner {
+    varlen_graph_time *t;  /* [ntimes] the table, sorted by rows (owned) */
+    size_t ntimes;
+    double sampler_ms;     /* added to every size's time */
+    uint32_t max_requests; /* capacity of one call */
+    uint32_t max_drafts;   /* capacity of one call, drafts of all requests together */
+    ranked_draft *a, *b;   /* [max_drafts] the ranking and the sort's second buffer */
+    uint32_t (*hist)[VARLEN_RADIX_BUCKETS]; /* [1] counts, then offsets, of one key byte */
+    const di_alloc *alloc; /* what everything above came from */
+};
+
+/* The sort key: ascending keys are descending confidences. A confidence is in [0, 1] (-0 is
+ * made +0), and the IEEE bits of non-negative doubles grow with the value, so the complement
+ * of the bits orders them highest first. */
+static uint64_t rank_key(double c)
 {
-    size_t total = 0;
-    for (uint32_t i = 0; i < n; i++)
-        total += reqs[i].num_drafts;
-    ranked_draft *r = malloc((total ? total : 1) * sizeof(*r));
-    if (!r)
-        return di_fail(err, DI_ENOMEM, "out of memory for %zu drafts", total);
+    uint64_t bits;
+    c += 0.0;
+    memcpy(&bits, &c, sizeof(bits));
+    return ~bits;
+}
+
+/* Ranks every draft: laid out in request order, then a stable LSD radix sort on rank_key, so
+ * equal confidences keep the lower request, then the earlier draft, first (the ranking of
+ * varlen.h). Only the key bytes that differ between drafts are sorted on (drafts from float
+ * confidences share their low bytes; confidences of one range share the top byte): per such
+ * byte one counting loop and one scatter loop, O(D), no data-dependent branches. Returns the
+ * sorted buffer (p->a or p->b). */
+static const ranked_draft *rank_drafts(varlen_planner *p, const varlen_request *reqs,
+                                       uint32_t n, size_t *count)
+{
+    ranked_draft *src = p->a, *dst = p->b;
+    uint64_t any = 0, all = ~0ull;
     size_t k = 0;
     for (uint32_t i = 0; i < n; i++)
-        for (uint32_t d = 0; d < reqs[i].num_drafts; d++)
-            r[k++] = (ranked_draft){.conf = reqs[i].conf[d], .req = i, .idx = d};
-    qsort(r, total, sizeof(*r), cmp_ranked);
-    *out = r;
-    *count = total;
-    return DI_OK;
+        for (uint32_t d = 0; d < reqs[i].num_drafts; d++) {
+            src[k] = (ranked_draft){.conf = reqs[i].conf[d], .req = i, .idx = d};
+            uint64_t key = rank_key(src[k].conf);
+            any |= key;
+            all &= key;
+            k++;
+        }
+    *count = k;
+    uint64_t differ = k ? any ^ all : 0;
+    for (int b = 0; b < VARLEN_RADIX_PASSES; b++) {
+        int shift = 8 * b;
+        if (((differ >> shift) & 0xff) == 0)
+            continue; /* every key has this byte */
+        uint32_t *h = p->hist[0];
+        memset(h, 0, VARLEN_RADIX_BUCKETS * sizeof(*h));
+        for (size_t i = 0; i < k; i++)
+            h[(rank_key(src[i].conf) >> shift) & 0xff]++;
+        uint32_t at = 0;
+        for (int v = 0; v < VARLEN_RADIX_BUCKETS; v++) {
+            uint32_t c = h[v];
+            h[v] = at;
+            at += c;
+        }
+        for (size_t i = 0; i < k; i++)
+            dst[h[(rank_key(src[i].conf) >> shift) & 0xff]++] = src[i];
+        ranked_draft *tmp = src;
+        src = dst;
+        dst = tmp;
+    }
+    return src;
 }
 
 /* The scan proper: best prefix length of the ranking, with its figures. */
@@ -139,6 +173,126 @@ static scan_best scan(const ranked_draft *r, size_t total, uint32_t n,
     return best;
 }
 
+static di_status check_sampler(double sampler_ms, di_error *err)
+{
+    if (!(sampler_ms >= 0.0 && sampler_ms <= VARLEN_MAX_MS))
+        return di_fail(err, DI_EINVAL, "sampler_ms %g must be between 0 and %g ms", sampler_ms,
+                       VARLEN_MAX_MS);
+    return DI_OK;
+}
+
+di_status varlen_planner_create(const varlen_graph_time *times, size_t ntimes,
+                                double sampler_ms, uint32_t max_requests, uint32_t max_drafts,
+                                const di_alloc *a, varlen_planner **out, di_error *err)
+{
+    if (!out)
+        return di_fail(err, DI_EINVAL, "varlen planner output is NULL");
+    if (max_requests == 0 || max_requests > VARLEN_MAX_REQUESTS)
+        return di_fail(err, DI_EINVAL, "planner for %u requests, want 1..%u", max_requests,
+                       VARLEN_MAX_REQUESTS);
+    if ((uint64_t)max_drafts > (uint64_t)max_requests * VARLEN_MAX_DRAFTS)
+        return di_fail(err, DI_EINVAL, "planner for %u drafts, more than %u requests of %u",
+                       max_drafts, max_requests, VARLEN_MAX_DRAFTS);
+    di_status st = check_sampler(sampler_ms, err);
+    varlen_graph_time *t = NULL;
+    if (st == DI_OK)
+        st = sorted_table(times, ntimes, a, &t, err);
+    if (st != DI_OK)
+        return st;
+    varlen_planner *p = di_alloc_zero(a, 1, sizeof(*p));
+    size_t nd = max_drafts ? max_drafts : 1;
+    if (p) {
+        p->alloc = a;
+        p->a = di_alloc_mem(a, nd * sizeof(ranked_draft));
+        p->b = di_alloc_mem(a, nd * sizeof(ranked_draft));
+        p->hist = di_alloc_mem(a, sizeof(*p->hist));
+    }
+    if (!p || !p->a || !p->b || !p->hist) {
+        di_alloc_release(a, t);
+        varlen_planner_free(p);
+        return di_fail(err, DI_ENOMEM, "out of memory for a planner of %u drafts", max_drafts);
+    }
+    p->t = t;
+    p->ntimes = ntimes;
+    p->sampler_ms = sampler_ms;
+    p->max_requests = max_requests;
+    p->max_drafts = max_drafts;
+    *out = p;
+    return DI_OK;
+}
+
+void varlen_planner_free(varlen_planner *p)
+{
+    if (!p)
+        return;
+    const di_alloc *a = p->alloc;
+    di_alloc_release(a, p->t);
+    di_alloc_release(a, p->a);
+    di_alloc_release(a, p->b);
+    di_alloc_release(a, p->hist);
+    di_alloc_release(a, p);
+}
+
+uint32_t varlen_planner_largest(const varlen_planner *p)
+{
+    return p->t[p->ntimes - 1].rows;
+}
+
+/* The requests are valid and within the planner's capacity. */
+static di_status check_requests(const varlen_planner *p, const varlen_request *reqs,
+                                uint32_t n, di_error *err)
+{
+    if (n == 0 || !reqs)
+        return di_fail(err, DI_EINVAL, "confidences: no requests to plan");
+    if (n > p->max_requests)
+        return di_fail(err, DI_EINVAL, "%u requests, more than the planner's %u", n,
+                       p->max_requests);
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        di_status st = check_request(&reqs[i], i, err);
+        if (st != DI_OK)
+            return st;
+        total += reqs[i].num_drafts;
+    }
+    if (total > p->max_drafts)
+        return di_fail(err, DI_EINVAL, "%llu drafts, more than the planner's %u",
+                       (unsigned long long)total, p->max_drafts);
+    uint32_t largest = varlen_planner_largest(p);
+    if (largest < n)
+        return di_fail(err, DI_EINVAL,
+                       "step_ms: largest graph (%u rows) cannot hold one row for each of %u "
+                       "requests", largest, n);
+    return DI_OK;
+}
+
+di_status varlen_planner_run(varlen_planner *p, const varlen_request *reqs, uint32_t n,
+                             uint32_t *drafts, varlen_summary *sum, di_error *err)
+{
+    if (!p || !drafts)
+        return di_fail(err, DI_EINVAL, "varlen planner and drafts output are required");
+    di_status st = check_requests(p, reqs, n, err);
+    if (st != DI_OK)
+        return st;
+    size_t total;
+    const ranked_draft *r = rank_drafts(p, reqs, n, &total);
+    scan_best b = scan(r, total, n, p->t, p->ntimes, p->sampler_ms);
+    memset(drafts, 0, (size_t)n * sizeof(*drafts));
+    for (size_t k = 0; k < b.drafts; k++) {
+        /* A prefix of the ranking holds each request's first drafts, in order. */
+        assert(r[k].idx == drafts[r[k].req]);
+        drafts[r[k].req]++;
+    }
+    if (sum)
+        *sum = (varlen_summary){
+            .rows = n + (uint32_t)b.drafts,
+            .graph_rows = b.graph,
+            .expected_tokens = b.tokens,
+            .step_ms = b.step_ms,
+            .tokens_per_ms = b.tokens / b.step_ms,
+        };
+    return DI_OK;
+}
+
 di_status varlen_schedule(const varlen_request *reqs, uint32_t n, const varlen_graph_time *times,
                           size_t ntimes, double sampler_ms, varlen_plan *out, di_error *err)
 {
@@ -148,44 +302,38 @@ di_status varlen_schedule(const varlen_request *reqs, uint32_t n, const varlen_g
         return di_fail(err, DI_EINVAL, "confidences: no requests to plan");
     if (n > VARLEN_MAX_REQUESTS)
         return di_fail(err, DI_EINVAL, "%u requests, more than %u", n, VARLEN_MAX_REQUESTS);
-    if (!(sampler_ms >= 0.0 && sampler_ms <= VARLEN_MAX_MS))
-        return di_fail(err, DI_EINVAL, "sampler_ms %g must be between 0 and %g ms", sampler_ms,
-                       VARLEN_MAX_MS);
-    di_status st;
-    for (uint32_t i = 0; i < n; i++)
-        if ((st = check_request(&reqs[i], i, err)) != DI_OK)
-            return st;
-    varlen_graph_time *t = NULL;
-    if ((st = sorted_table(times, ntimes, n, &t, err)) != DI_OK)
+    di_status st = check_sampler(sampler_ms, err);
+    uint64_t total = 0;
+    for (uint32_t i = 0; i < n && st == DI_OK; i++) {
+        st = check_request(&reqs[i], i, err);
+        total += reqs[i].num_drafts;
+    }
+    varlen_planner *p = NULL;
+    if (st == DI_OK)
+        st = varlen_planner_create(times, ntimes, sampler_ms, n, (uint32_t)total, NULL, &p,
+                                   err);
+    if (st != DI_OK)
         return st;
-    ranked_draft *r = NULL;
-    size_t total = 0;
     uint32_t *drafts = calloc(n, sizeof(*drafts));
     if (!drafts) {
-        free(t);
+        varlen_planner_free(p);
         return di_fail(err, DI_ENOMEM, "out of memory for %u requests", n);
     }
-    if ((st = rank_drafts(reqs, n, &r, &total, err)) != DI_OK) {
-        free(t);
+    varlen_summary sum;
+    st = varlen_planner_run(p, reqs, n, drafts, &sum, err);
+    varlen_planner_free(p);
+    if (st != DI_OK) {
         free(drafts);
         return st;
     }
-    scan_best b = scan(r, total, n, t, ntimes, sampler_ms);
-    for (size_t k = 0; k < b.drafts; k++) {
-        /* A prefix of the ranking holds each request's first drafts, in order. */
-        assert(r[k].idx == drafts[r[k].req]);
-        drafts[r[k].req]++;
-    }
-    free(r);
-    free(t);
     *out = (varlen_plan){
         .num_requests = n,
         .drafts = drafts,
-        .rows = n + (uint32_t)b.drafts,
-        .graph_rows = b.graph,
-        .expected_tokens = b.tokens,
-        .step_ms = b.step_ms,
-        .tokens_per_ms = b.tokens / b.step_ms,
+        .rows = sum.rows,
+        .graph_rows = sum.graph_rows,
+        .expected_tokens = sum.expected_tokens,
+        .step_ms = sum.step_ms,
+        .tokens_per_ms = sum.tokens_per_ms,
     };
     return DI_OK;
 }
