@@ -21,6 +21,10 @@
  *       for each outs[i]: stream outs[i].tokens; outs[i].finish != NONE ends the request
  *   }
  *   sched_destroy(s);
+ * MTP varlen (off by default): set cfg.varlen, cfg.step_ms / n_step_ms (the measured time of
+ * one step per recorded graph size) and cfg.sampler_ms; the runner returns each request's
+ * cumulative draft confidences with its drafts (sched_seq_result.n_conf, draft_conf), and a
+ * decode entry's seqlen_q - 1 is the number of drafts it checks (see "MTP varlen" below).
  * With the default vote intervals a NORMAL engine looks at waiting prompts only every 70
  * decode steps (the explainer's behaviour, and what a group of ranks needs); a single offline
  * rank that wants prompts started at once sets prefill_attempt_interval = 1.
@@ -81,16 +85,16 @@
  *   sequences that hold a reservation (cut prompts, fork children) always come first, so no
  *   head waiting for blocks stands in front of what would free them.
  * Decode: every running sequence gets 1 + nextn rows (its newest token + drafts, padded with
- *   pad_token), or fewer when it may produce fewer tokens (max_tokens, max_model_len; 1 row
- *   at least); advance_optimistically(rows) at schedule time, commit(accepted + 1) at process
- *   time; blocks beyond what its next step needs go back. When the free list cannot serve a
- *   sequence: sort running by output length, longest first; serve from the back; preempt from
- *   the front (stop: FINISHED_PREEMPTED, blocks freed; recompute, NORMAL only: back to the
- *   front of waiting, behind the prompts between chunks, its outputs kept as prompt
- *   continuation, KV dropped). Unlike the
- *   original, a sequence that needs no new block never causes a preemption. Under async, a
- *   victim still in flight frees its blocks only after that step; a sequence those blocks would
- *   serve sits this step out instead of preempting more.
+ *   pad_token; varlen: 1 + its share of the drafts), or fewer when it may produce fewer tokens
+ *   (max_tokens, max_model_len; 1 row at least); advance_optimistically(rows) at schedule time,
+ *   commit(accepted + 1) at process time; blocks beyond what its next step needs go back. When
+ *   the free list cannot serve a sequence: sort running by output length, longest first; serve
+ *   from the back; preempt from the front (stop: FINISHED_PREEMPTED, blocks freed; recompute,
+ *   NORMAL only: back to the front of waiting, behind the prompts between chunks, its outputs
+ *   kept as prompt continuation, KV dropped). Unlike the original, a sequence that needs no new
+ *   block never causes a preemption. Under async, a victim still in flight frees its blocks only
+ *   after that step; a sequence those blocks would serve sits this step out instead of
+ *   preempting more.
  * MTP varlen (cfg.varlen, off by default as in DeepSeek's engine; explainer Pass 2, "Choosing
  *   how many drafts to check"): a decode step first decides who is served and who is preempted
  *   as if every request checked all its drafts (the rows above), so every decision stays

@@ -202,7 +202,8 @@ const char *seq_status_name(seq_status st);
 /* Checks the fields of one sequence against its state: lengths within capacity, num_tokens
  * covered by the block table, a slot exactly when it holds a reservation or runs, the draft
  * slot following the state slot, a decoding sequence at num_tokens == len - 1 + in-flight
- * rows, outputs within max_tokens, confidences for none or all of the drafts. DI_OK, or DI_EINTERNAL naming the broken rule. */
+ * rows, outputs within max_tokens, confidences for none or all of the drafts. DI_OK, or
+ * DI_EINTERNAL naming the broken rule. */
 di_status seq_check(const seq *s, di_error *err);
 
 #endif

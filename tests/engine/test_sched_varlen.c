@@ -614,3 +614,75 @@ Test(sched_varlen, create_fails_cleanly_at_every_allocation)
                      (unsigned long long)k, (unsigned long long)f.live);
     }
 }
+
+/* ---- the synthetic runner's confidences (di-sim's acceptance model) ---- */
+
+/* A decode plan of one entry with nextn draft rows holding real drafts 11, 12, ... */
+static const sched_seq_result *synth_one_step(synth *y, uint32_t nextn)
+{
+    static int32_t rows[16];
+    static sched_seq_plan e;
+    static sched_plan p;
+    for (uint32_t k = 0; k <= nextn; k++)
+        rows[k] = 10 + (int32_t)k;
+    e = (sched_seq_plan){.request_id = 1, .seqlen_q = 1 + nextn, .tokens = rows, .sample = true};
+    p = (sched_plan){.n_seqs = 1, .seqs = &e, .n_rows = 1 + nextn};
+    return synth_run(y, &p);
+}
+
+/* Exact confidences for a flat rate a are a, a^2, ..., a^nextn; a bias shifts each per-draft
+ * chance; noise stays within its amplitude and never makes them increase. */
+Test(sched_varlen, synth_confidences_follow_the_acceptance_model)
+{
+    synth_config sc = {.seed = 3, .nextn = 5, .vocab_size = 1000, .eos_token = -1,
+                       .accept_rate = 0.7, .confidences = true};
+    synth *y;
+    di_error e;
+    cr_assert_eq(synth_create(&sc, 4, NULL, &y, &e), DI_OK, "%s", e.msg);
+    const sched_seq_result *r = synth_one_step(y, 5);
+    cr_assert_eq(r->status, SCHED_RESULT_OK);
+    cr_assert_eq(r->n_conf, 5);
+    for (uint32_t k = 0; k < 5; k++)
+        cr_assert_float_eq(r->draft_conf[k], pow(0.7, k + 1), 1e-6, "draft %u: %g", k,
+                           (double)r->draft_conf[k]);
+    synth_destroy(y);
+    sc.conf_bias = -0.3;
+    cr_assert_eq(synth_create(&sc, 4, NULL, &y, &e), DI_OK, "%s", e.msg);
+    r = synth_one_step(y, 5);
+    for (uint32_t k = 0; k < 5; k++)
+        cr_assert_float_eq(r->draft_conf[k], pow(0.4, k + 1), 1e-6);
+    synth_destroy(y);
+    sc.conf_bias = 0;
+    sc.conf_noise = 0.2;
+    sc.accept_spread = 0.25;
+    cr_assert_eq(synth_create(&sc, 4, NULL, &y, &e), DI_OK, "%s", e.msg);
+    int differ = 0;
+    for (int step = 0; step < 200; step++) {
+        r = synth_one_step(y, 5);
+        double run = 1.0;
+        for (uint32_t k = 0; k < 5; k++) {
+            double p = synth_draft_chance(y, r->drafts[k]);
+            cr_assert(p >= 0.45 - 1e-12 && p <= 0.95 + 1e-12, "chance %g", p);
+            double c = r->draft_conf[k], prev = k ? r->draft_conf[k - 1] : 1.0;
+            cr_assert(c <= prev && c >= 0, "draft %u: %g after %g", k, c, prev);
+            double lo = run * (p - 0.2 > 0 ? p - 0.2 : 0), hi = run * (p + 0.2 < 1 ? p + 0.2 : 1);
+            cr_assert(c >= lo * (1 - 1e-6) && c <= hi * (1 + 1e-6), "draft %u: %g not in [%g, "
+                      "%g]", k, c, lo, hi);
+            differ += fabs(c - run * p) > 1e-3;
+            run = c;
+        }
+    }
+    cr_assert_gt(differ, 100, "the noise shows");
+    synth_destroy(y);
+    synth_config bad = sc;
+    bad.conf_bias = 1.5;
+    cr_assert_eq(synth_create(&bad, 4, NULL, &y, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "confidence bias 1.5"), "%s", e.msg);
+    bad = sc;
+    bad.conf_noise = -0.1;
+    cr_assert_eq(synth_create(&bad, 4, NULL, &y, &e), DI_EINVAL);
+    bad = sc;
+    bad.accept_spread = 2;
+    cr_assert_eq(synth_create(&bad, 4, NULL, &y, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "acceptance spread 2"), "%s", e.msg);
+}
