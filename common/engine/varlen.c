@@ -5,13 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* One draft in the global ranking. */
-typedef struct ranked_draft {
-    double conf;  /* cumulative acceptance chance */
-    uint32_t req; /* request index */
-    uint32_t idx; /* draft index within the request */
-} ranked_draft;
-
 static int cmp_graph_rows(const void *pa, const void *pb)
 {
     const varlen_graph_time *a = pa, *b = pb;
@@ -67,9 +60,14 @@ static di_status sorted_table(const varlen_graph_time *times, size_t ntimes,
     return DI_OK;
 }
 
-/* Radix sort of the ranking: 8 passes of one byte each over a 64-bit key. */
-#define VARLEN_RADIX_PASSES 8
+/* The ranking is sorted as 64-bit elements: a 32-bit key (rank_drafts) above the draft's
+ * entry number (its place in request order). */
 #define VARLEN_RADIX_BUCKETS 256
+#define VARLEN_IDX_BITS 6 /* who[] packs req << 6 | idx (idx < VARLEN_MAX_DRAFTS = 64) */
+_Static_assert(VARLEN_MAX_DRAFTS <= 1u << VARLEN_IDX_BITS, "draft index fits who[]");
+_Static_assert((uint64_t)VARLEN_MAX_REQUESTS << VARLEN_IDX_BITS <= UINT32_MAX, "who[] fits");
+_Static_assert((uint64_t)VARLEN_MAX_REQUESTS * VARLEN_MAX_DRAFTS <= UINT32_MAX,
+               "entry numbers fit the low half of a ranking element");
 
 struct varlen_planner {
     varlen_graph_time *t;  /* [ntimes] the table, sorted by rows (owned) */
@@ -77,52 +75,36 @@ struct varlen_planner {
     double sampler_ms;     /* added to every size's time */
     uint32_t max_requests; /* capacity of one call */
     uint32_t max_drafts;   /* capacity of one call, drafts of all requests together */
-    ranked_draft *a, *b;   /* [max_drafts] the ranking and the sort's second buffer */
-    uint32_t (*hist)[VARLEN_RADIX_BUCKETS]; /* [1] counts, then offsets, of one key byte */
+    double *conf;          /* [max_drafts] each entry's confidence, entries in request order */
+    uint32_t *who;         /* [max_drafts] each entry's request << 6 | draft index */
+    uint64_t *a, *b;       /* [max_drafts] the ranking (key << 32 | entry) and a second buffer */
+    uint32_t *hist;        /* [VARLEN_RADIX_BUCKETS] counts, then offsets, of one key byte */
     const di_alloc *alloc; /* what everything above came from */
 };
 
-/* The sort key: ascending keys are descending confidences. A confidence is in [0, 1] (-0 is
- * made +0), and the IEEE bits of non-negative doubles grow with the value, so the complement
- * of the bits orders them highest first. */
-static uint64_t rank_key(double c)
+/* The IEEE bits of a confidence in [0, 1] (-0 is made +0): they grow with the value. */
+static uint64_t conf_bits(double c)
 {
     uint64_t bits;
     c += 0.0;
     memcpy(&bits, &c, sizeof(bits));
-    return ~bits;
+    return bits;
 }
 
-/* Ranks every draft: laid out in request order, then a stable LSD radix sort on rank_key, so
- * equal confidences keep the lower request, then the earlier draft, first (the ranking of
- * varlen.h). Only the key bytes that differ between drafts are sorted on (drafts from float
- * confidences share their low bytes; confidences of one range share the top byte): per such
- * byte one counting loop and one scatter loop, O(D), no data-dependent branches. Returns the
- * sorted buffer (p->a or p->b). */
-static const ranked_draft *rank_drafts(varlen_planner *p, const varlen_request *reqs,
-                                       uint32_t n, size_t *count)
+/* Stable LSD radix sort of r[0..k) on the key bytes that differ between drafts (drafts from
+ * float confidences share their low bits, confidences of one range their top byte): per byte
+ * a counting loop and a scatter loop, O(D), no data-dependent branches. Returns the sorted
+ * buffer (r or tmp). */
+static uint64_t *radix_by_key(uint64_t *r, uint64_t *tmp, size_t k, uint32_t differ,
+                              uint32_t *h)
 {
-    ranked_draft *src = p->a, *dst = p->b;
-    uint64_t any = 0, all = ~0ull;
-    size_t k = 0;
-    for (uint32_t i = 0; i < n; i++)
-        for (uint32_t d = 0; d < reqs[i].num_drafts; d++) {
-            src[k] = (ranked_draft){.conf = reqs[i].conf[d], .req = i, .idx = d};
-            uint64_t key = rank_key(src[k].conf);
-            any |= key;
-            all &= key;
-            k++;
-        }
-    *count = k;
-    uint64_t differ = k ? any ^ all : 0;
-    for (int b = 0; b < VARLEN_RADIX_PASSES; b++) {
-        int shift = 8 * b;
-        if (((differ >> shift) & 0xff) == 0)
+    for (int b = 0; b < 4; b++) {
+        int shift = 32 + 8 * b;
+        if (((differ >> (8 * b)) & 0xff) == 0)
             continue; /* every key has this byte */
-        uint32_t *h = p->hist[0];
         memset(h, 0, VARLEN_RADIX_BUCKETS * sizeof(*h));
         for (size_t i = 0; i < k; i++)
-            h[(rank_key(src[i].conf) >> shift) & 0xff]++;
+            h[(r[i] >> shift) & 0xff]++;
         uint32_t at = 0;
         for (int v = 0; v < VARLEN_RADIX_BUCKETS; v++) {
             uint32_t c = h[v];
@@ -130,12 +112,61 @@ static const ranked_draft *rank_drafts(varlen_planner *p, const varlen_request *
             at += c;
         }
         for (size_t i = 0; i < k; i++)
-            dst[h[(rank_key(src[i].conf) >> shift) & 0xff]++] = src[i];
-        ranked_draft *tmp = src;
-        src = dst;
-        dst = tmp;
+            tmp[h[(r[i] >> shift) & 0xff]++] = r[i];
+        uint64_t *x = r;
+        r = tmp;
+        tmp = x;
     }
-    return src;
+    return r;
+}
+
+/* Ranks every draft (the ranking of varlen.h: highest first, ties to the lower request, then
+ * to the earlier draft). The drafts are laid out in request order; the key of each is 32 bits
+ * of its confidence's bits, complemented so that ascending keys are descending confidences:
+ * the 32 bits ending at the highest bit that differs between drafts. Bits above it are the
+ * same in every draft, so when no lower bit differs (confidences from floats within a range
+ * of 2^-6 .. 1 differ in about 26 bits) keys and confidences are in the same order and the
+ * stable radix sort is the ranking. Otherwise runs of equal keys are put in order of the full
+ * confidence by a stable insertion; such runs hold confidences within a relative 2^-31 of each
+ * other, and equal confidences never move, so they are short except for contrived input. */
+static const uint64_t *rank_drafts(varlen_planner *p, const varlen_request *reqs, uint32_t n,
+                                   size_t *count)
+{
+    uint64_t any = 0, all = ~0ull;
+    size_t k = 0;
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t d = 0; d < reqs[i].num_drafts; d++) {
+            uint64_t bits = conf_bits(reqs[i].conf[d]);
+            p->conf[k] = reqs[i].conf[d];
+            p->who[k] = i << VARLEN_IDX_BITS | d;
+            any |= bits;
+            all &= bits;
+            k++;
+        }
+    *count = k;
+    uint64_t differ = k ? any ^ all : 0;
+    if (differ == 0)
+        for (size_t i = 0; i < k; i++)
+            p->a[i] = i; /* all equal: request order is the ranking */
+    if (differ == 0)
+        return p->a;
+    int top = 63 - __builtin_clzll(differ), shift = top > 31 ? top - 31 : 0;
+    for (size_t i = 0; i < k; i++)
+        p->a[i] = (uint64_t)(uint32_t)~(conf_bits(p->conf[i]) >> shift) << 32 | i;
+    uint64_t *r = radix_by_key(p->a, p->b, k, (uint32_t)(differ >> shift), p->hist);
+    if ((differ & ((1ull << shift) - 1)) == 0)
+        return r;
+    for (size_t i = 1; i < k; i++) {
+        uint64_t e = r[i];
+        double c = p->conf[(uint32_t)e];
+        size_t j = i;
+        while (j > 0 && r[j - 1] >> 32 == e >> 32 && p->conf[(uint32_t)r[j - 1]] < c) {
+            r[j] = r[j - 1];
+            j--;
+        }
+        r[j] = e;
+    }
+    return r;
 }
 
 /* The scan proper: best prefix length of the ranking, with its figures. */
@@ -146,7 +177,7 @@ typedef struct scan_best {
     double step_ms;  /* graph time + sampler */
 } scan_best;
 
-static scan_best scan(const ranked_draft *r, size_t total, uint32_t n,
+static scan_best scan(const uint64_t *r, const double *conf, size_t total, uint32_t n,
                       const varlen_graph_time *t, size_t ntimes, double sampler_ms)
 {
     uint32_t largest = t[ntimes - 1].rows;
@@ -168,7 +199,7 @@ static scan_best scan(const ranked_draft *r, size_t total, uint32_t n,
         }
         if (k == limit)
             break;
-        tokens += r[k].conf;
+        tokens += conf[(uint32_t)r[k]];
     }
     return best;
 }
@@ -203,11 +234,13 @@ di_status varlen_planner_create(const varlen_graph_time *times, size_t ntimes,
     size_t nd = max_drafts ? max_drafts : 1;
     if (p) {
         p->alloc = a;
-        p->a = di_alloc_mem(a, nd * sizeof(ranked_draft));
-        p->b = di_alloc_mem(a, nd * sizeof(ranked_draft));
-        p->hist = di_alloc_mem(a, sizeof(*p->hist));
+        p->conf = di_alloc_mem(a, nd * sizeof(*p->conf));
+        p->who = di_alloc_mem(a, nd * sizeof(*p->who));
+        p->a = di_alloc_mem(a, nd * sizeof(*p->a));
+        p->b = di_alloc_mem(a, nd * sizeof(*p->b));
+        p->hist = di_alloc_mem(a, VARLEN_RADIX_BUCKETS * sizeof(*p->hist));
     }
-    if (!p || !p->a || !p->b || !p->hist) {
+    if (!p || !p->conf || !p->who || !p->a || !p->b || !p->hist) {
         di_alloc_release(a, t);
         varlen_planner_free(p);
         return di_fail(err, DI_ENOMEM, "out of memory for a planner of %u drafts", max_drafts);
@@ -227,6 +260,8 @@ void varlen_planner_free(varlen_planner *p)
         return;
     const di_alloc *a = p->alloc;
     di_alloc_release(a, p->t);
+    di_alloc_release(a, p->conf);
+    di_alloc_release(a, p->who);
     di_alloc_release(a, p->a);
     di_alloc_release(a, p->b);
     di_alloc_release(a, p->hist);
@@ -274,13 +309,14 @@ di_status varlen_planner_run(varlen_planner *p, const varlen_request *reqs, uint
     if (st != DI_OK)
         return st;
     size_t total;
-    const ranked_draft *r = rank_drafts(p, reqs, n, &total);
-    scan_best b = scan(r, total, n, p->t, p->ntimes, p->sampler_ms);
+    const uint64_t *r = rank_drafts(p, reqs, n, &total);
+    scan_best b = scan(r, p->conf, total, n, p->t, p->ntimes, p->sampler_ms);
     memset(drafts, 0, (size_t)n * sizeof(*drafts));
     for (size_t k = 0; k < b.drafts; k++) {
+        uint32_t who = p->who[(uint32_t)r[k]], req = who >> VARLEN_IDX_BITS;
         /* A prefix of the ranking holds each request's first drafts, in order. */
-        assert(r[k].idx == drafts[r[k].req]);
-        drafts[r[k].req]++;
+        assert((who & ((1u << VARLEN_IDX_BITS) - 1)) == drafts[req]);
+        drafts[req]++;
     }
     if (sum)
         *sum = (varlen_summary){

@@ -80,8 +80,10 @@ void varlen_plan_free(varlen_plan *plan);
  * The same scan as varlen_schedule, with the step-time table validated and sorted once and
  * every scratch array allocated at creation, so a plan allocates nothing. The ranking is a
  * stable radix sort of the drafts laid out in request order (stability gives the ties to the
- * lower request, then the earlier draft): O(D) per byte of the key for D drafts, with no
- * data-dependent branches. Both entry points run this code and produce identical plans. */
+ * lower request, then the earlier draft) on 32 bits of each confidence: O(D) per key byte
+ * that differs between the D drafts, with no data-dependent branches; confidences that differ
+ * only below those 32 bits (a relative 2^-31) are then ordered by an insertion pass, which is
+ * quadratic only for contrived input. Both entry points run this code: identical plans. */
 typedef struct varlen_planner varlen_planner;
 
 /* The figures of one plan (varlen_plan without the drafts array). */

@@ -686,3 +686,97 @@ Test(sched_varlen, synth_confidences_follow_the_acceptance_model)
     cr_assert_eq(synth_create(&bad, 4, NULL, &y, &e), DI_EINVAL);
     cr_assert(strstr(e.msg, "acceptance spread 2"), "%s", e.msg);
 }
+
+/* ---- the planner's ranking against a plain comparison sort ---- */
+
+typedef struct oracle_draft {
+    double conf;
+    uint32_t req, idx;
+} oracle_draft;
+
+static int oracle_cmp(const void *pa, const void *pb)
+{
+    const oracle_draft *a = pa, *b = pb;
+    if (a->conf != b->conf)
+        return a->conf > b->conf ? -1 : 1;
+    if (a->req != b->req)
+        return a->req < b->req ? -1 : 1;
+    return a->idx < b->idx ? -1 : a->idx > b->idx;
+}
+
+/* The scan of varlen.h over a qsort ranking: the draft counts of the best prefix. */
+static uint32_t oracle_plan(const varlen_request *reqs, uint32_t n, const varlen_graph_time *t,
+                            size_t nt, double sampler, uint32_t *drafts)
+{
+    static oracle_draft r[8 * 8];
+    size_t total = 0;
+    for (uint32_t i = 0; i < n; i++)
+        for (uint32_t d = 0; d < reqs[i].num_drafts; d++)
+            r[total++] = (oracle_draft){reqs[i].conf[d], i, d};
+    qsort(r, total, sizeof(r[0]), oracle_cmp);
+    double tokens = n, best = -1;
+    size_t best_k = 0, g = 0;
+    for (size_t k = 0; n + k <= t[nt - 1].rows; k++) {
+        while (t[g].rows < n + k)
+            g++;
+        double rate = tokens / (t[g].step_ms + sampler);
+        if (rate > best) {
+            best = rate;
+            best_k = k;
+        }
+        if (k == total)
+            break;
+        tokens += r[k].conf;
+    }
+    memset(drafts, 0, n * sizeof(*drafts));
+    for (size_t k = 0; k < best_k; k++)
+        drafts[r[k].req]++;
+    return n + (uint32_t)best_k;
+}
+
+/* Confidences that differ only far below their leading bits (a relative 1e-13), exact
+ * duplicates, floats and full doubles: the ranking, hence the plan, is that of a comparison
+ * sort by (confidence, request, draft). */
+Test(sched_varlen, planner_ranking_is_exact_for_nearly_equal_confidences)
+{
+    static const varlen_graph_time t[] = {{2, 3.0}, {4, 3.1}, {8, 3.3}, {16, 4.1}, {24, 4.6},
+                                          {32, 5.4}, {40, 5.9}, {48, 6.8}, {56, 7.0}, {64, 7.7}};
+    varlen_planner *pl;
+    di_error e;
+    cr_assert_eq(varlen_planner_create(t, 10, 0.2, 8, 64, NULL, &pl, &e), DI_OK, "%s", e.msg);
+    di_rng rng;
+    di_rng_init(&rng, 4242);
+    static const double base[4] = {0.9, 0.6, 0.3, 0.1};
+    int moved = 0;
+    for (int iter = 0; iter < 2000; iter++) {
+        double conf[8][8];
+        varlen_request reqs[8];
+        uint32_t n = 1 + (uint32_t)di_rng_below(&rng, 8);
+        int mode = iter % 3; /* 0: tiny perturbations, 1: floats, 2: duplicates */
+        for (uint32_t i = 0; i < n; i++) {
+            uint32_t nd = (uint32_t)di_rng_below(&rng, 9);
+            double prev = 1.0;
+            for (uint32_t k = 0; k < nd; k++) {
+                double c = base[di_rng_below(&rng, 4)];
+                if (mode == 0)
+                    c += 1e-13 * (double)di_rng_below(&rng, 5);
+                else if (mode == 1)
+                    c = (float)(c * di_rng_uniform(&rng));
+                c = c < prev ? c : prev; /* cumulative: never increasing */
+                conf[i][k] = prev = c;
+            }
+            reqs[i] = (varlen_request){.conf = conf[i], .num_drafts = nd};
+        }
+        uint32_t got[8], want[8];
+        varlen_summary sum;
+        cr_assert_eq(varlen_planner_run(pl, reqs, n, got, &sum, &e), DI_OK, "%s", e.msg);
+        uint32_t rows = oracle_plan(reqs, n, t, 10, 0.2, want);
+        cr_assert_eq(sum.rows, rows, "iteration %d: %u rows, the comparison sort %u", iter,
+                     sum.rows, rows);
+        for (uint32_t i = 0; i < n; i++)
+            cr_assert_eq(got[i], want[i], "iteration %d request %u", iter, i);
+        moved += mode == 0 && rows > n && rows < n + 8 * 8;
+    }
+    cr_assert_gt(moved, 100, "partial plans among the perturbed cases: %d", moved);
+    varlen_planner_free(pl);
+}
