@@ -6,6 +6,7 @@
 
 #include <assert.h>
 #include <stddef.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* ---- tables ---- */
@@ -76,6 +77,82 @@ void sched_config_default(sched_config *c)
     };
 }
 
+/* Index of the first recorded size >= rows (g->count when none). */
+static size_t sched_graph_index(const graph_sizes *g, uint32_t rows)
+{
+    size_t lo = 0, hi = g->count;
+    while (lo < hi) {
+        size_t mid = lo + (hi - lo) / 2;
+        if (g->sizes[mid] < rows)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    return lo;
+}
+
+/* One entry of the varlen table: a recorded graph size, measured once, in range. seen[] marks
+ * the sizes already measured (indexed like g->sizes). */
+static di_status sched_check_step_ms(const sched_config *c, const graph_sizes *g, uint32_t i,
+                                     bool *seen, di_error *err)
+{
+    const varlen_graph_time *t = &c->step_ms[i];
+    size_t k = sched_graph_index(g, t->rows);
+    if (t->rows == 0 || k == g->count || g->sizes[k] != t->rows)
+        return di_fail(err, DI_EINVAL, "step_ms[%u]: %u rows is not a recorded graph size (powers "
+                       "of 2 up to graph_interval %u, then its multiples, up to max_num_seqs x "
+                       "(1 + nextn) = %u)", i, t->rows, c->graph_interval, g->max_rows);
+    if (!(t->step_ms >= VARLEN_MIN_MS && t->step_ms <= VARLEN_MAX_MS))
+        return di_fail(err, DI_EINVAL, "step_ms[%u]: %u rows take %g ms, outside [%g, %g] ms", i,
+                       t->rows, t->step_ms, VARLEN_MIN_MS, VARLEN_MAX_MS);
+    if (seen[k])
+        return di_fail(err, DI_EINVAL, "step_ms[%u]: graph size %u is measured twice", i,
+                       t->rows);
+    seen[k] = true;
+    return DI_OK;
+}
+
+/* MTP varlen settings (scheduler.h, "MTP varlen"). The other fields are valid already. */
+static di_status sched_validate_varlen(const sched_config *c, di_error *err)
+{
+    if (!c->varlen)
+        return DI_OK;
+    if (c->nextn == 0)
+        return di_fail(err, DI_EINVAL, "varlen needs nextn >= 1 (with no drafts there is "
+                       "nothing to choose)");
+    if (!c->step_ms || c->n_step_ms == 0)
+        return di_fail(err, DI_EINVAL, "varlen needs the step-time table (step_ms: one time per "
+                       "recorded graph size)");
+    if (c->n_step_ms > SCHED_MAX_STEP_MS)
+        return di_fail(err, DI_EINVAL, "step_ms has %u entries, more than %u", c->n_step_ms,
+                       SCHED_MAX_STEP_MS);
+    if (!(c->sampler_ms >= 0.0 && c->sampler_ms <= VARLEN_MAX_MS))
+        return di_fail(err, DI_EINVAL, "sampler_ms %g outside [0, %g] ms", c->sampler_ms,
+                       VARLEN_MAX_MS);
+    graph_sizes g;
+    di_status st = graph_sizes_init(&g, c->max_num_seqs, c->nextn, c->graph_interval, err);
+    if (st != DI_OK)
+        return st;
+    bool *seen = calloc(g.count, sizeof(bool));
+    if (!seen) {
+        graph_sizes_free(&g);
+        return di_fail(err, DI_ENOMEM, "out of memory checking step_ms");
+    }
+    uint32_t largest = 0;
+    for (uint32_t i = 0; i < c->n_step_ms && st == DI_OK; i++) {
+        st = sched_check_step_ms(c, &g, i, seen, err);
+        if (c->step_ms[i].rows > largest)
+            largest = c->step_ms[i].rows;
+    }
+    free(seen);
+    graph_sizes_free(&g);
+    if (st == DI_OK && largest < c->max_num_seqs)
+        st = di_fail(err, DI_EINVAL, "step_ms: the largest graph measured (%u rows) cannot hold "
+                     "one row for each of max_num_seqs %u requests; measure a graph of at least "
+                     "%u rows", largest, c->max_num_seqs, c->max_num_seqs);
+    return st;
+}
+
 di_status sched_config_validate(const sched_config *c, di_error *err)
 {
     if (!c)
@@ -109,7 +186,7 @@ di_status sched_config_validate(const sched_config *c, di_error *err)
                        c->eos_token);
     if (c->vote && (!c->vote->all || !c->vote->any || !c->vote->any_work))
         return di_fail(err, DI_EINVAL, "vote struct with a NULL collective");
-    return DI_OK;
+    return sched_validate_varlen(c, err);
 }
 
 const char *sched_engine_type_name(sched_engine_type t)
@@ -400,8 +477,15 @@ static di_status sched_alloc_arrays(sched *s, di_error *err)
     s->outs = di_alloc_zero(a, s->cap_outs, sizeof(sched_output));
     s->pend = di_alloc_zero(a, s->cap_copies, sizeof(sched_copy));
     s->out_tokens = di_alloc_zero(a, s->cap_out_tokens, sizeof(int32_t));
+    s->served = di_alloc_zero(a, m, sizeof(seq *));
     bool ok = s->wq && s->run && s->map_keys && s->map_vals && s->order && s->need &&
-              s->chunk && s->outs && s->out_tokens && s->pend;
+              s->chunk && s->outs && s->out_tokens && s->pend && s->served;
+    if (s->cfg.varlen) {
+        s->vl_reqs = di_alloc_zero(a, m, sizeof(varlen_request));
+        s->vl_drafts = di_alloc_zero(a, m, sizeof(uint32_t));
+        s->step_ms = di_alloc_zero(a, s->cfg.n_step_ms, sizeof(varlen_graph_time));
+        ok = ok && s->vl_reqs && s->vl_drafts && s->step_ms;
+    }
     for (int i = 0; i < 2; i++) {
         sched_step *st = &s->steps[i];
         st->entries = di_alloc_zero(a, m, sizeof(sched_seq_plan));
@@ -448,6 +532,12 @@ di_status sched_create(const sched_config *cfg, sched **out, di_error *err)
         di_status gs = graph_sizes_init(&s->graphs, m, cfg->nextn, cfg->graph_interval, err);
         st = gs;
     }
+    if (st == DI_OK && cfg->varlen) {
+        memcpy(s->step_ms, cfg->step_ms, (size_t)cfg->n_step_ms * sizeof(varlen_graph_time));
+        s->cfg.step_ms = s->step_ms;
+        st = varlen_planner_create(s->step_ms, cfg->n_step_ms, cfg->sampler_ms, m,
+                                   m * cfg->nextn, s->alloc, &s->vl, err);
+    }
     if (st != DI_OK) {
         sched_destroy(s);
         return st;
@@ -487,6 +577,11 @@ void sched_destroy(sched *s)
     di_alloc_release(a, s->pend);
     di_alloc_release(a, s->outs);
     di_alloc_release(a, s->out_tokens);
+    di_alloc_release(a, s->served);
+    di_alloc_release(a, s->vl_reqs);
+    di_alloc_release(a, s->vl_drafts);
+    di_alloc_release(a, s->step_ms);
+    varlen_planner_free(s->vl);
     di_alloc_release(a, s);
 }
 

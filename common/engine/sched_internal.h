@@ -9,6 +9,7 @@
 #include "common/engine/scheduler.h"
 #include "common/engine/seq.h"
 #include "common/engine/slots.h"
+#include "common/engine/varlen.h"
 
 /* What an engine type may do: one row per type. */
 typedef struct sched_type_row {
@@ -68,6 +69,15 @@ struct sched {
     seq **order;                   /* [max_num_seqs] scratch: running sorted for preemption */
     uint32_t *need;                /* [max_num_seqs] scratch: blocks each sequence needs */
     uint32_t *chunk;               /* [max_num_seqs] scratch: chosen prefill chunk sizes */
+    seq **served;                  /* [max_num_seqs] scratch: the sequences a decode step
+                                      serves, in entry order (entries are made once varlen has
+                                      chosen their rows) */
+    uint32_t n_served;
+
+    varlen_planner *vl;            /* cfg.varlen: the scan with the table and its scratch */
+    varlen_graph_time *step_ms;    /* cfg.varlen: copy of the table (cfg.step_ms points here) */
+    varlen_request *vl_reqs;       /* [max_num_seqs] scratch: the served sequences' drafts */
+    uint32_t *vl_drafts;           /* [max_num_seqs] scratch: drafts each one checks */
 
     sched_copy *pend;              /* [cap_copies] fork copies waiting for the next plan */
     uint32_t n_pend, cap_copies;

@@ -27,6 +27,29 @@ static di_status sched_check_ids(const sched *s, const int32_t *t, uint32_t n, u
     return DI_OK;
 }
 
+/* Confidences come for none or all of the new drafts, in [0, 1], never increasing (each is
+ * the chance that its draft and every earlier one pass). */
+static di_status sched_check_conf(const sched_seq_result *r, uint32_t entry, uint64_t id,
+                                  di_error *err)
+{
+    if (r->n_conf && r->n_conf != r->n_drafts)
+        return di_fail(err, DI_EINVAL, "result %u (request %llu): %u confidences for %u drafts "
+                       "(want none or one per draft)", entry, (unsigned long long)id, r->n_conf,
+                       r->n_drafts);
+    for (uint32_t k = 0; k < r->n_conf; k++) {
+        float c = r->draft_conf[k];
+        if (!(c >= 0.0f && c <= 1.0f))
+            return di_fail(err, DI_EINVAL, "result %u (request %llu): confidence %u = %g outside "
+                           "[0, 1]", entry, (unsigned long long)id, k, (double)c);
+        if (k && c > r->draft_conf[k - 1])
+            return di_fail(err, DI_EINVAL, "result %u (request %llu): confidence %u = %g exceeds "
+                           "confidence %u = %g (they are cumulative)", entry,
+                           (unsigned long long)id, k, (double)c, k - 1,
+                           (double)r->draft_conf[k - 1]);
+    }
+    return DI_OK;
+}
+
 static di_status sched_check_result(const sched *s, const sched_step *st, uint32_t i,
                                     const sched_seq_result *r, di_error *err)
 {
@@ -47,6 +70,8 @@ static di_status sched_check_result(const sched *s, const sched_step *st, uint32
     di_status rc = sched_check_ids(s, r->tokens, r->n_tokens, i, "token", err);
     if (rc == DI_OK)
         rc = sched_check_ids(s, r->drafts, r->n_drafts, i, "draft", err);
+    if (rc == DI_OK)
+        rc = sched_check_conf(r, i, e->request_id, err);
     return rc;
 }
 
@@ -115,6 +140,7 @@ static seq *sched_apply(sched *s, const sched_step *st, uint32_t i, const sched_
     if (!prompt)
         seq_commit_processed_tokens(q, e->seqlen_q, r->n_tokens);
     seq_set_drafts(q, r->drafts, r->n_drafts);
+    seq_set_draft_conf(q, r->draft_conf, r->n_conf);
     sched_append(s, q, r->tokens, r->n_tokens);
     return NULL;
 }

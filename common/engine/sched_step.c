@@ -229,12 +229,12 @@ static uint32_t sched_decode_rows(const sched *s, const seq *q)
     return left ? (uint32_t)left : 1;
 }
 
-/* Blocks q's next decode step needs beyond what it holds, after handing back the blocks it no
- * longer needs: those claimed for drafts when the next step has fewer rows (only blocks past
- * every position a step in flight writes). */
-static uint32_t sched_decode_need(sched *s, seq *q)
+/* Blocks a decode step of `rows` rows needs beyond what q holds, after handing back the blocks
+ * it no longer needs: those claimed for drafts when the next step has fewer rows (only blocks
+ * past every position a step in flight writes). */
+static uint32_t sched_fit_blocks(sched *s, seq *q, uint32_t rows)
 {
-    uint32_t want = seq_blocks_for((uint64_t)q->num_tokens + sched_decode_rows(s, q));
+    uint32_t want = seq_blocks_for((uint64_t)q->num_tokens + rows);
     if (q->n_blocks > want) {
         blkmgr_free(s->bm, q->blocks + want, q->n_blocks - want);
         q->n_blocks = want;
@@ -242,14 +242,19 @@ static uint32_t sched_decode_need(sched *s, seq *q)
     return want - q->n_blocks;
 }
 
+/* The blocks of q's next decode step with every draft checked (sched_decode_rows). */
+static uint32_t sched_decode_need(sched *s, seq *q)
+{
+    return sched_fit_blocks(s, q, sched_decode_rows(s, q));
+}
+
 /* Schedules q's decode rows: its newest token then its drafts, padded. Under async, a sequence
  * in the step in flight gets pad tokens the fixup replaces. */
-static void sched_decode_entry(sched *s, sched_step *st, seq *q)
+static void sched_decode_entry(sched *s, sched_step *st, seq *q, uint32_t rows)
 {
     uint32_t i = st->plan.n_seqs++;
     bool from_prev = q->inflight_steps > 0;
     uint32_t prev_index = q->plan_idx;
-    uint32_t rows = sched_decode_rows(s, q);
     sched_seq_plan *e = sched_entry(st, i, q, rows);
     int32_t *t = st->rows + (size_t)i * s->rows;
     t[0] = from_prev ? s->cfg.pad_token : q->tokens[q->len - 1];
@@ -261,7 +266,9 @@ static void sched_decode_entry(sched *s, sched_step *st, seq *q)
     e->prev_index = from_prev ? prev_index : 0;
 }
 
-static void sched_serve(sched *s, sched_step *st, seq *q, uint32_t need)
+/* q is served this step: it gets the blocks of every draft checked now; its entry is made
+ * once the rows are known (sched_decode_entries). */
+static void sched_serve(sched *s, seq *q, uint32_t need)
 {
     if (need) {
         di_status rc = blkmgr_alloc(s->bm, need, q->blocks + q->n_blocks, NULL);
@@ -269,7 +276,48 @@ static void sched_serve(sched *s, sched_step *st, seq *q, uint32_t need)
         (void)rc;
         q->n_blocks += need;
     }
-    sched_decode_entry(s, st, q);
+    s->served[s->n_served++] = q;
+}
+
+/* MTP varlen over the served sequences: s->vl_drafts[i] drafts for s->served[i]. Each offers
+ * its newest confidences, no more drafts than it may still produce tokens beyond its own row,
+ * none without confidences (scheduler.h, "MTP varlen"). */
+static void sched_varlen(sched *s)
+{
+    uint32_t n = s->n_served, no_conf = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        const seq *q = s->served[i];
+        uint32_t most = sched_decode_rows(s, q) - 1;
+        s->vl_reqs[i] = (varlen_request){.conf = q->draft_conf,
+                                         .num_drafts = q->n_conf < most ? q->n_conf : most};
+        no_conf += q->n_conf == 0;
+    }
+    /* the confidences were checked when they arrived; n <= max_num_seqs <= largest graph */
+    di_status rc = varlen_planner_run(s->vl, s->vl_reqs, n, s->vl_drafts, NULL, NULL);
+    assert(rc == DI_OK);
+    (void)rc;
+    s->stats.varlen_steps++;
+    s->stats.varlen_no_conf += no_conf;
+}
+
+/* The entries of the served sequences, in serving order: every draft checked (up to the
+ * request's limit), or varlen's choice, whose unused blocks go back now. */
+static void sched_decode_entries(sched *s, sched_step *st)
+{
+    if (s->cfg.varlen && s->n_served)
+        sched_varlen(s);
+    for (uint32_t i = 0; i < s->n_served; i++) {
+        seq *q = s->served[i];
+        uint32_t rows = sched_decode_rows(s, q);
+        if (s->cfg.varlen) {
+            assert(s->vl_drafts[i] < rows);
+            rows = 1 + s->vl_drafts[i];
+            uint32_t need = sched_fit_blocks(s, q, rows);
+            assert(need == 0); /* it holds the blocks of every draft */
+            (void)need;
+        }
+        sched_decode_entry(s, st, q, rows);
+    }
 }
 
 /* Preempts q (scheduler.h): stop, or back to the front of waiting (recompute). Returns the blocks
@@ -295,6 +343,7 @@ static uint32_t sched_preempt(sched *s, sched_step *st, seq *q)
     q->num_tokens = 0;
     q->prev_num_tokens = 0;
     q->n_drafts = 0;
+    q->n_conf = 0;
     q->n_load = 0;
     q->load_window = false;
     q->window_start = 0;
@@ -329,7 +378,7 @@ static void sched_decode_short(sched *s, sched_step *st)
             pending += sched_preempt(s, st, s->order[l++]);
         uint32_t free_now = blkmgr_free_count(s->bm);
         if (need <= free_now)
-            sched_serve(s, st, q, need);
+            sched_serve(s, q, need);
         else if (free_now + pending >= need)
             s->stats.sat_out++; /* its blocks come back after the step in flight */
         else
@@ -340,7 +389,7 @@ static void sched_decode_short(sched *s, sched_step *st)
 
 /* COMPLETION: admit waiting requests whose prompt KV is cached, while blocks, slots,
  * max_num_seqs and the cache threshold allow; the head blocks the queue. */
-static void sched_admit(sched *s, sched_step *st)
+static void sched_admit(sched *s)
 {
     while (s->wq_len && sched_head_may_start(s)) {
         seq *q = sched_wq_at(s, 0);
@@ -361,25 +410,27 @@ static void sched_admit(sched *s, sched_step *st)
         }
         seq_set_status(q, SEQ_RUNNING);
         sched_run_add(s, q);
-        sched_decode_entry(s, st, q);
+        s->served[s->n_served++] = q;
     }
 }
 
 static void sched_build_decode(sched *s, sched_step *st)
 {
     uint32_t total = 0;
+    s->n_served = 0;
     for (uint32_t i = 0; i < s->n_run; i++)
         total += sched_decode_need(s, s->run[i]);
     if (total <= blkmgr_free_count(s->bm)) {
         for (uint32_t i = 0; i < s->n_run; i++) {
             seq *q = s->run[i];
-            sched_serve(s, st, q, sched_decode_need(s, q));
+            sched_serve(s, q, sched_decode_need(s, q));
         }
     } else {
         sched_decode_short(s, st);
     }
     if (!s->type->prefill)
-        sched_admit(s, st);
+        sched_admit(s);
+    sched_decode_entries(s, st);
     s->decode_step++;
     if (st->plan.n_seqs == 0) {
         uint32_t preempted = st->plan.n_preempted;

@@ -21,6 +21,10 @@
  *       for each outs[i]: stream outs[i].tokens; outs[i].finish != NONE ends the request
  *   }
  *   sched_destroy(s);
+ * MTP varlen (off by default): set cfg.varlen, cfg.step_ms / n_step_ms (the measured time of
+ * one step per recorded graph size) and cfg.sampler_ms; the runner returns each request's
+ * cumulative draft confidences with its drafts (sched_seq_result.n_conf, draft_conf), and a
+ * decode entry's seqlen_q - 1 is the number of drafts it checks (see "MTP varlen" below).
  * With the default vote intervals a NORMAL engine looks at waiting prompts only every 70
  * decode steps (the explainer's behaviour, and what a group of ranks needs); a single offline
  * rank that wants prompts started at once sets prefill_attempt_interval = 1.
@@ -81,16 +85,44 @@
  *   sequences that hold a reservation (cut prompts, fork children) always come first, so no
  *   head waiting for blocks stands in front of what would free them.
  * Decode: every running sequence gets 1 + nextn rows (its newest token + drafts, padded with
- *   pad_token), or fewer when it may produce fewer tokens (max_tokens, max_model_len; 1 row
- *   at least); advance_optimistically(rows) at schedule time, commit(accepted + 1) at process
- *   time; blocks beyond what its next step needs go back. When the free list cannot serve a
- *   sequence: sort running by output length, longest first; serve from the back; preempt from
- *   the front (stop: FINISHED_PREEMPTED, blocks freed; recompute, NORMAL only: back to the
- *   front of waiting, behind the prompts between chunks, its outputs kept as prompt
- *   continuation, KV dropped). Unlike the
- *   original, a sequence that needs no new block never causes a preemption. Under async, a
- *   victim still in flight frees its blocks only after that step; a sequence those blocks would
- *   serve sits this step out instead of preempting more.
+ *   pad_token; varlen: 1 + its share of the drafts), or fewer when it may produce fewer tokens
+ *   (max_tokens, max_model_len; 1 row at least); advance_optimistically(rows) at schedule time,
+ *   commit(accepted + 1) at process time; blocks beyond what its next step needs go back. When
+ *   the free list cannot serve a sequence: sort running by output length, longest first; serve
+ *   from the back; preempt from the front (stop: FINISHED_PREEMPTED, blocks freed; recompute,
+ *   NORMAL only: back to the front of waiting, behind the prompts between chunks, its outputs
+ *   kept as prompt continuation, KV dropped). Unlike the original, a sequence that needs no new
+ *   block never causes a preemption. Under async, a victim still in flight frees its blocks only
+ *   after that step; a sequence those blocks would serve sits this step out instead of
+ *   preempting more.
+ * MTP varlen (cfg.varlen, off by default as in DeepSeek's engine; explainer Pass 2, "Choosing
+ *   how many drafts to check"): a decode step first decides who is served and who is preempted
+ *   as if every request checked all its drafts (the rows above), so every decision stays
+ *   feasible; then the varlen scan (varlen.h) runs over the served requests with their newest
+ *   confidences and the step-time table, and each entry gets 1 + drafts_i rows (drafts_i never
+ *   above what the request may still produce). Blocks a request holds beyond its actual rows go
+ *   back at once; in-flight rows and num_tokens follow the actual rows. The graph is the
+ *   smallest recorded size >= the rows, which is the scan's own pick when the table measures
+ *   every recorded size (a table that skips sizes can only make the recorded one smaller).
+ *   Config: nextn >= 1; 1..SCHED_MAX_STEP_MS entries, each a recorded graph size (graphs.h)
+ *   once, with a time in [VARLEN_MIN_MS, VARLEN_MAX_MS]; the largest >= max_num_seqs, so one
+ *   row for every request that may run always fits (a smaller table is refused at create:
+ *   there is no fallback); sampler_ms in [0, VARLEN_MAX_MS].
+ *   Confidences: the runner returns each request's cumulative draft confidences with its new
+ *   drafts (sched_seq_result.draft_conf); process_outputs stores them on the sequence with the
+ *   drafts. The scan uses the newest processed ones. Synchronous: those of the step just
+ *   processed, i.e. of exactly the drafts the next step checks. Async: when step N+1 is
+ *   scheduled, step N (which proposes N+1's drafts) is still in flight, so the scan uses the
+ *   confidences step N-1 returned, two rounds back; the total and each share are fixed at
+ *   schedule time (DeepSeek's device re-ranks the shares within the total with step N's
+ *   confidences; nothing here does). A request that finished in step N still gets its share
+ *   in N+1 (the sampler does not zero its confidences here).
+ *   A request without confidences checks no drafts. That is a request admitted to a COMPLETION
+ *   engine with only its first token, a fork child, one recomputed after preemption (each of
+ *   these holds no real drafts: its draft rows would be pad tokens that cannot pass), or one
+ *   served by a runner without a confidence head (then varlen means no speculation). Checking
+ *   all of them instead would spend rows the scan cannot weigh against the others, and the
+ *   cost of "none" is at most one step of drafts per request.
  * Abort (any queue, in flight or not): one final output with finish "abort", blocks and slot
  *   freed exactly once (deferred while in flight).
  * Graphs: a decode plan's rows run on the smallest recorded size >= rows (graphs.h); the plan
@@ -106,6 +138,7 @@
 #include <stdint.h>
 
 #include "common/engine/seq.h"
+#include "common/engine/varlen.h"
 #include "common/engine/vote.h"
 #include "common/util/alloc.h"
 #include "common/util/status.h"
@@ -138,6 +171,9 @@ typedef enum sched_finish {
     SCHED_FINISH_COUNT
 } sched_finish;
 
+/* Most entries of a varlen step-time table. */
+#define SCHED_MAX_STEP_MS 65536u
+
 typedef struct sched_config {
     sched_engine_type type;           /* NORMAL */
     uint32_t max_num_batched_tokens;  /* prefill tokens per step; 32,768 */
@@ -159,6 +195,13 @@ typedef struct sched_config {
     int32_t eos_token;                /* end token, -1 for none; -1 */
     int32_t pad_token;                /* token of padded draft rows and placeholders; 0 */
     uint32_t vocab_size;              /* token ids must be below it; 0 = unchecked */
+    bool varlen;                      /* MTP varlen: each decode step picks how many drafts each
+                                         request checks (see "MTP varlen" above); false */
+    const varlen_graph_time *step_ms; /* varlen: measured time of one step per recorded graph
+                                         size (ms); copied by sched_create; NULL */
+    uint32_t n_step_ms;               /* entries of step_ms; 0 */
+    double sampler_ms;                /* varlen: the sampler's time per step (ms), added to
+                                         every size; 0 */
     const vote *vote;                 /* rank group; NULL = a single rank (copied) */
     const di_alloc *alloc;            /* allocator; NULL = libc (must outlive the scheduler) */
 } sched_config;
@@ -272,6 +315,10 @@ typedef struct sched_seq_result {
     int32_t tokens[SEQ_MAX_NEXTN + 1]; /* the accepted drafts, then the sampled token */
     uint32_t n_drafts;            /* new drafts for the next step (0 .. nextn) */
     int32_t drafts[SEQ_MAX_NEXTN];
+    uint32_t n_conf;              /* confidences of the new drafts: 0 (none) or n_drafts */
+    float draft_conf[SEQ_MAX_NEXTN]; /* draft model's cumulative acceptance chance of drafts[i]
+                                     (all of drafts[0..i] accepted), in [0, 1], non-increasing;
+                                     written by the runner, read by varlen */
 } sched_seq_result;
 
 /* ---- Request outputs ---- */
@@ -295,6 +342,8 @@ typedef struct sched_stats {
     uint64_t sat_out;             /* decode rows skipped while a victim's blocks were in flight */
     uint64_t prefill_tokens;      /* prompt positions computed */
     uint64_t decode_rows;         /* decode rows scheduled */
+    uint64_t varlen_steps;        /* decode plans whose draft counts varlen chose */
+    uint64_t varlen_no_conf;      /* of their entries, those without confidences (no drafts) */
     uint64_t output_tokens;       /* tokens appended to requests */
     uint64_t requests_added;
     uint64_t requests_finished;   /* final outputs (abort included) */

@@ -170,6 +170,15 @@ void seq_set_drafts(seq *s, const int32_t *drafts, uint32_t n)
     if (n)
         memcpy(s->drafts, drafts, (size_t)n * sizeof(int32_t));
     s->n_drafts = n;
+    s->n_conf = 0;
+}
+
+void seq_set_draft_conf(seq *s, const float *conf, uint32_t n)
+{
+    assert(n == 0 || n == s->n_drafts);
+    for (uint32_t i = 0; i < n; i++)
+        s->draft_conf[i] = conf[i];
+    s->n_conf = n;
 }
 
 /* The rules of seq_check, one predicate per row so a failure names its rule. */
@@ -184,6 +193,9 @@ static di_status seq_check_lengths(const seq *s, di_error *err)
     if (s->n_blocks > s->cap_blocks || s->n_drafts > SEQ_MAX_NEXTN)
         return di_fail(err, DI_EINTERNAL, "block table %u of %u, %u drafts", s->n_blocks,
                        s->cap_blocks, s->n_drafts);
+    if (s->n_conf && s->n_conf != s->n_drafts)
+        return di_fail(err, DI_EINTERNAL, "%u confidences for %u drafts", s->n_conf,
+                       s->n_drafts);
     /* a prefix hit's KV is still in the store until its first chunk is scheduled */
     bool kv_in_store = s->n_load && !s->reserved;
     if (!kv_in_store && (uint64_t)s->n_blocks * SEQ_BLOCK_TOKENS < s->num_tokens)

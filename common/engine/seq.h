@@ -128,6 +128,10 @@ typedef struct seq {
 
     int32_t drafts[SEQ_MAX_NEXTN]; /* draft tokens for its next decode step */
     uint32_t n_drafts;         /* drafts held (0..nextn); missing ones are padded */
+    double draft_conf[SEQ_MAX_NEXTN]; /* cumulative acceptance chance of drafts[i] from the
+                                  draft model's confidence head, non-increasing (MTP varlen);
+                                  written with the drafts by sched_process_outputs */
+    uint32_t n_conf;           /* confidences held: 0 (none reported yet) or n_drafts */
 
     int32_t *stop_ids;         /* [n_stop_ids] extra stop tokens (inline storage) */
     uint32_t n_stop_ids;
@@ -181,8 +185,12 @@ typedef seq_status seq_stop;
  * Precondition: not finished and len < cap_tokens (asserted). */
 seq_stop seq_append_token(seq *s, int32_t token, uint32_t max_model_len);
 
-/* Replaces the drafts (n <= SEQ_MAX_NEXTN). */
+/* Replaces the drafts (n <= SEQ_MAX_NEXTN); their confidences are unknown until
+ * seq_set_draft_conf (n_conf becomes 0). */
 void seq_set_drafts(seq *s, const int32_t *drafts, uint32_t n);
+/* Sets the confidences of the drafts held: n is 0 or n_drafts; each in [0, 1], non-increasing
+ * (the caller has checked). */
+void seq_set_draft_conf(seq *s, const float *conf, uint32_t n);
 
 /* True when from -> to is an allowed transition (the table in seq.c). */
 bool seq_transition_allowed(seq_status from, seq_status to);
@@ -194,7 +202,8 @@ const char *seq_status_name(seq_status st);
 /* Checks the fields of one sequence against its state: lengths within capacity, num_tokens
  * covered by the block table, a slot exactly when it holds a reservation or runs, the draft
  * slot following the state slot, a decoding sequence at num_tokens == len - 1 + in-flight
- * rows, outputs within max_tokens. DI_OK, or DI_EINTERNAL naming the broken rule. */
+ * rows, outputs within max_tokens, confidences for none or all of the drafts. DI_OK, or
+ * DI_EINTERNAL naming the broken rule. */
 di_status seq_check(const seq *s, di_error *err);
 
 #endif

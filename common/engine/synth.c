@@ -8,11 +8,15 @@ di_status synth_create(const synth_config *cfg, uint32_t max_entries, const di_a
                        cfg->vocab_size);
     if (cfg->nextn > SEQ_MAX_NEXTN)
         return di_fail(err, DI_EINVAL, "nextn %u above %u", cfg->nextn, SEQ_MAX_NEXTN);
-    const double rates[3] = {cfg->accept_rate, cfg->eos_rate, cfg->fail_rate};
-    static const char *const names[3] = {"acceptance rate", "eos rate", "failure rate"};
-    for (int i = 0; i < 3; i++)
+    const double rates[5] = {cfg->accept_rate, cfg->eos_rate, cfg->fail_rate,
+                             cfg->accept_spread, cfg->conf_noise};
+    static const char *const names[5] = {"acceptance rate", "eos rate", "failure rate",
+                                         "acceptance spread", "confidence noise"};
+    for (int i = 0; i < 5; i++)
         if (!(rates[i] >= 0.0 && rates[i] <= 1.0))
             return di_fail(err, DI_EINVAL, "%s %g outside [0, 1]", names[i], rates[i]);
+    if (!(cfg->conf_bias >= -1.0 && cfg->conf_bias <= 1.0))
+        return di_fail(err, DI_EINVAL, "confidence bias %g outside [-1, 1]", cfg->conf_bias);
     if (max_entries == 0)
         max_entries = 1;
     synth *y = di_alloc_zero(a, 1, sizeof(*y));
@@ -56,6 +60,33 @@ static int32_t synth_sample(synth *y)
     return synth_token(y);
 }
 
+static double synth_clamp01(double v)
+{
+    return v < 0.0 ? 0.0 : v > 1.0 ? 1.0 : v;
+}
+
+double synth_draft_chance(const synth *y, int32_t t)
+{
+    if (y->cfg.accept_spread == 0.0)
+        return y->cfg.accept_rate;
+    double h = di_philox_uniform(0x5eedc0de, (uint64_t)(uint32_t)t, 0);
+    return synth_clamp01(y->cfg.accept_rate + y->cfg.accept_spread * (2.0 * h - 1.0));
+}
+
+/* The confidence head's view of the new drafts: cumulative products of the reported chances. */
+static void synth_confidences(synth *y, sched_seq_result *r)
+{
+    double run = 1.0;
+    for (uint32_t k = 0; k < r->n_drafts; k++) {
+        double c = synth_draft_chance(y, r->drafts[k]) + y->cfg.conf_bias;
+        if (y->cfg.conf_noise > 0.0)
+            c += y->cfg.conf_noise * (2.0 * di_rng_uniform(&y->rng) - 1.0);
+        run *= synth_clamp01(c);
+        r->draft_conf[k] = (float)run; /* rounding is monotone: the floats never increase */
+    }
+    r->n_conf = r->n_drafts;
+}
+
 static void synth_one(synth *y, const sched_plan *plan, const sched_seq_plan *e,
                       sched_seq_result *r)
 {
@@ -71,7 +102,8 @@ static void synth_one(synth *y, const sched_plan *plan, const sched_seq_plan *e,
         uint32_t drafts = 0;
         while (drafts + 1 < e->seqlen_q && e->tokens[1 + drafts] != y->cfg.pad_token)
             drafts++;
-        while (accepted < drafts && di_rng_uniform(&y->rng) < y->cfg.accept_rate)
+        while (accepted < drafts &&
+               di_rng_uniform(&y->rng) < synth_draft_chance(y, e->tokens[1 + accepted]))
             accepted++;
         y->drafts_checked += drafts;
         y->drafts_accepted += accepted;
@@ -83,6 +115,8 @@ static void synth_one(synth *y, const sched_plan *plan, const sched_seq_plan *e,
     r->n_drafts = y->cfg.nextn;
     for (uint32_t k = 0; k < y->cfg.nextn; k++)
         r->drafts[k] = synth_token(y);
+    if (y->cfg.confidences)
+        synth_confidences(y, r);
 }
 
 const sched_seq_result *synth_run(synth *y, const sched_plan *plan)

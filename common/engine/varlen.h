@@ -27,6 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "common/util/alloc.h"
 #include "common/util/status.h"
 
 /* Most requests and most drafts per request one call accepts (bounds the work and memory). */
@@ -73,5 +74,45 @@ di_status varlen_schedule(const varlen_request *reqs, uint32_t n, const varlen_g
 
 /* Frees the drafts array and zeroes the plan. NULL-safe. */
 void varlen_plan_free(varlen_plan *plan);
+
+/* ---- A reusable planner (the scheduler's per-step path) ----
+ *
+ * The same scan as varlen_schedule, with the step-time table validated and sorted once and
+ * every scratch array allocated at creation, so a plan allocates nothing. The ranking is a
+ * stable radix sort of the drafts laid out in request order (stability gives the ties to the
+ * lower request, then the earlier draft) on 32 bits of each confidence: O(D) per key byte
+ * that differs between the D drafts, with no data-dependent branches; confidences that differ
+ * only below those 32 bits (a relative 2^-31) are then ordered by an insertion pass, which is
+ * quadratic only for contrived input. Both entry points run this code: identical plans. */
+typedef struct varlen_planner varlen_planner;
+
+/* The figures of one plan (varlen_plan without the drafts array). */
+typedef struct varlen_summary {
+    uint32_t rows;          /* num_requests + sum(drafts) */
+    uint32_t graph_rows;    /* smallest measured size >= rows */
+    double expected_tokens; /* num_requests + sum of the checked drafts' confidences */
+    double step_ms;         /* step_ms of graph_rows + sampler_ms */
+    double tokens_per_ms;   /* expected_tokens / step_ms */
+} varlen_summary;
+
+/* Creates a planner for the table (any order) and sampler_ms, for calls of up to max_requests
+ * requests holding up to max_drafts drafts in total; memory from a (NULL: libc).
+ * DI_OK with *out set; DI_EINVAL (the table or sampler_ms, as varlen_schedule; max_requests 0
+ * or above VARLEN_MAX_REQUESTS; max_drafts above max_requests * VARLEN_MAX_DRAFTS); DI_ENOMEM.
+ * On failure *out is untouched. */
+di_status varlen_planner_create(const varlen_graph_time *times, size_t ntimes,
+                                double sampler_ms, uint32_t max_requests, uint32_t max_drafts,
+                                const di_alloc *a, varlen_planner **out, di_error *err);
+/* NULL-safe. */
+void varlen_planner_free(varlen_planner *p);
+/* Largest measured graph size (rows): at most this many requests fit one plan. */
+uint32_t varlen_planner_largest(const varlen_planner *p);
+
+/* Plans n requests: drafts[i] receives request i's draft count, *sum (optional) the figures.
+ * No allocation. DI_OK; DI_EINVAL (n is 0 or above the planner's max_requests, the drafts
+ * above its max_drafts, a request as varlen_schedule, or n above the largest graph); on
+ * failure drafts and *sum are untouched. */
+di_status varlen_planner_run(varlen_planner *p, const varlen_request *reqs, uint32_t n,
+                             uint32_t *drafts, varlen_summary *sum, di_error *err);
 
 #endif

@@ -4,6 +4,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util/clock.h"
+
 #define RX_MAX_ROWS (SEQ_MAX_NEXTN + 1)
 
 /* What the executor keeps of one request. */
@@ -461,6 +463,9 @@ static di_status propose(runner_exec *ex, const sched_plan *plan, sched_seq_resu
         r->n_drafts = nx;
         res->n_drafts = nx;
         memcpy(res->drafts, r->drafts, nx * sizeof(int32_t));
+        /* the confidence head's cumulative chances, for the scheduler's varlen */
+        res->n_conf = nx;
+        memcpy(res->draft_conf, ex->dcum + (size_t)q * nx, nx * sizeof(float));
     }
     return DI_OK;
 }
@@ -499,4 +504,49 @@ di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_re
         }
     }
     return ex->nextn ? propose(ex, plan, results, err) : DI_OK;
+}
+
+/* ---- step-time measurement (MTP varlen's table) ----------------------------------------- */
+
+di_status runner_exec_time_step(runner_exec *ex, uint32_t rows, uint32_t reps, double *ms,
+                                di_error *err)
+{
+    if (!ex || !ms || rows == 0 || rows > ex->opt.fwd.max_rows || reps == 0)
+        return di_fail(err, DI_EINVAL, "step timing: %u rows (1..%u) and %u runs (>= 1)", rows,
+                       ex ? ex->opt.fwd.max_rows : 0, reps);
+    uint32_t per = 1 + ex->nextn, n = (rows + per - 1) / per;
+    fwd_kv *kv = NULL;
+    uint32_t *blocks = malloc(n * sizeof(uint32_t));
+    int32_t *toks = malloc(rows * sizeof(int32_t));
+    di_status st = blocks && toks ? DI_OK : di_fail(err, DI_ENOMEM, "step timing");
+    if (st == DI_OK) /* scratch KV of its own: block 0 unused, one block and slot each */
+        st = fwd_kv_create(fwd_model_geometry(ex->m), ex->be, n + 1, n, &kv, err);
+    if (st == DI_OK) {
+        for (uint32_t i = 0; i < rows; i++) {
+            toks[i] = (int32_t)(1 + i % (ex->V - 1));
+            ex->lrows[i] = (int32_t)i;
+        }
+        for (uint32_t j = 0; j < n; j++) {
+            blocks[j] = j + 1;
+            uint32_t r = rows - j * per < per ? rows - j * per : per;
+            ex->fseqs[j] = (fwd_seq){.n_rows = r, .pos0 = 0, .tokens = toks + j * per,
+                                     .blocks = blocks + j, .n_blocks = 1, .slot = j};
+        }
+    }
+    fwd_step step = {.n_seqs = n, .seqs = ex->fseqs, .n_logit_rows = rows,
+                     .logit_rows = ex->lrows};
+    double best = 0;
+    for (uint32_t k = 0; st == DI_OK && k <= reps; k++) { /* run 0 warms up */
+        uint64_t t0 = di_mono_ns();
+        st = fwd_step_run(ex->run, kv, &step, ex->logits, err);
+        double t = (double)(di_mono_ns() - t0) / 1e6;
+        if (k == 1 || (k > 1 && t < best))
+            best = t;
+    }
+    fwd_kv_free(kv);
+    free(blocks);
+    free(toks);
+    if (st == DI_OK)
+        *ms = best;
+    return st;
 }

@@ -6,11 +6,14 @@
  *  - a prompt chunk with `sample` (the final chunk): the last row's token (sampler case 0 at
  *    position seqlen_k);
  *  - a decode entry [t, d1 .. dk]: speculative verification of the k drafts against the rows'
- *    logits (sampler_verify: accepted drafts, then the resample or the bonus token);
+ *    logits (sampler_verify: accepted drafts, then the resample or the bonus token); k is the
+ *    plan's (seqlen_q - 1), so with MTP varlen an entry checks only the first k of its nextn
+ *    drafts;
  *  - with teacher forcing, the forced continuation replaces sampling: drafts are accepted while
  *    they equal the forced tokens, and each produced token is the forced one;
  *  - then, when the model has draft stages and nextn > 0, new drafts from the position of the
- *    last accepted row (MODEL.md §2.11), sampled by the draft head with the draft stream.
+ *    last accepted row (MODEL.md §2.11), sampled by the draft head with the draft stream, with
+ *    the confidence head's cumulative chances (result draft_conf, for varlen).
  * It never frees or reuses KV: block and slot ids come from the plan.
  *
  * Per request the executor keeps the tokens by position (the Engram lookback reads up to three
@@ -96,5 +99,13 @@ const char *runner_exec_error(const runner_exec *ex, uint64_t id);
 const fwd_model *runner_exec_model(const runner_exec *ex);
 /* The KV storage the plans' block and slot ids address (for exporting KV to the store). */
 fwd_kv *runner_exec_kv(const runner_exec *ex);
+
+/* Times one decode-shaped step of `rows` rows (MTP varlen's step-time table): ceil(rows /
+ * (1 + nextn)) sequences of 1 + nextn rows (the last one shorter) at positions 0.., with the
+ * logits of every row, on a scratch KV of their own (the executor's KV and requests are not
+ * touched). *ms is the fastest of `reps` runs after one warm-up (wall clock). DI_EINVAL (rows
+ * 0 or above max_rows, reps 0), DI_ENOMEM, or the forward's codes; *ms untouched then. */
+di_status runner_exec_time_step(runner_exec *ex, uint32_t rows, uint32_t reps, double *ms,
+                                di_error *err);
 
 #endif

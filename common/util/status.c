@@ -86,8 +86,16 @@ void di_error_prefix(di_error *err, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(head, sizeof(head), fmt, ap);
     va_end(ap);
+    /* head, then as much of the old message as still fits (truncation is intended) */
     char joined[sizeof(err->msg)];
-    snprintf(joined, sizeof(joined), "%s%s", head, err->msg);
+    size_t h = strlen(head), cap = sizeof(joined) - 1;
+    size_t old = strnlen(err->msg, sizeof(err->msg) - 1);
+    if (h > cap)
+        h = cap;
+    memcpy(joined, head, h);
+    size_t rest = old < cap - h ? old : cap - h;
+    memcpy(joined + h, err->msg, rest);
+    joined[h + rest] = '\0';
     memcpy(err->msg, joined, sizeof(err->msg));
     sanitize_line(err->msg);
 }

@@ -1,6 +1,7 @@
 /* Random workloads against the real scheduler: random arrivals, prompt and output lengths,
  * prefix hits, holds, aborts, forks, acceptance counts, end tokens, per-request failures,
- * preemption in both modes, async on and off, one rank and a group of three. sched_check runs
+ * preemption in both modes, async on and off, MTP varlen on and off (with noisy draft
+ * confidences), one rank and a group of three. sched_check runs
  * after every schedule and every process; at the end every request has had exactly one final
  * output, its token count adds up, and every block and slot is back.
  *
@@ -24,6 +25,7 @@ typedef struct rcase {
     sched_preempt_mode mode;
     uint32_t ranks;
     uint64_t seed;
+    bool varlen;
 } rcase;
 
 typedef struct rrank {
@@ -44,6 +46,8 @@ typedef struct rrank {
     uint64_t steps, outputs;
     uint64_t aborted, forked;    /* aborts that ended a request, forks made */
     uint32_t blocks0, slots0;
+    uint64_t digest;             /* hash of every plan's entries (request, rows, position) */
+    uint64_t varlen_rows;        /* decode rows varlen saved: (1 + nextn) per entry - rows */
     int failed;
     char msg[400];
     sched_seq_result keep[64];   /* results of the plan in flight (async) */
@@ -240,6 +244,27 @@ static int rprocess(rrank *rk, sched_plan *p, const sched_seq_result *r)
     return rcheck(rk);
 }
 
+static uint64_t rmix(uint64_t h, uint64_t v)
+{
+    h ^= v + 0x9E3779B97F4A7C15ull + (h << 6) + (h >> 2);
+    return h * 0xff51afd7ed558ccdull;
+}
+
+/* Folds the plan into the run's digest (after the fixup: the rows the runner sees). */
+static void rdigest(rrank *rk, const sched_plan *p)
+{
+    uint64_t h = rmix(rk->digest, p->graph_rows);
+    uint32_t full = 1 + sched_get_config(rk->s)->nextn;
+    for (uint32_t i = 0; i < p->n_seqs; i++) {
+        const sched_seq_plan *e = &p->seqs[i];
+        h = rmix(h, e->request_id);
+        h = rmix(h, ((uint64_t)e->seqlen_q << 32) | e->first_position);
+        if (!p->prompt_run && !p->placeholder && e->seqlen_q < full)
+            rk->varlen_rows += full - e->seqlen_q;
+    }
+    rk->digest = h;
+}
+
 /* One step of the driver loop; *prev holds the plan in flight under async. */
 static int rstep(rrank *rk, sched_plan **prev)
 {
@@ -262,6 +287,7 @@ static int rstep(rrank *rk, sched_plan **prev)
         *prev = NULL;
     }
     const sched_seq_result *r = synth_run(rk->y, p);
+    rdigest(rk, p);
     if (!rk->c->async || p->process_now)
         return rprocess(rk, p, r);
     memcpy(rk->keep, r, sizeof(sched_seq_result) * p->n_seqs);
@@ -286,6 +312,16 @@ static int rsetup(rrank *rk)
     cfg.prefill_any_attempt_interval = 10;
     cfg.eos_token = 2;
     cfg.vocab_size = 600;
+    /* varlen: a step-time model with a heavy per-row term, so the scan drops drafts often;
+     * every recorded size (1, 2, 4, 8, 16, ..., 72) measured */
+    static const uint32_t sizes[] = {1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64, 72};
+    varlen_graph_time times[12];
+    for (int i = 0; i < 12; i++)
+        times[i] = (varlen_graph_time){sizes[i], 8.8 + 0.08 * sizes[i]};
+    cfg.varlen = rk->c->varlen;
+    cfg.step_ms = times;
+    cfg.n_step_ms = 12;
+    cfg.sampler_ms = 0.3;
     vote v;
     if (rk->group) {
         v = vote_group_rank(rk->group, rk->rank);
@@ -297,6 +333,11 @@ static int rsetup(rrank *rk)
     synth_config sc = {.seed = rk->c->seed * 977 + rk->rank, .nextn = cfg.nextn,
                        .vocab_size = 600, .eos_token = 2, .accept_rate = 0.6,
                        .eos_rate = 0.02, .fail_rate = 0.003};
+    if (rk->c->varlen) {
+        sc.confidences = true;
+        sc.accept_spread = 0.35;
+        sc.conf_noise = 0.1;
+    }
     if (synth_create(&sc, cfg.max_num_seqs, NULL, &rk->y, &e) != DI_OK)
         RFAIL(rk, "synth: %s", e.msg);
     di_rng_init(&rk->rng, rk->c->seed * 131 + rk->rank);
@@ -378,9 +419,12 @@ static void rcase_run(const rcase *c)
     uint64_t steps = ranks[0].steps;
     for (uint32_t r = 0; r < c->ranks; r++) {
         rrank *rk = &ranks[r];
-        cr_assert(!rk->failed, "%s engine, async %d, %s, %u ranks, seed %llu: %s",
+        cr_assert(!rk->failed, "%s engine, async %d, %s, varlen %d, %u ranks, seed %llu: %s",
                   sched_engine_type_name(c->type), c->async, sched_preempt_mode_name(c->mode),
-                  c->ranks, (unsigned long long)c->seed, rk->msg);
+                  c->varlen, c->ranks, (unsigned long long)c->seed, rk->msg);
+        if (c->varlen && c->type != SCHED_PROMPT)
+            cr_assert_gt(rk->varlen_rows, 100, "varlen dropped drafts (%llu rows)",
+                         (unsigned long long)rk->varlen_rows);
         cr_assert_eq(rk->steps, steps, "ranks run the same number of steps");
         cr_assert_gt(rk->outputs, 200, "the workload ran (%llu outputs)",
                      (unsigned long long)rk->outputs);
@@ -408,11 +452,12 @@ static void rcases(uint32_t ranks)
     uint64_t seed0 = first ? strtoull(first, NULL, 10) : 0;
     for (uint64_t seed = seed0; seed < seed0 + (seeds ? seeds : 1); seed++)
         for (size_t k = 0; k < sizeof(kinds) / sizeof(kinds[0]); k++)
-            for (int async = 0; async <= 1; async++) {
-                rcase c = {kinds[k].type, async != 0, kinds[k].mode, ranks,
-                           1 + k * 2 + (uint64_t)async + 100 * seed};
-                rcase_run(&c);
-            }
+            for (int async = 0; async <= 1; async++)
+                for (int varlen = 0; varlen <= 1; varlen++) {
+                    rcase c = {kinds[k].type, async != 0, kinds[k].mode, ranks,
+                               1 + k * 2 + (uint64_t)async + 100 * seed, varlen != 0};
+                    rcase_run(&c);
+                }
 }
 
 /* No per-test timeout: a soak (DI_SOAK_SEEDS) runs as long as its seeds take; the suite's
@@ -431,7 +476,7 @@ Test(sched_random, three_ranks_in_lockstep)
 Test(sched_random, the_workload_reaches_preemption_and_aborts, .timeout = 60)
 {
     static rrank rk;
-    rcase c = {SCHED_NORMAL, true, SCHED_PREEMPT_RECOMPUTE, 1, 91};
+    rcase c = {SCHED_NORMAL, true, SCHED_PREEMPT_RECOMPUTE, 1, 91, false};
     memset(&rk, 0, sizeof(rk));
     rk.c = &c;
     cr_assert_eq(rrun(&rk), 0, "%s", rk.msg);
@@ -442,4 +487,27 @@ Test(sched_random, the_workload_reaches_preemption_and_aborts, .timeout = 60)
     cr_assert_geq(rk.forked, 3, "forks: %llu", (unsigned long long)rk.forked);
     sched_destroy(rk.s);
     synth_destroy(rk.y);
+}
+
+/* Same inputs, same plans: a varlen run repeats exactly (every plan's entries, rows and
+ * positions), sync and async; a run without varlen gives other plans (the digest can tell
+ * runs apart). */
+Test(sched_random, varlen_plans_are_deterministic, .timeout = 60)
+{
+    static rrank a, b;
+    for (int async = 0; async <= 1; async++) {
+        uint64_t digests[3];
+        for (int k = 0; k < 3; k++) {
+            rrank *rk = k == 1 ? &b : &a;
+            rcase c = {SCHED_NORMAL, async != 0, SCHED_PREEMPT_RECOMPUTE, 1, 55, k < 2};
+            memset(rk, 0, sizeof(*rk));
+            rk->c = &c;
+            cr_assert_eq(rrun(rk), 0, "%s", rk->msg);
+            digests[k] = rk->digest;
+            sched_destroy(rk->s);
+            synth_destroy(rk->y);
+        }
+        cr_assert_eq(digests[0], digests[1], "async %d: two varlen runs differ", async);
+        cr_assert_neq(digests[0], digests[2], "async %d: the digest cannot tell runs apart", async);
+    }
 }

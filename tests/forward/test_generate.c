@@ -200,13 +200,29 @@ Test(generate, dump_logits_equal_the_forward_prefill)
     kern_cpu_destroy(&be);
 }
 
+/* A command line di-generate must refuse, and what its error says. */
+typedef struct refusal {
+    const char *args;
+    const char *msg;
+} refusal;
+
 /* Every refusal: non-zero exit, one line on stderr naming the problem. */
+static void expect_refusals(const refusal *cases, size_t n)
+{
+    char args[1024], *err;
+    for (size_t i = 0; i < n; i++) {
+        snprintf(args, sizeof args, "--model %s %s", g_model, cases[i].args);
+        int rc = gen(args, NULL, &err);
+        cr_assert_neq(rc, 0, "%s: exit 0", cases[i].args);
+        cr_assert(strstr(err, cases[i].msg) != NULL, "%s: stderr '%s'", cases[i].args, err);
+        cr_assert(strchr(err, '\n') == err + strlen(err) - 1, "one line: '%s'", err);
+        free(err);
+    }
+}
+
 Test(generate, bad_inputs_fail_with_a_clear_error)
 {
-    struct {
-        const char *args;
-        const char *msg;
-    } cases[] = {
+    refusal cases[] = {
         {"--ids 3,99999", "outside the vocabulary"},
         {"--ids ,", "empty prompt"},
         {"--ids 3,x", "not a non-negative integer"},
@@ -219,15 +235,7 @@ Test(generate, bad_inputs_fail_with_a_clear_error)
         {"--no-such-flag", "unknown option"},
         {"--teacher-force 1,5000 --ids 3", "outside the vocabulary"},
     };
-    char args[1024], *err;
-    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
-        snprintf(args, sizeof args, "--model %s %s", g_model, cases[i].args);
-        int rc = gen(args, NULL, &err);
-        cr_assert_neq(rc, 0, "%s: exit 0", cases[i].args);
-        cr_assert(strstr(err, cases[i].msg) != NULL, "%s: stderr '%s'", cases[i].args, err);
-        cr_assert(strchr(err, '\n') == err + strlen(err) - 1, "one line: '%s'", err);
-        free(err);
-    }
+    expect_refusals(cases, sizeof(cases) / sizeof(cases[0]));
 }
 
 /* Copies the checkpoint to dir/name and sets text_config.key (or the top level) to value. */
@@ -311,4 +319,91 @@ Test(generate, help_and_stdin_prompts)
     cr_assert(strstr(out, "request 1") && strstr(out, "request 2") && !strstr(out, "request 3"),
               "%s", out);
     free(out);
+}
+
+/* ---- MTP varlen (--varlen) ---- */
+
+/* The JSON report's "tokens" of every request, as one string, and stats.decode_rows. */
+static char *tokens_and_rows(const char *json, double *rows)
+{
+    json_error_t je;
+    json_t *doc = json_loads(json, 0, &je);
+    cr_assert(doc, "%s", je.text);
+    char *s = json_dumps(json_object_get(doc, "requests"), JSON_COMPACT);
+    json_t *r = json_object_get(json_object_get(doc, "stats"), "decode_rows");
+    cr_assert(json_is_integer(r), "stats.decode_rows");
+    *rows = (double)json_integer_value(r);
+    json_decref(doc);
+    return s;
+}
+
+/* Speculative verification keeps the target distribution, so at temperature 0 the tokens are
+ * those of plain decoding whatever drafts each step checks: varlen off, on with the table
+ * measured at start-up, on with a table where drafts cost their rows (a line through the
+ * origin: no draft pays for its row, none is checked) and on with a flat one (every draft is
+ * free: all are checked, as with varlen off). The logprobs agree too: the same rows give the
+ * same logits (batch invariance). */
+Test(generate, greedy_tokens_are_the_same_with_varlen_on_and_off)
+{
+    const char *base = "--ids 3,17,42,99,100 --ids 5,6,7 --max-tokens 24 --temperature 0 "
+                       "--nextn 5 --json";
+    const char *modes[] = {"", "--varlen", "--varlen --step-ms 1:1,2:2,4:4,8:8,12:12",
+                           "--varlen --step-ms 1:1,2:1,4:1,8:1,12:1 --sampler-ms 0.5"};
+    char *want = NULL, args[1024], *out, *err;
+    double rows[4];
+    for (int m = 0; m < 4; m++) {
+        snprintf(args, sizeof args, "--model %s %s %s", g_model, base, modes[m]);
+        int rc = gen(args, &out, &err);
+        cr_assert_eq(rc, 0, "%s: %s", modes[m], err);
+        char *got = tokens_and_rows(out, &rows[m]);
+        if (!want)
+            want = got;
+        else {
+            cr_assert_str_eq(got, want, "%s", modes[m]);
+            free(got);
+        }
+        free(out);
+        free(err);
+    }
+    free(want);
+    /* 2 requests, 23 decode steps of 1 + 5 rows, fewer near max_tokens */
+    cr_assert_gt(rows[0], 2 * 23 * 5);
+    cr_assert_lt(rows[1], rows[0] + 1, "measured table: never more rows than checking all");
+    cr_assert_eq(rows[2], 2 * 23, "drafts that cost their rows are never checked");
+    cr_assert_eq(rows[3], rows[0], "free drafts are all checked");
+}
+
+/* The table measured at start-up is printed (stderr), with what it means on the CPU. */
+Test(generate, varlen_reports_its_measured_table)
+{
+    char cmd[4096];
+    snprintf(cmd, sizeof cmd, "%s/tools/generate/di-generate --model %s --ids 3,4 --max-tokens 3 "
+             "--varlen > %s/out 2> %s/err", build_root(), g_model, g_dir, g_dir);
+    cr_assert_eq(system(cmd), 0);
+    char path[300];
+    snprintf(path, sizeof path, "%s/err", g_dir);
+    FILE *f = fopen(path, "r");
+    cr_assert(f);
+    static char buf[1 << 14];
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    buf[n] = 0;
+    fclose(f);
+    cr_assert(strstr(buf, "step ms by rows") && strstr(buf, " 1:") && strstr(buf, " 6:"), "%s",
+              buf);
+    cr_assert(strstr(buf, "say nothing about a GPU"), "%s", buf);
+}
+
+Test(generate, bad_varlen_options_fail_with_a_clear_error)
+{
+    refusal cases[] = {
+        {"--varlen --nextn 0 --ids 3", "--varlen needs drafts"},
+        {"--step-ms 1:2 --ids 3", "need --varlen"},
+        {"--sampler-ms 1 --ids 3", "need --varlen"},
+        {"--varlen --step-ms 1:x --ids 3", "'1:x' is not ROWS:MS"},
+        {"--varlen --step-ms 0:1 --ids 3", "'0:1' is not ROWS:MS"},
+        {"--varlen --step-ms 1:1,3:1 --ids 3 --ids 4", "3 rows is not a recorded graph size"},
+        {"--varlen --step-ms 1:1 --ids 3 --ids 4", "cannot hold one row for each"},
+        {"--varlen --sampler-ms nan --ids 3", "--sampler-ms"},
+    };
+    expect_refusals(cases, sizeof(cases) / sizeof(cases[0]));
 }

@@ -226,6 +226,35 @@ static di_status o_keep(gen_args *a, const char *v, di_error *err)
     return st;
 }
 
+static di_status o_varlen(gen_args *a, const char *v, di_error *err)
+{
+    a->varlen = true;
+    return DI_OK;
+}
+
+static di_status o_step_ms(gen_args *a, const char *v, di_error *err)
+{
+    free(a->step_ms);
+    a->step_ms = NULL;
+    di_status st = gen_parse_step_ms(v, &a->step_ms, &a->n_step_ms, err);
+    if (st != DI_OK)
+        di_error_prefix(err, "--step-ms: ");
+    return st;
+}
+
+static di_status o_sampler_ms(gen_args *a, const char *v, di_error *err)
+{
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (errno || end == v || *end || !(x >= 0 && x <= VARLEN_MAX_MS))
+        return di_fail(err, DI_EINVAL, "--sampler-ms: '%s' is not a time in [0, %g] ms", v,
+                       VARLEN_MAX_MS);
+    a->sampler_ms = x;
+    a->sampler_ms_set = true;
+    return DI_OK;
+}
+
 static di_status o_json(gen_args *a, const char *v, di_error *err)
 {
     a->json = true;
@@ -275,6 +304,13 @@ static const gen_opt options[] = {
      "at an older window state"},
     {"--kvstore-window-every", "N", o_kv_every, "also store the window state at every Nth "
      "multiple of 128 (default 0: only where a request can resume)"},
+    {"--varlen", NULL, o_varlen, "MTP varlen: each decode step checks only the drafts worth "
+     "their rows, from the draft model's confidences and a step-time table"},
+    {"--step-ms", "LIST", o_step_ms, "varlen's step-time table, ROWS:MS,... at the recorded "
+     "graph sizes (1, 2, 4, 8, then multiples of 8, up to prompts x (1 + nextn), prompts at "
+     "most 64); default: measured at start-up on the CPU backend"},
+    {"--sampler-ms", "X", o_sampler_ms, "varlen: sampler time per step added to every size "
+     "(default 0)"},
     {"--json", NULL, o_json, "print the results as one JSON object"},
     {"--quiet", NULL, o_quiet, "no progress on stderr"},
 };
@@ -356,9 +392,11 @@ void gen_args_free(gen_args *a)
     free(a->forced.ids);
     free(a->kvstore_token);
     a->kvstore_token = NULL;
+    free(a->step_ms);
     a->prompts = NULL;
     a->n_prompts = 0;
     a->forced.ids = NULL;
+    a->step_ms = NULL;
 }
 
 /* The store's window state holds the layers below the YOCO boundary only: a cached prefix is
@@ -430,5 +468,7 @@ di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
         return di_fail(err, DI_EINVAL, "--model and --config exclude each other");
     if (a->yoco != FWD_YOCO_OFF && a->keep_tokens == 0)
         return di_fail(err, DI_EINVAL, "--keep-tokens must be positive");
+    if (!a->varlen && (a->step_ms || a->sampler_ms_set))
+        return di_fail(err, DI_EINVAL, "--step-ms and --sampler-ms need --varlen");
     return a->kvstore ? kvstore_args(a, err) : DI_OK;
 }

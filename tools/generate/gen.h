@@ -6,7 +6,9 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "common/engine/varlen.h"
 #include "common/model/forward.h"
+#include "common/model/runner_exec.h"
 #include "common/sampling/sampler.h"
 #include "common/util/status.h"
 
@@ -48,6 +50,11 @@ typedef struct gen_args {
     uint32_t kvstore_deadline_ms; /* --kvstore-deadline */
     bool kvstore_replay;         /* --kvstore-replay */
     uint32_t kvstore_window_every; /* --kvstore-window-every */
+    bool varlen;                 /* --varlen: MTP varlen in the scheduler */
+    varlen_graph_time *step_ms;  /* --step-ms: varlen's table (owned); NULL: measured */
+    uint32_t n_step_ms;
+    double sampler_ms;           /* --sampler-ms: varlen's sampler time per step (ms) */
+    bool sampler_ms_set;
 } gen_args;
 
 void gen_args_default(gen_args *a);
@@ -62,6 +69,19 @@ di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err);
 di_status gen_parse_ids(const char *text, gen_ids *out, di_error *err);
 /* One prompt per non-empty line of a file ("-" = stdin). */
 di_status gen_read_prompts(const char *path, gen_args *a, di_error *err);
+
+/* "ROWS:MS,ROWS:MS,..." into a malloc'd table. DI_EINVAL naming the bad entry. */
+di_status gen_parse_step_ms(const char *text, varlen_graph_time **out, uint32_t *n,
+                            di_error *err);
+
+/* MTP varlen's step-time table for `seqs` sequences with `nextn` drafts on graphs of
+ * `interval` (graphs.h): a copy of --step-ms, or measured now on the executor's forward and
+ * backend at every recorded graph size (fastest of 3 runs; progress and the table on stderr
+ * unless --quiet). DI_OK with *out malloc'd; DI_EINVAL (no drafts to choose); the executor's
+ * codes. */
+di_status gen_step_table(const gen_args *a, runner_exec *ex, uint32_t seqs, uint32_t nextn,
+                         uint32_t interval, varlen_graph_time **out, uint32_t *n,
+                         di_error *err);
 
 /* Runs the engine over every prompt and prints the outputs (text prompts are encoded into
  * their ids here, so a is written). */

@@ -460,6 +460,23 @@ static di_status open_kvstore(const gen_args *a, const model_config *c, uint32_t
     return gen_kv_open(&ko, &geo, &rs->kv, err);
 }
 
+/* --varlen: the scheduler's varlen settings with the table (given or measured now). */
+static di_status setup_varlen(const gen_args *a, runner_exec *ex, uint32_t seqs,
+                              sched_config *sc, di_error *err)
+{
+    if (!a->varlen)
+        return DI_OK;
+    varlen_graph_time *t;
+    di_status st = gen_step_table(a, ex, seqs, sc->nextn, sc->graph_interval, &t,
+                                  &sc->n_step_ms, err);
+    if (st != DI_OK)
+        return st;
+    sc->varlen = true;
+    sc->step_ms = t; /* freed once the scheduler has its copy */
+    sc->sampler_ms = a->sampler_ms;
+    return DI_OK;
+}
+
 static di_status setup(const gen_args *a, const runner_model *rm, const kern_backend *be,
                        gen_ctx *g, run_state *rs, di_error *err)
 {
@@ -510,9 +527,16 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
                               .on_logits = dump_row, .logits_userdata = g,
                               .on_load = gen_kv_load, .load_userdata = rs->kv};
-    if ((st = sched_create(&sc, &rs->s, err)) != DI_OK ||
-        (st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK)
+    if ((st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK ||
+        (st = setup_varlen(a, rs->ex, seqs, &sc, err)) != DI_OK)
         return st;
+    st = sched_create(&sc, &rs->s, err);
+    free((void *)sc.step_ms);
+    if (st != DI_OK) {
+        if (a->step_ms && strncmp(err->msg, "step_ms", 7) == 0)
+            di_error_prefix(err, "--step-ms: ");
+        return st;
+    }
     for (uint32_t i = 0; i < a->n_prompts; i++) {
         runner_request rq = {.id = i + 1, .prompt = a->prompts[i].ids,
                              .prompt_len = a->prompts[i].n, .max_tokens = max_tokens,
@@ -571,10 +595,12 @@ di_status gen_run(gen_args *a, di_error *err)
         st = step_once(&g, &rs, err);
     if (st != DI_OK)
         goto done;
-    stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I}", "load_s", load_s, "prefill_tokens",
-                      (json_int_t)rs.prefill_tokens, "prefill_s", rs.prefill_s, "decode_steps",
-                      (json_int_t)rs.decode_steps, "decode_tokens", (json_int_t)rs.decode_tokens,
-                      "decode_s", rs.decode_s, "logit_rows_dumped", (json_int_t)g.dumped);
+    stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:I}", "load_s", load_s,
+                      "prefill_tokens", (json_int_t)rs.prefill_tokens, "prefill_s", rs.prefill_s,
+                      "decode_steps", (json_int_t)rs.decode_steps, "decode_tokens",
+                      (json_int_t)rs.decode_tokens, "decode_s", rs.decode_s,
+                      "logit_rows_dumped", (json_int_t)g.dumped, "varlen", a->varlen,
+                      "decode_rows", (json_int_t)sched_get_stats(rs.s)->decode_rows);
     if (rs.kv) {
         gen_kv_stats ks = gen_kv_get_stats(rs.kv);
         json_object_set_new(stats, "kvstore", json_pack(

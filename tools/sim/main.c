@@ -67,6 +67,19 @@ static const opt opts[] = {
     {"nextn", OPT_U32, F(sim.engine.nextn), 0, 15, "5", "drafts per decode step"},
     {"accept", OPT_DOUBLE, F(sim.accept_rate), 0, 1, "0.7",
      "probability each draft passes (stops at the first rejection)"},
+    {"accept-spread", OPT_DOUBLE, F(sim.accept_spread), 0, 1, "0",
+     "each draft's chance is --accept +- this, a function of the draft token"},
+    {"varlen", OPT_TRUE, F(sim.engine.varlen), 0, 0, NULL,
+     "MTP varlen: each decode step picks how many drafts each request checks from the draft "
+     "confidences and the step-time table (the step-time model at every graph size)"},
+    {"conf-bias", OPT_DOUBLE, F(sim.conf_bias), -1, 1, "0",
+     "varlen: added to each reported per-draft chance (below 0: under-confident)"},
+    {"conf-noise", OPT_DOUBLE, F(sim.conf_noise), 0, 1, "0",
+     "varlen: uniform noise of this amplitude on each reported per-draft chance"},
+    {"varlen-decode-ms", OPT_DOUBLE, F(sim.varlen_decode_ms), -1, 1e6, "-1",
+     "varlen table: the fixed part it assumes (ms); -1: --decode-ms"},
+    {"varlen-ms-per-row", OPT_DOUBLE, F(sim.varlen_ms_per_row), -1, 1e6, "-1",
+     "varlen table: the per-row figure it assumes (ms); -1: --decode-ms-per-row"},
     {"preempt", OPT_PREEMPT, F(sim.engine.preempt_mode), 0, 0, "stop", "stop or recompute"},
     {"async", OPT_TRUE, F(sim.engine.async), 0, 0, NULL, "one-step-ahead scheduling"},
     {"no-chunked-prefill", OPT_FALSE, F(sim.engine.chunked_prefill), 0, 0, NULL,
@@ -265,7 +278,7 @@ static json_t *config_json(const cli *c)
 {
     const sim_config *s = &c->sim;
     const sched_config *e = &s->engine;
-    return json_pack("{s:I,s:f,s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:f,s:s,s:b,s:b,s:f,s:f,s:f,s:f,"
+    json_t *o = json_pack("{s:I,s:f,s:I,s:s,s:I,s:I,s:I,s:I,s:I,s:I,s:f,s:s,s:b,s:b,s:f,s:f,s:f,s:f,"
                      "s:I}",
                      "requests", (json_int_t)s->requests, "rate", s->rate, "ranks",
                      (json_int_t)s->ranks, "engine", sched_engine_type_name(e->type), "blocks",
@@ -278,6 +291,13 @@ static json_t *config_json(const cli *c)
                      s->decode_ms, "decode_ms_per_row", s->decode_ms_per_row, "prefill_ms",
                      s->prefill_ms, "prefill_ms_per_token", s->prefill_ms_per_token, "seed",
                      (json_int_t)s->seed);
+    if (o)
+        json_object_update_new(o, json_pack("{s:b,s:f,s:f,s:f,s:f,s:f}", "varlen", e->varlen,
+                                            "accept_spread", s->accept_spread, "conf_bias",
+                                            s->conf_bias, "conf_noise", s->conf_noise,
+                                            "varlen_decode_ms", s->varlen_decode_ms,
+                                            "varlen_ms_per_row", s->varlen_ms_per_row));
+    return o;
 }
 
 static int print_json(const cli *c, const sim_result *r)
@@ -305,6 +325,10 @@ static int print_json(const cli *c, const sim_result *r)
         "draft_acceptance", r->draft_acceptance, "rows_per_decode_step",
         r->rows_per_decode_step, "padding_rows_per_decode_step",
         r->padding_rows_per_decode_step, "sched_cpu_ns_per_step", pct_json(&r->sched_ns_per_step));
+    if (o)
+        json_object_update_new(o, json_pack("{s:f,s:I}", "draft_rows_per_request",
+                                            r->draft_rows_per_request, "varlen_no_conf",
+                                            (json_int_t)r->varlen_no_conf));
     if (!o)
         return fprintf(stderr, "di-sim: cannot build the JSON report\n"), 1;
     char *text = json_dumps(o, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
@@ -326,10 +350,10 @@ static int print_text(const cli *c, const sim_result *r)
 {
     const sched_config *e = &c->sim.engine;
     printf("di-sim: %u requests, %u rank%s, %s engine, nextn %u, accept %.2f, async %s, "
-           "preempt %s\n",
+           "varlen %s, preempt %s\n",
            r->requests, c->sim.ranks, c->sim.ranks > 1 ? "s" : "",
            sched_engine_type_name(e->type), e->nextn, c->sim.accept_rate, e->async ? "on" : "off",
-           sched_preempt_mode_name(e->preempt_mode));
+           e->varlen ? "on" : "off", sched_preempt_mode_name(e->preempt_mode));
     printf("  simulated %.2f s in %.2f s of wall time; %u finished, %u rejected\n",
            r->sim_seconds, r->wall_seconds, r->finished, r->rejected);
     printf("  finish:");
@@ -354,8 +378,9 @@ static int print_text(const cli *c, const sim_result *r)
            (unsigned long long)r->preempted_stop, (unsigned long long)r->preempted_recompute,
            100 * r->cache_usage_mean, 100 * r->cache_usage_max);
     printf("  drafts: %.3f of draft rows accepted; %.1f rows per decode step, %.1f padding "
-           "rows\n",
-           r->draft_acceptance, r->rows_per_decode_step, r->padding_rows_per_decode_step);
+           "rows; %.2f draft rows per request per step\n",
+           r->draft_acceptance, r->rows_per_decode_step, r->padding_rows_per_decode_step,
+           r->draft_rows_per_request);
     print_pct("sched CPU", &r->sched_ns_per_step, 1e-3, "us per rank step");
     return 0;
 }

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/engine/graphs.h"
 #include "common/engine/synth.h"
 #include "common/engine/vote.h"
 #include "common/util/clock.h"
@@ -77,6 +78,8 @@ typedef struct sim_rank sim_rank;
 
 typedef struct sim_shared {
     const sim_config *cfg;
+    sched_config engine;        /* cfg->engine with the varlen table */
+    varlen_graph_time *table;   /* varlen: the step-time table (NULL when off) */
     sim_req *reqs;              /* [requests] */
     vote_group *group;          /* NULL for one rank */
     atomic_uint done;           /* requests with a final output */
@@ -96,7 +99,7 @@ struct sim_rank {
     sched_seq_result *keep;     /* [max_num_seqs] results of the plan in flight */
     int32_t *tok;               /* [max_model_len + 1] prompt buffer */
     double usage_sum, usage_max;
-    uint64_t empty_prompt, empty_decode, real_decode, rows, padding;
+    uint64_t empty_prompt, empty_decode, real_decode, rows, padding, entries;
     uint64_t cpu_n;             /* scheduler steps timed */
     uint64_t *samples;          /* [SIM_SAMPLES] reservoir of per-step ns */
     di_rng res_rng;
@@ -234,6 +237,7 @@ static void sim_count(sim_rank *r, const sched_plan *p)
         r->real_decode++;
         r->rows += p->n_rows;
         r->padding += p->padding_rows;
+        r->entries += p->n_seqs;
     }
 }
 
@@ -332,7 +336,7 @@ static di_status sim_loop(sim_rank *r)
 static di_status sim_rank_init(sim_rank *r)
 {
     const sim_config *c = r->sh->cfg;
-    sched_config e = c->engine;
+    sched_config e = r->sh->engine;
     vote v;
     if (r->sh->group) {
         v = vote_group_rank(r->sh->group, r->rank);
@@ -343,7 +347,9 @@ static di_status sim_rank_init(sim_rank *r)
         return sim_fail(r, st, "creating the scheduler");
     synth_config sc = {.seed = c->seed * 1000003 + r->rank, .nextn = e.nextn,
                        .vocab_size = 32000, .eos_token = -1, .pad_token = e.pad_token,
-                       .accept_rate = c->accept_rate};
+                       .accept_rate = c->accept_rate, .accept_spread = c->accept_spread,
+                       .confidences = e.varlen, .conf_bias = c->conf_bias,
+                       .conf_noise = c->conf_noise};
     st = synth_create(&sc, e.max_num_seqs, NULL, &r->y, &r->err);
     if (st != DI_OK)
         return sim_fail(r, st, "creating the runner");
@@ -395,6 +401,36 @@ static double sim_memory_bytes(const sim_config *c)
     return c->ranks * per_rank + 64.0 * c->requests;
 }
 
+/* varlen: the step-time model's figures at every recorded graph size. */
+static di_status sim_varlen_table(const sim_config *c, varlen_graph_time **out, uint32_t *n,
+                                  di_error *err)
+{
+    const sched_config *e = &c->engine;
+    graph_sizes g;
+    di_status st = graph_sizes_init(&g, e->max_num_seqs, e->nextn, e->graph_interval, err);
+    if (st != DI_OK)
+        return st;
+    double fixed = c->varlen_decode_ms >= 0 ? c->varlen_decode_ms : c->decode_ms;
+    double per_row = c->varlen_ms_per_row >= 0 ? c->varlen_ms_per_row : c->decode_ms_per_row;
+    varlen_graph_time *t = malloc(g.count * sizeof(*t));
+    if (!t) {
+        graph_sizes_free(&g);
+        return di_fail(err, DI_ENOMEM, "out of memory for the varlen table");
+    }
+    for (size_t i = 0; i < g.count; i++)
+        t[i] = (varlen_graph_time){g.sizes[i], fixed + per_row * g.sizes[i]};
+    *n = (uint32_t)g.count;
+    *out = t;
+    graph_sizes_free(&g);
+    if (!(t[0].step_ms >= VARLEN_MIN_MS)) {
+        free(t);
+        *out = NULL;
+        return di_fail(err, DI_EINVAL, "--varlen needs a step time above 0 at every graph "
+                       "size (the table's fixed part and per-row figure are both 0)");
+    }
+    return DI_OK;
+}
+
 static di_status sim_check(const sim_config *c, di_error *err)
 {
     if (c->requests == 0 || c->requests > 10000000)
@@ -405,6 +441,15 @@ static di_status sim_check(const sim_config *c, di_error *err)
         return di_fail(err, DI_EINVAL, "rate %g outside [0, 10^9)", c->rate);
     if (!(c->accept_rate >= 0 && c->accept_rate <= 1))
         return di_fail(err, DI_EINVAL, "acceptance rate %g outside [0, 1]", c->accept_rate);
+    if (!(c->accept_spread >= 0 && c->accept_spread <= 1) ||
+        !(c->conf_noise >= 0 && c->conf_noise <= 1) ||
+        !(c->conf_bias >= -1 && c->conf_bias <= 1))
+        return di_fail(err, DI_EINVAL, "acceptance spread %g and confidence noise %g must be "
+                       "in [0, 1], confidence bias %g in [-1, 1]", c->accept_spread,
+                       c->conf_noise, c->conf_bias);
+    if (!(c->varlen_decode_ms <= 1e6) || !(c->varlen_ms_per_row <= 1e6))
+        return di_fail(err, DI_EINVAL, "varlen table figures %g, %g above 10^6 ms",
+                       c->varlen_decode_ms, c->varlen_ms_per_row);
     const double t[4] = {c->decode_ms, c->decode_ms_per_row, c->prefill_ms,
                          c->prefill_ms_per_token};
     for (int i = 0; i < 4; i++)
@@ -415,7 +460,23 @@ static di_status sim_check(const sim_config *c, di_error *err)
     if (c->engine.max_num_seqs > 4096)
         return di_fail(err, DI_EINVAL, "max_num_seqs %u above di-sim's 4096",
                        c->engine.max_num_seqs);
-    di_status st = sched_config_validate(&c->engine, err);
+    return DI_OK;
+}
+
+/* The engine config the ranks use: the caller's, with the varlen table when varlen is on. */
+static di_status sim_engine(sim_shared *sh, di_error *err)
+{
+    const sim_config *c = sh->cfg;
+    sh->engine = c->engine;
+    sh->engine.vote = NULL;
+    sh->engine.alloc = NULL;
+    if (c->engine.varlen) {
+        di_status st = sim_varlen_table(c, &sh->table, &sh->engine.n_step_ms, err);
+        if (st != DI_OK)
+            return st;
+        sh->engine.step_ms = sh->table;
+    }
+    di_status st = sched_config_validate(&sh->engine, err);
     if (st != DI_OK)
         return st;
     double need = sim_memory_bytes(c);
@@ -521,7 +582,7 @@ static di_status sim_latency(const sim_config *c, const sim_req *reqs, sim_resul
 static di_status sim_gather(const sim_shared *sh, sim_result *out)
 {
     const sim_config *c = sh->cfg;
-    uint64_t samples_n = 0, real_decode = 0, rows = 0, padding = 0;
+    uint64_t samples_n = 0, real_decode = 0, rows = 0, padding = 0, entries = 0;
     double usage = 0, checked = 0, accepted = 0;
     for (uint32_t k = 0; k < c->ranks; k++) {
         const sim_rank *r = &sh->ranks[k];
@@ -540,6 +601,8 @@ static di_status sim_gather(const sim_shared *sh, sim_result *out)
         real_decode += r->real_decode;
         rows += r->rows;
         padding += r->padding;
+        entries += r->entries;
+        out->varlen_no_conf += st->varlen_no_conf;
         samples_n += r->cpu_n < SIM_SAMPLES ? r->cpu_n : SIM_SAMPLES;
         if (r->now > out->sim_seconds * 1e9)
             out->sim_seconds = (double)r->now / 1e9;
@@ -549,6 +612,7 @@ static di_status sim_gather(const sim_shared *sh, sim_result *out)
     out->draft_acceptance = checked > 0 ? accepted / checked : 0;
     out->rows_per_decode_step = real_decode ? (double)rows / (double)real_decode : 0;
     out->padding_rows_per_decode_step = real_decode ? (double)padding / (double)real_decode : 0;
+    out->draft_rows_per_request = entries ? (double)(rows - entries) / (double)entries : 0;
     double *v = malloc(sizeof(double) * (samples_n ? samples_n : 1));
     if (!v)
         return DI_ENOMEM;
@@ -590,6 +654,7 @@ static void sim_free(sim_shared *sh)
     }
     free(sh->ranks);
     free(sh->reqs);
+    free(sh->table);
     vote_group_destroy(sh->group);
 }
 
@@ -601,6 +666,10 @@ di_status sim_run(const sim_config *cfg, sim_result *out, di_error *err)
     uint64_t wall0 = di_mono_ns();
     sim_shared sh = {.cfg = cfg};
     atomic_init(&sh.done, 0);
+    if ((st = sim_engine(&sh, err)) != DI_OK) {
+        sim_free(&sh);
+        return st;
+    }
     sh.reqs = calloc(cfg->requests, sizeof(sim_req));
     sh.ranks = calloc(cfg->ranks, sizeof(sim_rank));
     if (!sh.reqs || !sh.ranks) {

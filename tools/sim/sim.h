@@ -8,6 +8,13 @@
  * comes from the step-time model, and the group's step lasts as long as its slowest rank (the
  * MoE exchange waits for everyone); the clock jumps over idle gaps to the next arrival. Every
  * draw comes from di_rng seeded by `seed`, so a run repeats exactly.
+ *
+ * MTP varlen (engine.varlen): the scheduler's step-time table is the step-time model at every
+ * recorded graph size, varlen_decode_ms + varlen_ms_per_row * rows (by default the model's own
+ * figures; other figures stand for a table measured under other conditions than the run), and
+ * the runner reports draft confidences from its acceptance model (synth.h): exact products of
+ * each draft's chance (a^(i+1) for a flat rate a), or biased and noisy with conf_bias and
+ * conf_noise.
  */
 #ifndef DI_TOOLS_SIM_H
 #define DI_TOOLS_SIM_H
@@ -37,6 +44,11 @@ typedef struct sim_config {
     uint32_t ranks;             /* lockstep ranks (threads) */
     sched_config engine;        /* per-rank scheduler settings (vote and alloc are set here) */
     double accept_rate;         /* each draft accepted with this probability, prefix rule */
+    double accept_spread;       /* each draft's chance: accept_rate +- this, by draft token */
+    double conf_bias;           /* varlen: added to each reported per-draft chance, [-1, 1] */
+    double conf_noise;          /* varlen: uniform noise on each reported chance, [0, 1] */
+    double varlen_decode_ms;    /* varlen table: fixed part (ms); negative: decode_ms */
+    double varlen_ms_per_row;   /* varlen table: per graph row (ms); negative: the model's */
     double decode_ms;           /* step-time model: decode step = decode_ms + */
     double decode_ms_per_row;   /*   decode_ms_per_row * graph rows (padding included) */
     double prefill_ms;          /* prompt step = prefill_ms + */
@@ -76,6 +88,8 @@ typedef struct sim_result {
     double cache_usage_max;
     double draft_acceptance;        /* accepted / checked real drafts */
     double rows_per_decode_step;    /* real rows per non-empty decode step, per rank */
+    double draft_rows_per_request;  /* draft rows per request per decode step (rows - 1) */
+    uint64_t varlen_no_conf;        /* varlen: request-steps planned without confidences */
     double padding_rows_per_decode_step;
     sim_pct sched_ns_per_step;      /* thread CPU of schedule + process per rank step */
     double wall_seconds;            /* wall-clock time of the run */
