@@ -300,8 +300,8 @@ static const gen_opt options[] = {
      "$DI_KVSTORE_TOKEN)"},
     {"--kvstore-deadline", "DUR", o_kv_deadline, "deadline of each store call (default 2s)"},
     {"--kvstore-replay", NULL, o_kv_replay, "when the window state at the hit is missing, replay "
-     "128 tokens with clipped windows (faster; logits then differ slightly) instead of resuming "
-     "at an older window state"},
+     "128 tokens with clipped windows (faster, but the logits then differ from a full prefill) "
+     "instead of resuming at an older window state"},
     {"--kvstore-window-every", "N", o_kv_every, "also store the window state at every Nth "
      "multiple of 128 (default 0: only where a request can resume)"},
     {"--varlen", NULL, o_varlen, "MTP varlen: each decode step checks only the drafts worth "

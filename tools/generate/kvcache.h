@@ -11,7 +11,7 @@
  *   windows when the window state is missing (explainer, "A prefix hit with a missing window"):
  *   128 tokens cheaper than backing off further, but those rows see no window below the replay
  *   start in any layer and rewrite the compressed entries of the block before the hit, so the
- *   logits differ slightly from a full prefill; such a request writes nothing to the store.
+ *   logits differ from a full prefill; such a request writes nothing to the store.
  * Load (the executor's loader, before the forward of the request's first chunk): the buffers
  * into the request's own blocks and state slot (kv_io imports; a replay zeroes the slot).
  * After each step's forward: the window state is copied at each wanted multiple of 128 the
