@@ -456,6 +456,10 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.ring_store = cuda_op_ring_store;
     be.ops.compress_pool = cuda_op_compress_pool;
     be.ops.compressed_store = cuda_op_compressed_store;
+    be.ops.sparse_attn = cuda_op_sparse_attn;
+    be.ops.index_scores = cuda_op_index_scores;
+    be.ops.index_candidates = cuda_op_index_candidates;
+    be.ops.index_topk = cuda_op_index_topk;
     *out = be;
     return DI_OK;
 }

@@ -515,3 +515,37 @@ void chk_kv_free(chk_env *env, chk_kv *kv)
     free(kv->blocks_h), free(kv->slots_h), free(kv->seqs_h), free(kv->seqs_d), free(kv->tables);
     memset(kv, 0, sizeof(*kv));
 }
+
+/* ---- the matrix-rate ceiling ---- */
+
+static di_status ceiling_call(void *arg, int i)
+{
+    chk_env *env = ((void **)arg)[0];
+    const kern_linear *p = ((void **)arg)[1];
+    return env->gpu.ops.linear_bf16(env->gpu.ctx, p);
+}
+
+double chk_gemm_ceiling(chk_env *env)
+{
+    const uint32_t N = 8192;
+    size_t bytes = (size_t)N * N * 2;
+    di_rng rng;
+    chk_case_rng(env, &rng);
+    uint16_t *h = chk_malloc(bytes);
+    chk_fill_bf16_fast(h, (size_t)N * N, 1.0f, &rng);
+    void *x = chk_dev_copy(env, h, bytes);
+    chk_fill_bf16_fast(h, (size_t)N * N, 0.05f, &rng);
+    void *w = chk_dev_copy(env, h, bytes), *y = chk_dev_alloc(env, bytes);
+    free(h);
+    kern_linear p = {N, N, N, 1, x, N, w, NULL, 0, 0, y, N};
+    void *arg[2] = {env, &p};
+    double ms = chk_time_ms(env, ceiling_call, arg, 3, 20);
+    chk_dev_free(env, x);
+    chk_dev_free(env, w);
+    chk_dev_free(env, y);
+    if (ms <= 0) {
+        fprintf(stderr, "the 8192^3 BF16 GEMM ceiling failed\n");
+        exit(2);
+    }
+    return 2.0 * N * N * (double)N / (ms * 1e-3) / 1e12;
+}

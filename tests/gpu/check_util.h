@@ -167,4 +167,8 @@ size_t chk_kv_block_bytes(const chk_kv *kv);
 typedef di_status (*chk_timed_fn)(void *arg, int i);
 double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int reps);
 
+/* The matrix-rate ceiling of the run: an 8192^3 BF16 GEMM (bf16 out, the backend's linear_bf16
+ * on cuBLASLt) on random data, TFLOP/s (median of 20 after 3 warm-ups). Exit 2 on failure. */
+double chk_gemm_ceiling(chk_env *env);
+
 #endif
