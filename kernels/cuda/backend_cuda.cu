@@ -460,6 +460,12 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.index_scores = cuda_op_index_scores;
     be.ops.index_candidates = cuda_op_index_candidates;
     be.ops.index_topk = cuda_op_index_topk;
+    be.ops.moe_gate = cuda_op_moe_gate;
+    be.ops.swiglu = cuda_op_swiglu;
+    be.ops.moe_experts = cuda_op_moe_experts;
+    be.ops.engram_hash = cuda_op_engram_hash;
+    be.ops.engram_lookup = cuda_op_engram_lookup;
+    be.ops.engram_gate = cuda_op_engram_gate;
     *out = be;
     return DI_OK;
 }

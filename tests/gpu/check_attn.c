@@ -130,7 +130,7 @@ static size_t check_alone(chk_env *env, const char *what, const attn_case *ac, c
     size_t bad = chk_gpu_status(env, env->gpu.ops.sparse_attn(env->gpu.ctx, &p), what);
     uint16_t *alone = chk_malloc((size_t)n * qrow * 2);
     chk_get(env, alone, one.out, (size_t)n * qrow * 2);
-    char w2[400];
+    char w2[480];
     snprintf(w2, sizeof(w2), "%s (sequence %u alone vs in the batch)", what, s);
     if (!bad)
         bad = chk_cmp_bf16_exact(w2, batch_out + r0 * qrow, alone, (size_t)n * qrow);

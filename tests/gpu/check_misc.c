@@ -5,7 +5,9 @@
  *   copy_rows: bytes, and every byte of the destination outside the copied rows untouched;
  *   engram_hash, engram_lookup: exact;  engram_gate: bf16 1 ulp.
  * Inputs: zeros, ones, arange, N(0,1), tiny, large, rounding edges, NaN/Inf; rows 1, 3, 63, 127;
- * hc 1, 2, 4 and 8; widths of the tiny and full models; padded strides; outputs poisoned.
+ * hc 1, 2, 4 and 8; widths of the tiny and full models; padded strides; outputs poisoned;
+ * Engram lookbacks across sequence starts and histories, tables stored and generated on demand
+ * (row_fn), hash columns of one layer among several (hash_stride).
  * With --bench: the ops at V4.1-Flash shapes next to the copy bandwidth of the same run.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error. */
 #include <inttypes.h>
@@ -216,6 +218,190 @@ static void check_copy_rows(chk_env *env, const copy_case *cc)
     free(src), free(dst), free(out), free(rows);
 }
 
+
+/* ---- Engram: hash exact, lookup exact, gate bf16 1 ulp ---- */
+
+typedef struct hash_case {
+    uint32_t n_layers, max_ngram, heads;
+    uint32_t n_seqs;
+    uint32_t rows[4];
+    int64_t pos0[4];
+    uint32_t vocab, cvocab;
+} hash_case;
+
+static void check_engram_hash(chk_env *env, const hash_case *hc)
+{
+    di_rng rng;
+    uint64_t seed = chk_case_rng(env, &rng);
+    uint32_t cols = (hc->max_ngram - 1) * hc->heads, T = 0;
+    kern_seq seqs[4];
+    int32_t *hist[4];
+    for (uint32_t s = 0; s < hc->n_seqs; s++) {
+        uint32_t nh = hc->pos0[s] < (int64_t)hc->max_ngram - 1 ? (uint32_t)hc->pos0[s] : hc->max_ngram - 1;
+        hist[s] = chk_malloc((nh + 1) * 4);
+        for (uint32_t i = 0; i < nh; i++)
+            hist[s][i] = (int32_t)di_rng_below(&rng, hc->vocab);
+        seqs[s] = (kern_seq){.row0 = T, .n_rows = hc->rows[s], .pos0 = hc->pos0[s],
+                             .history = hist[s], .n_history = nh, .ring_hi = -1};
+        T += hc->rows[s];
+    }
+    int32_t *ids = chk_malloc(T * 4), *row_seq = chk_malloc(T * 4);
+    int32_t *map = chk_malloc(hc->vocab * 4);
+    for (uint32_t s = 0, t = 0; s < hc->n_seqs; s++)
+        for (uint32_t i = 0; i < hc->rows[s]; i++, t++) {
+            ids[t] = (int32_t)di_rng_below(&rng, hc->vocab);
+            row_seq[t] = (int32_t)s;
+        }
+    for (uint32_t v = 0; v < hc->vocab; v++)
+        map[v] = (int32_t)di_rng_below(&rng, hc->cvocab);
+    size_t nc = (size_t)hc->n_layers * cols;
+    uint64_t *mult = chk_malloc(hc->n_layers * hc->max_ngram * 8), *primes = chk_malloc(nc * 8);
+    uint64_t *offs = chk_malloc(nc * 8);
+    for (uint32_t i = 0; i < hc->n_layers * hc->max_ngram; i++) /* odd, below 2^63 / cvocab */
+        mult[i] = (di_rng_u64(&rng) % ((UINT64_C(1) << 63) / hc->cvocab / 2)) * 2 + 1;
+    uint64_t acc = 0;
+    for (size_t i = 0; i < nc; i++) {
+        primes[i] = 1000 + di_rng_below(&rng, 16000000);
+        offs[i] = acc;
+        acc += primes[i];
+    }
+    size_t on = (size_t)T * nc;
+    int64_t *out = chk_malloc(on * 8), *gout = chk_malloc(on * 8);
+    chk_poison(out, on * 8);
+    char what[200];
+    snprintf(what, sizeof(what), "engram_hash layers=%u max_ngram=%u heads=%u seqs=%u rows=%u "
+             "seed=%" PRIu64, hc->n_layers, hc->max_ngram, hc->heads, hc->n_seqs, T, seed);
+    int64_t *dout = chk_dev_copy(env, out, on * 8);
+    kern_engram_hash p = {.n_rows = T, .n_layers = hc->n_layers, .max_ngram = hc->max_ngram,
+                          .n_heads = hc->heads, .ids = ids, .row_seq = row_seq, .seqs = seqs,
+                          .token_map = map, .vocab = hc->vocab, .pad_id = map[2],
+                          .multipliers = mult, .primes = primes, .offsets = offs, .out = dout};
+    size_t bad = chk_gpu_status(env, env->gpu.ops.engram_hash(env->gpu.ctx, &p), what);
+    chk_get(env, gout, dout, on * 8);
+    p.out = out;
+    chk_cpu_status(env->cpu.ops.engram_hash(env->cpu.ctx, &p), what);
+    if (!bad)
+        bad = chk_cmp_i64(what, out, gout, on);
+    chk_count(env, bad);
+    chk_dev_free(env, dout);
+    for (uint32_t s = 0; s < hc->n_seqs; s++)
+        free(hist[s]);
+    free(ids), free(row_seq), free(map), free(mult), free(primes), free(offs), free(out), free(gout);
+}
+
+/* A table generated on demand: a pure function of the row (both backends get it). */
+static void gen_row(void *ud, uint64_t row, uint8_t *codes, uint8_t *scales)
+{
+    uint32_t hd = *(const uint32_t *)ud;
+    di_rng r;
+    di_rng_init(&r, row * 7919 + 17);
+    for (uint32_t i = 0; i < hd; i++)
+        codes[i] = (uint8_t)di_rng_u32(&r);
+    for (uint32_t i = 0; i < hd / 32; i++)
+        scales[i] = (uint8_t)(110 + di_rng_below(&r, 30));
+}
+
+static void check_engram_lookup(chk_env *env, uint32_t rows, uint32_t cols, uint32_t hd,
+                                uint32_t stride_extra, uint64_t table_rows, int generated)
+{
+    di_rng rng;
+    uint64_t seed = chk_case_rng(env, &rng);
+    size_t hs = cols + stride_extra, tb = generated ? 1 : (size_t)table_rows * hd;
+    int64_t *hash = chk_malloc((size_t)rows * hs * 8);
+    for (size_t i = 0; i < (size_t)rows * hs; i++)
+        hash[i] = (int64_t)di_rng_below(&rng, table_rows);
+    hash[0] = 0, hash[(size_t)(rows - 1) * hs + cols - 1] = (int64_t)table_rows - 1;
+    uint8_t *table = chk_malloc(tb), *scale = chk_malloc(tb / 32 + 1);
+    for (size_t i = 0; !generated && i < tb; i++)
+        table[i] = (uint8_t)di_rng_u32(&rng);
+    for (size_t i = 0; !generated && i < tb / 32; i++)
+        scale[i] = (uint8_t)(100 + di_rng_below(&rng, 50));
+    size_t on = (size_t)rows * cols * hd;
+    uint16_t *out = chk_malloc(on * 2), *gout = chk_malloc(on * 2);
+    chk_fill_u16(out, on, CHK_POISON_BF16);
+    char what[200];
+    snprintf(what, sizeof(what), "engram_lookup rows=%u cols=%u hd=%u hash_stride=%zu table_rows=%" PRIu64
+             " generated=%d seed=%" PRIu64, rows, cols, hd, hs, table_rows, generated, seed);
+    int64_t *dhash = chk_dev_copy(env, hash, (size_t)rows * hs * 8);
+    uint8_t *dtable = chk_dev_copy(env, table, tb), *dscale = chk_dev_copy(env, scale, tb / 32 + 1);
+    uint16_t *dout = chk_dev_copy(env, out, on * 2);
+    kern_engram_lookup p = {.n_rows = rows, .n_cols = cols, .head_dim = hd, .hash = dhash,
+                            .hash_stride = hs, .table = generated ? NULL : dtable,
+                            .table_scale = generated ? NULL : dscale, .table_rows = table_rows,
+                            .row_fn = generated ? gen_row : NULL, .row_userdata = &hd, .out = dout};
+    size_t bad = chk_gpu_status(env, env->gpu.ops.engram_lookup(env->gpu.ctx, &p), what);
+    chk_get(env, gout, dout, on * 2);
+    p.hash = hash, p.table = generated ? NULL : table, p.table_scale = generated ? NULL : scale;
+    p.out = out;
+    chk_cpu_status(env->cpu.ops.engram_lookup(env->cpu.ctx, &p), what);
+    if (!bad)
+        bad = chk_cmp_bf16_exact(what, out, gout, on);
+    chk_count(env, bad);
+    chk_dev_free(env, dhash), chk_dev_free(env, dtable), chk_dev_free(env, dscale);
+    chk_dev_free(env, dout);
+    free(hash), free(table), free(scale), free(out), free(gout);
+}
+
+static void check_engram_gate(chk_env *env, uint32_t rows, uint32_t hc, uint32_t dim, int mode,
+                              int wmode)
+{
+    di_rng rng;
+    uint64_t seed = chk_case_rng(env, &rng);
+    size_t hn = (size_t)rows * hc * dim, kn = (size_t)rows * (hc + 1) * dim;
+    uint16_t *h = chk_malloc(hn * 2), *gh = chk_malloc(hn * 2), *kv = chk_malloc(kn * 2);
+    uint16_t *qw = chk_malloc((size_t)hc * dim * 2), *kw = chk_malloc((size_t)hc * dim * 2);
+    chk_fill_bf16(h, hn, mode, &rng);
+    chk_fill_bf16(kv, kn, mode == CHK_ZEROS ? CHK_NORMAL : mode, &rng);
+    chk_fill_bf16(qw, (size_t)hc * dim, wmode, &rng);
+    chk_fill_bf16(kw, (size_t)hc * dim, wmode, &rng);
+    char what[200];
+    snprintf(what, sizeof(what), "engram_gate rows=%u hc=%u dim=%u h=%s weights=%s seed=%" PRIu64,
+             rows, hc, dim, chk_mode_name[mode], chk_mode_name[wmode], seed);
+    uint16_t *dh = chk_dev_copy(env, h, hn * 2), *dkv = chk_dev_copy(env, kv, kn * 2);
+    uint16_t *dq = chk_dev_copy(env, qw, (size_t)hc * dim * 2), *dk = chk_dev_copy(env, kw, (size_t)hc * dim * 2);
+    kern_engram_gate p = {.n_rows = rows, .n_copies = hc, .dim = dim, .h = dh, .kv = dkv,
+                          .q_weight = dq, .k_weight = dk, .eps = 1e-20, .clamp = 1e-6};
+    size_t bad = chk_gpu_status(env, env->gpu.ops.engram_gate(env->gpu.ctx, &p), what);
+    chk_get(env, gh, dh, hn * 2);
+    p.h = h, p.kv = kv, p.q_weight = qw, p.k_weight = kw;
+    chk_cpu_status(env->cpu.ops.engram_gate(env->cpu.ctx, &p), what);
+    if (!bad)
+        bad = chk_cmp_bf16_ulp(what, h, gh, NULL, hn, 1);
+    chk_count(env, bad);
+    chk_dev_free(env, dh), chk_dev_free(env, dkv), chk_dev_free(env, dq), chk_dev_free(env, dk);
+    free(h), free(gh), free(kv), free(qw), free(kw);
+}
+
+static void sweep_engram(chk_env *env)
+{
+    static const hash_case hcs[] = {
+        {1, 3, 2, 1, {5, 0, 0, 0}, {0, 0, 0, 0}, 4096, 3000},
+        {2, 4, 4, 3, {1, 3, 40, 0}, {0, 1, 2, 0}, 8192, 6000},
+        {2, 4, 8, 4, {1, 1, 63, 2}, {5000, 3, 100, 1}, 129280, 99092},
+        {1, 8, 3, 2, {127, 1}, {0, 9}, 1000, 999},
+        {3, 2, 1, 1, {3, 0, 0, 0}, {7, 0, 0, 0}, 50, 7},
+    };
+    int c0 = env->checks;
+    for (size_t i = 0; i < sizeof(hcs) / sizeof(hcs[0]); i++)
+        check_engram_hash(env, &hcs[i]);
+    printf("engram_hash: %d cases\n", env->checks - c0);
+    c0 = env->checks;
+    check_engram_lookup(env, 1, 24, 256, 24, 5000, 0);
+    check_engram_lookup(env, 3, 4, 32, 0, 4062, 0);
+    check_engram_lookup(env, 63, 12, 64, 12, 48400, 0);
+    check_engram_lookup(env, 127, 24, 256, 0, 300, 0);
+    check_engram_lookup(env, 5, 24, 256, 24, 384006168, 1);
+    check_engram_lookup(env, 2, 4, 32, 0, 7, 1);
+    printf("engram_lookup: %d cases\n", env->checks - c0);
+    c0 = env->checks;
+    static const uint32_t rows[] = {1, 3, 63, 127};
+    for (int mode = 0; mode < CHK_MODES; mode++)
+        for (size_t r = 0; r < 4; r++)
+            check_engram_gate(env, rows[r], r == 1 ? 2 : 4, r % 2 ? 5120 : 128, mode,
+                              mode % 2 ? CHK_ONES : CHK_NORMAL);
+    printf("engram_gate: %d cases\n", env->checks - c0);
+}
+
 /* ---- refused inputs ---- */
 
 static void check_refusals(chk_env *env)
@@ -247,6 +433,23 @@ static void check_refusals(chk_env *env)
     rows[1] = 1, cr.src_stride = 4;
     bad += chk_expect(env, o->copy_rows(c, &cr), DI_EINVAL, "copy_rows src_stride 4 < 8");
     cr.src_stride = 8;
+    kern_seq q = {.row0 = 0, .n_rows = 1, .pos0 = 5, .n_history = 0, .ring_hi = -1};
+    int32_t ids[1] = {3}, rs[1] = {0}, map[8] = {0};
+    uint64_t m[3] = {1, 3, 5}, pr[4] = {7, 11, 13, 17}, of[4] = {0};
+    kern_engram_hash eh = {.n_rows = 1, .n_layers = 1, .max_ngram = 3, .n_heads = 2, .ids = ids,
+                           .row_seq = rs, .seqs = &q, .token_map = map, .vocab = 8,
+                           .multipliers = m, .primes = pr, .offsets = of, .out = (int64_t *)d};
+    bad += chk_expect(env, o->engram_hash(c, &eh), DI_EINVAL, "engram_hash lookback without history");
+    q.pos0 = 0, ids[0] = 8;
+    bad += chk_expect(env, o->engram_hash(c, &eh), DI_EINVAL, "engram_hash token 8 of 8");
+    eh.max_ngram = 9;
+    bad += chk_expect(env, o->engram_hash(c, &eh), DI_EINVAL, "engram_hash max_ngram 9");
+    kern_engram_lookup el = {.n_rows = 1, .n_cols = 2, .head_dim = 48, .hash = (int64_t *)d,
+                             .hash_stride = 2, .table = d, .table_scale = d, .table_rows = 4,
+                             .out = h};
+    bad += chk_expect(env, o->engram_lookup(c, &el), DI_EINVAL, "engram_lookup head_dim 48");
+    el.head_dim = 32, el.table = NULL;
+    bad += chk_expect(env, o->engram_lookup(c, &el), DI_EINVAL, "engram_lookup no table, no row_fn");
     bad += chk_expect(env, o->copy_rows(c, &cr), DI_OK, "copy_rows after refusals");
     chk_sync(env);
     chk_count(env, bad);
@@ -397,6 +600,7 @@ int main(int argc, char **argv)
     int want_bench = chk_init(&env, argc, argv, usage);
     sweep_hc(&env);
     sweep_copy(&env);
+    sweep_engram(&env);
     check_refusals(&env);
     return chk_finish(&env, "check_misc", want_bench, bench);
 }
