@@ -113,7 +113,8 @@ static di_status cpu_moe_experts(void *ctx, const kern_moe_experts *p)
     int32_t *rows = malloc((size_t)(T ? T : 1) * p->top_k * sizeof(int32_t));
     double *acc = cpu_xmalloc((size_t)(T ? T : 1) * D * sizeof(double));
     expert_bufs b = {0};
-    size_t nmax = T ? T : 1;
+    /* a bucket can hold more than T pairs when a row names an expert twice */
+    size_t nmax = (size_t)(T ? T : 1) * p->top_k;
     b.x = cpu_xmalloc(nmax * D * 2);
     b.g = cpu_xmalloc(nmax * inter_max * 2);
     b.u = cpu_xmalloc(nmax * inter_max * 2);

@@ -79,33 +79,177 @@ di_status cuda_op_begin(cuda_ctx *c, const void *params, const char *op)
 
 /* ---- memory ---- */
 
-di_status cuda_scratch(cuda_ctx *c, size_t bytes, uint8_t **out)
+/* Grows one of the device buffers (scratch or work) to at least `bytes`. */
+static di_status grow(cuda_ctx *c, uint8_t **buf, size_t *have, size_t bytes, const char *what)
 {
-    if (bytes <= c->scratch_bytes && c->scratch) {
-        *out = c->scratch;
+    if (bytes <= *have && *buf)
         return DI_OK;
-    }
     size_t want = (bytes + SCRATCH_ROUND - 1) / SCRATCH_ROUND * SCRATCH_ROUND;
-    /* queued ops may still use the old scratch */
-    di_status st = cuda_check(c, cudaStreamSynchronize(c->stream), "scratch: cudaStreamSynchronize");
+    /* queued ops may still use the old buffer */
+    di_status st = cuda_check(c, cudaStreamSynchronize(c->stream), "device buffer: cudaStreamSynchronize");
     if (st != DI_OK)
         return st;
-    if (c->scratch)
-        cudaFree(c->scratch);
-    c->scratch = NULL;
-    c->scratch_bytes = 0;
-    c->stats.scratch_bytes = 0;
+    if (*buf)
+        cudaFree(*buf);
+    *buf = NULL;
+    *have = 0;
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, want);
     if (e != cudaSuccess) {
         cudaGetLastError(); /* not sticky: clear it */
-        return cuda_fail(c, DI_ENOMEM, "device scratch of %zu bytes: %s", want,
+        return cuda_fail(c, DI_ENOMEM, "device %s of %zu bytes: %s", what, want,
                          cudaGetErrorString(e));
     }
-    c->scratch = (uint8_t *)p;
-    c->scratch_bytes = want;
-    c->stats.scratch_bytes = want;
-    *out = c->scratch;
+    *buf = (uint8_t *)p;
+    *have = want;
+    return DI_OK;
+}
+
+di_status cuda_scratch(cuda_ctx *c, size_t bytes, uint8_t **out)
+{
+    di_status st = grow(c, &c->scratch, &c->scratch_bytes, bytes, "scratch");
+    c->stats.scratch_bytes = c->scratch_bytes;
+    if (st == DI_OK)
+        *out = c->scratch;
+    return st;
+}
+
+di_status cuda_work(cuda_ctx *c, size_t bytes, uint8_t **out)
+{
+    di_status st = grow(c, &c->work, &c->work_bytes, bytes, "work buffer");
+    if (st == DI_OK)
+        *out = c->work;
+    return st;
+}
+
+di_status cuda_download(cuda_ctx *c, void *dst, const void *src, size_t bytes)
+{
+    if (bytes == 0)
+        return DI_OK;
+    di_status st = cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream),
+                              "download: cudaMemcpyAsync");
+    if (st == DI_OK)
+        st = cuda_check(c, cudaStreamSynchronize(c->stream), "download: cudaStreamSynchronize");
+    return st;
+}
+
+/* ---- step metadata ---- */
+
+void cuda_meta_reset(cuda_ctx *c)
+{
+    c->meta_len = 0;
+}
+
+di_status cuda_meta_push(cuda_ctx *c, const void *src, size_t bytes, size_t *off)
+{
+    size_t at = cuda_align_up(c->meta_len), end = at + bytes;
+    if (end > c->meta_cap) {
+        size_t cap = c->meta_cap ? c->meta_cap : 4096;
+        while (cap < end)
+            cap *= 2;
+        uint8_t *m = (uint8_t *)realloc(c->meta, cap);
+        if (!m)
+            return cuda_fail(c, DI_ENOMEM, "host metadata of %zu bytes", cap);
+        c->meta = m;
+        c->meta_cap = cap;
+    }
+    memset(c->meta + c->meta_len, 0, at - c->meta_len);
+    if (src)
+        memcpy(c->meta + at, src, bytes);
+    else
+        memset(c->meta + at, 0, bytes);
+    c->meta_len = end;
+    *off = at;
+    return DI_OK;
+}
+
+void *cuda_meta_at(cuda_ctx *c, size_t off)
+{
+    return c->meta + off;
+}
+
+di_status cuda_meta_upload(cuda_ctx *c, int to_work, size_t extra, uint8_t **dev,
+                           uint8_t **extra_dev)
+{
+    size_t len = cuda_align_up(c->meta_len);
+    uint8_t *base = NULL;
+    di_status st = to_work ? cuda_work(c, len + extra, &base) : cuda_scratch(c, len + extra, &base);
+    if (st != DI_OK)
+        return st;
+    /* the host buffer is pageable: the copy has taken the bytes when the call returns */
+    if (c->meta_len)
+        st = cuda_check(c, cudaMemcpyAsync(base, c->meta, c->meta_len, cudaMemcpyHostToDevice,
+                                           c->stream),
+                        "metadata upload: cudaMemcpyAsync");
+    if (st != DI_OK)
+        return st;
+    *dev = base;
+    if (extra_dev)
+        *extra_dev = base + len;
+    return DI_OK;
+}
+
+di_status cuda_meta_seqs(cuda_ctx *c, const char *what, const kern_seq *seqs, uint32_t n,
+                         uint32_t rows, size_t *seq_off, size_t *table_off, size_t *row_seq_off)
+{
+    if (n && !seqs)
+        return cuda_fail(c, DI_EINVAL, "%s: %u sequences but seqs is NULL", what, n);
+    uint64_t tables = 0;
+    for (uint32_t s = 0; s < n; s++) {
+        if (seqs[s].n_blocks && !seqs[s].blocks)
+            return cuda_fail(c, DI_EINVAL, "%s: sequence %u has %u blocks but no block table",
+                             what, s, seqs[s].n_blocks);
+        tables += seqs[s].n_blocks;
+    }
+    if (tables > 0xffffffffu)
+        return cuda_fail(c, DI_EINVAL, "%s: %llu block-table entries", what,
+                         (unsigned long long)tables);
+    di_status st = cuda_meta_push(c, NULL, (size_t)n * sizeof(cuda_seq), seq_off);
+    if (st == DI_OK)
+        st = cuda_meta_push(c, NULL, (size_t)(tables ? tables : 1) * sizeof(uint32_t), table_off);
+    if (st == DI_OK && rows)
+        st = cuda_meta_push(c, NULL, (size_t)rows * sizeof(int32_t), row_seq_off);
+    if (st != DI_OK)
+        return st;
+    uint32_t t0 = 0;
+    for (uint32_t s = 0; s < n; s++) {
+        const kern_seq *k = &seqs[s];
+        cuda_seq d;
+        memset(&d, 0, sizeof(d));
+        d.slot = k->slot;
+        d.pos0 = k->pos0;
+        d.window_lo = k->window_lo;
+        d.row0 = k->row0;
+        d.n_rows = k->n_rows;
+        d.ring_hi = k->ring_hi;
+        d.n_blocks = k->n_blocks;
+        d.table0 = t0;
+        memcpy((cuda_seq *)cuda_meta_at(c, *seq_off) + s, &d, sizeof(d));
+        if (k->n_blocks)
+            memcpy((uint32_t *)cuda_meta_at(c, *table_off) + t0, k->blocks,
+                   (size_t)k->n_blocks * sizeof(uint32_t));
+        t0 += k->n_blocks;
+    }
+    if (!rows)
+        return DI_OK;
+    int32_t *rs = (int32_t *)cuda_meta_at(c, *row_seq_off);
+    for (uint32_t r = 0; r < rows; r++)
+        rs[r] = -1;
+    for (uint32_t s = 0; s < n; s++) {
+        const kern_seq *k = &seqs[s];
+        if ((uint64_t)k->row0 + k->n_rows > rows)
+            return cuda_fail(c, DI_EINVAL, "%s: sequence %u has rows %u..%llu outside the %u rows",
+                             what, s, k->row0, (unsigned long long)k->row0 + k->n_rows, rows);
+        for (uint32_t r = k->row0; r < k->row0 + k->n_rows; r++) {
+            if (rs[r] >= 0)
+                return cuda_fail(c, DI_EINVAL, "%s: row %u belongs to sequences %d and %u", what,
+                                 r, rs[r], s);
+            rs[r] = (int32_t)s;
+        }
+    }
+    for (uint32_t r = 0; r < rows; r++)
+        if (rs[r] < 0)
+            return cuda_fail(c, DI_EINVAL, "%s: row %u belongs to no sequence", what, r);
     return DI_OK;
 }
 
@@ -202,6 +346,8 @@ static void ctx_release(cuda_ctx *c)
     cuda_gemm_release(c);
     if (c->scratch)
         cudaFree(c->scratch);
+    if (c->work)
+        cudaFree(c->work);
     if (c->workspace)
         cudaFree(c->workspace);
     if (c->lt)
@@ -209,6 +355,7 @@ static void ctx_release(cuda_ctx *c)
     if (c->stream)
         cudaStreamDestroy(c->stream);
     free(c->stage);
+    free(c->meta);
     free(c);
 }
 
@@ -302,6 +449,23 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.linear_fp4 = cuda_op_linear_fp4;
     be.ops.linear_bf16 = cuda_op_linear_bf16;
     be.ops.head = cuda_op_head;
+    be.ops.hc_mixes = cuda_op_hc_mixes;
+    be.ops.hc_collapse = cuda_op_hc_collapse;
+    be.ops.hc_expand = cuda_op_hc_expand;
+    be.ops.copy_rows = cuda_op_copy_rows;
+    be.ops.ring_store = cuda_op_ring_store;
+    be.ops.compress_pool = cuda_op_compress_pool;
+    be.ops.compressed_store = cuda_op_compressed_store;
+    be.ops.sparse_attn = cuda_op_sparse_attn;
+    be.ops.index_scores = cuda_op_index_scores;
+    be.ops.index_candidates = cuda_op_index_candidates;
+    be.ops.index_topk = cuda_op_index_topk;
+    be.ops.moe_gate = cuda_op_moe_gate;
+    be.ops.swiglu = cuda_op_swiglu;
+    be.ops.moe_experts = cuda_op_moe_experts;
+    be.ops.engram_hash = cuda_op_engram_hash;
+    be.ops.engram_lookup = cuda_op_engram_lookup;
+    be.ops.engram_gate = cuda_op_engram_gate;
     *out = be;
     return DI_OK;
 }

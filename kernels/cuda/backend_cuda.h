@@ -6,11 +6,16 @@
  * queued on the backend's one stream, in call order; step metadata (ids, positions) is copied
  * from the caller's host arrays before the op returns, so the caller may reuse them at once.
  *
- * The backend fills only the table entries it implements; the others stay NULL, and
- * kern_cuda_supports() says which is which. It never computes an approximation in place of a
- * missing entry. Filled now: alloc, free, to_host, from_host, embed, rmsnorm, rope, fakequant,
- * linear_fp8, linear_fp4, linear_bf16, head. Each matches its CPU twin (kernels/cpu) within the
- * tolerance kernels.h states for it; tests/gpu/check_basic.c and check_linear.c compare them.
+ * The backend fills every entry of the table (kern_cuda_supports() reads the table, so it says
+ * which entries a build fills). It never computes an approximation in place of a missing case:
+ * an input it cannot take is refused (DI_EINVAL, DI_EUNSUPPORTED). Each op matches its CPU twin
+ * (kernels/cpu) within the tolerance kernels.h states for it; tests/gpu/check_*.c compare them
+ * op by op and check_forward.c the whole model.
+ *
+ * Step metadata the ops read on the host (sequence tables, row lists, positions, Engram ids and
+ * constants) is copied into device memory with each op; two ops also read a device result
+ * back and wait for it: moe_experts (the expert ids, to group rows by expert) and
+ * engram_lookup with a generated table (the hash ids, to generate the rows on the host).
  *
  * Linear layers: the input rows are fake-quantised by procedure (A) into a bf16 scratch (FP8
  * and FP4 weights), the weight is dequantised into a bf16 scratch (E4M3 x UE8M0 and E2M1 x UE8M0

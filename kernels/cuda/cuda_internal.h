@@ -57,6 +57,12 @@ typedef struct cuda_ctx {
     size_t scratch_bytes;
     uint8_t *stage;             /* pageable host staging of step metadata before its upload */
     size_t stage_bytes;
+    uint8_t *work;              /* growable device buffer of the composite ops (moe_experts,
+                                 * engram_lookup from a row generator) that call other ops,
+                                 * which use the scratch; contents live for one op */
+    size_t work_bytes;
+    uint8_t *meta;              /* host assembly of one op's metadata (cuda_meta_*) */
+    size_t meta_len, meta_cap;
     int simple_gemm;            /* 1: GEMMs bypass cuBLASLt (kern_cuda_config) */
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
     uint32_t plan_next;         /* slot the next new plan replaces */
@@ -92,6 +98,81 @@ di_status cuda_scratch(cuda_ctx *c, size_t bytes, uint8_t **out);
 /* Copies `bytes` of host memory to device memory dst, queued on the stream; src may be reused
  * as soon as this returns (it goes through the pageable staging buffer). */
 di_status cuda_upload(cuda_ctx *c, void *dst, const void *src, size_t bytes);
+/* The work buffer (cuda_ctx.work): at least `bytes` long, same rules as cuda_scratch. */
+di_status cuda_work(cuda_ctx *c, size_t bytes, uint8_t **out);
+/* Copies device (or host) memory to host memory and waits for it: the few ops that need a
+ * device result on the host (moe_experts' expert counts) call it. */
+di_status cuda_download(cuda_ctx *c, void *dst, const void *src, size_t bytes);
+
+/* ---- step metadata (backend_cuda.cu) ----
+ * An op assembles the host arrays its kernels need (sequence descriptors, block tables, row
+ * lists) in one host buffer, then uploads them with one copy: cuda_meta_reset, cuda_meta_push
+ * per array (offsets are CUDA_SCRATCH_ALIGN-aligned), cuda_meta_upload. Offsets stay valid;
+ * host pointers from cuda_meta_at only until the next push. */
+void cuda_meta_reset(cuda_ctx *c);
+/* Appends `bytes` (src NULL: zeros) and gives its offset. DI_ENOMEM. */
+di_status cuda_meta_push(cuda_ctx *c, const void *src, size_t bytes, size_t *off);
+void *cuda_meta_at(cuda_ctx *c, size_t off);
+/* Uploads the assembled metadata into the scratch (to_work 0) or the work buffer (1), followed
+ * by `extra` bytes for the op's own use: *dev is the metadata's device base, *extra_dev (may be
+ * NULL) the extra bytes (CUDA_SCRATCH_ALIGN-aligned). */
+di_status cuda_meta_upload(cuda_ctx *c, int to_work, size_t extra, uint8_t **dev,
+                           uint8_t **extra_dev);
+
+/* A sequence of the step as the kernels read it: kern_seq with its block table moved into the
+ * step's uploaded table array. */
+typedef struct cuda_seq {
+    uint8_t *slot;              /* its state slot (device), or NULL */
+    int64_t pos0;               /* position of its first row */
+    int64_t window_lo;          /* kern_seq.window_lo */
+    uint32_t row0;              /* first row in the step */
+    uint32_t n_rows;            /* rows */
+    int32_t ring_hi;            /* kern_seq.ring_hi */
+    uint32_t n_blocks;          /* block-table entries */
+    uint32_t table0;            /* index of its first block id in the step's table array */
+    uint32_t pad;
+} cuda_seq;
+
+/* Pushes the sequences (cuda_seq[n]), their block tables (uint32 array) and, when rows > 0,
+ * the sequence of every row (int32[rows]; every row must belong to exactly one sequence).
+ * `what` names the op in messages. DI_EINVAL (rows outside [0, rows), a row covered twice or
+ * not at all), DI_ENOMEM. */
+di_status cuda_meta_seqs(cuda_ctx *c, const char *what, const kern_seq *seqs, uint32_t n,
+                         uint32_t rows, size_t *seq_off, size_t *table_off, size_t *row_seq_off);
+
+/* Address of compressed entry j of a sequence in a paged pool (main or index region), or NULL
+ * when its block-table entry is missing. */
+__device__ __forceinline__ const uint8_t *cuda_entry_addr(const uint8_t *blocks, size_t block_bytes,
+                                                          uint32_t per_block, size_t offset,
+                                                          size_t entry_bytes, const cuda_seq *s,
+                                                          const uint32_t *tables, int64_t j)
+{
+    uint64_t b = (uint64_t)j / per_block;
+    if (j < 0 || b >= s->n_blocks)
+        return NULL;
+    return blocks + (size_t)tables[s->table0 + b] * block_bytes + offset +
+           (size_t)((uint64_t)j % per_block) * entry_bytes;
+}
+
+/* ---- byte copies (copy.cu) ---- */
+
+/* One copy of a list: `bytes` from src to dst (device addresses). */
+typedef struct cuda_copy_item {
+    const uint8_t *src;
+    uint8_t *dst;
+} cuda_copy_item;
+/* Queues the copies of items[n] (a device array), each `bytes` long; align is a power of two
+ * that divides every address and `bytes` (the vector width used). Copies must not overlap. */
+di_status cuda_copy_list(cuda_ctx *c, const cuda_copy_item *items, uint32_t n, size_t bytes,
+                         uint32_t align);
+/* The largest power of two <= 16 dividing v. */
+static inline uint32_t cuda_align_of(uint64_t v)
+{
+    uint32_t a = 16;
+    while (a > 1 && v % a)
+        a /= 2;
+    return a;
+}
 
 /* ---- shared launchers ---- */
 
@@ -117,6 +198,10 @@ di_status cuda_gemm_run(cuda_ctx *c, const cuda_gemm *g);
 /* Destroys every cached plan. */
 void cuda_gemm_release(cuda_ctx *c);
 
+/* linear.cu: a linear layer for ops built on linear layers (moe_experts): the checks and the
+ * path of the linear_* entries without the entry's bookkeeping. */
+di_status cuda_linear_run(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt);
+
 /* ---- table entries (one op file each) ---- */
 
 di_status cuda_op_embed(void *ctx, const kern_embed *p);
@@ -127,5 +212,22 @@ di_status cuda_op_linear_fp8(void *ctx, const kern_linear *p);
 di_status cuda_op_linear_fp4(void *ctx, const kern_linear *p);
 di_status cuda_op_linear_bf16(void *ctx, const kern_linear *p);
 di_status cuda_op_head(void *ctx, const kern_linear *p);
+di_status cuda_op_hc_mixes(void *ctx, const kern_hc_mixes *p);
+di_status cuda_op_hc_collapse(void *ctx, const kern_hc_collapse *p);
+di_status cuda_op_hc_expand(void *ctx, const kern_hc_expand *p);
+di_status cuda_op_copy_rows(void *ctx, const kern_copy_rows *p);
+di_status cuda_op_ring_store(void *ctx, const kern_ring_store *p);
+di_status cuda_op_compress_pool(void *ctx, const kern_compress_pool *p);
+di_status cuda_op_compressed_store(void *ctx, const kern_compressed_store *p);
+di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p);
+di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p);
+di_status cuda_op_index_candidates(void *ctx, const kern_index_candidates *p);
+di_status cuda_op_index_topk(void *ctx, const kern_index_topk *p);
+di_status cuda_op_moe_gate(void *ctx, const kern_moe_gate *p);
+di_status cuda_op_swiglu(void *ctx, const kern_swiglu *p);
+di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p);
+di_status cuda_op_engram_hash(void *ctx, const kern_engram_hash *p);
+di_status cuda_op_engram_lookup(void *ctx, const kern_engram_lookup *p);
+di_status cuda_op_engram_gate(void *ctx, const kern_engram_gate *p);
 
 #endif

@@ -207,6 +207,18 @@ static di_status linear_plain(cuda_ctx *c, const kern_linear *p)
     return cuda_gemm_run(c, &g);
 }
 
+di_status cuda_linear_run(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt)
+{
+    int run = 0;
+    di_status st = linear_check(c, p, fmt, fmt_name(fmt), 0, &run);
+    if (st != DI_OK || !run)
+        return st;
+    st = fmt == KERN_W_BF16 ? linear_plain(c, p) : linear_quantised(c, p, fmt);
+    if (st != DI_OK)
+        di_error_prefix(&c->last, "%s: ", fmt_name(fmt));
+    return st;
+}
+
 static di_status linear_entry(void *ctx, const kern_linear *p, kern_wfmt fmt, const char *op,
                               int head)
 {

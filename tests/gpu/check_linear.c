@@ -548,36 +548,10 @@ static void bench_shape_m(chk_env *env, const bench_shape *bs, uint32_t m, bench
     }
 }
 
-/* The matrix-rate ceiling: an 8192^3 BF16 GEMM (bf16 out) on random data, TFLOP/s. */
-static double gemm_ceiling(chk_env *env)
-{
-    const uint32_t N = 8192;
-    size_t bytes = (size_t)N * N * 2;
-    di_rng rng;
-    chk_case_rng(env, &rng);
-    uint16_t *h = chk_malloc(bytes);
-    chk_fill_bf16_fast(h, (size_t)N * N, 1.0f, &rng);
-    bench_run g = {.fn = env->gpu.ops.linear_bf16, .ctx = env->gpu.ctx, .sets = 1};
-    void *x = dev_copy_of(env, h, bytes);
-    chk_fill_bf16_fast(h, (size_t)N * N, 0.05f, &rng);
-    void *w = dev_copy_of(env, h, bytes), *y = chk_dev_alloc(env, bytes);
-    free(h);
-    g.p[0] = (kern_linear){N, N, N, 1, x, N, w, NULL, 0, 0, y, N};
-    double ms = chk_time_ms(env, bench_call, &g, 3, 20);
-    chk_dev_free(env, x);
-    chk_dev_free(env, w);
-    chk_dev_free(env, y);
-    if (ms <= 0) {
-        fprintf(stderr, "the 8192^3 BF16 GEMM ceiling failed\n");
-        exit(2);
-    }
-    return 2.0 * N * N * (double)N / (ms * 1e-3) / 1e12;
-}
-
 static void bench(chk_env *env)
 {
     double copy = gpu_copy_gbs((size_t)1 << 30, 20);
-    double peak = gemm_ceiling(env);
+    double peak = chk_gemm_ceiling(env);
     size_t n_rows = sizeof(bench_shapes) / sizeof(bench_shapes[0]) * (sizeof(bench_m) / sizeof(bench_m[0]));
     bench_row *rows = chk_malloc(n_rows * sizeof(*rows));
     size_t r = 0;

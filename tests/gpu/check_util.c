@@ -239,6 +239,125 @@ size_t chk_cmp_bf16_ulp(const char *what, const uint16_t *cpu, const uint16_t *g
     return bad;
 }
 
+size_t chk_cmp_f32_abs(const char *what, const float *cpu, const float *gpu, size_t n, double tol,
+                       double *worst)
+{
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        double c = cpu[i], g = gpu[i];
+        int ok;
+        if (isnan(c) || isnan(g))
+            ok = isnan(c) && isnan(g);
+        else if (isinf(c) || isinf(g))
+            ok = c == g;
+        else {
+            ok = fabs(g - c) <= tol;
+            if (worst && fabs(g - c) > *worst)
+                *worst = fabs(g - c);
+        }
+        if (!ok && bad++ < SHOW_MISMATCHES)
+            fprintf(stderr, "MISMATCH %s at [%zu]: cpu %.9g gpu %.9g (|diff| %.3g, tolerance %.3g)\n",
+                    what, i, c, g, fabs(g - c), tol);
+    }
+    return bad;
+}
+
+size_t chk_cmp_bytes(const char *what, const void *cpu, const void *gpu, size_t n)
+{
+    const uint8_t *c = cpu, *g = gpu;
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++)
+        if (c[i] != g[i] && bad++ < SHOW_MISMATCHES)
+            fprintf(stderr, "MISMATCH %s at byte [%zu]: cpu 0x%02x gpu 0x%02x\n", what, i, c[i], g[i]);
+    return bad;
+}
+
+/* n integers of `size` bytes (4 or 8), signed */
+static size_t cmp_ints(const char *what, const void *cpu, const void *gpu, size_t n, size_t size)
+{
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) {
+        int64_t c, g;
+        if (size == 4) {
+            c = ((const int32_t *)cpu)[i];
+            g = ((const int32_t *)gpu)[i];
+        } else {
+            c = ((const int64_t *)cpu)[i];
+            g = ((const int64_t *)gpu)[i];
+        }
+        if (c != g && bad++ < SHOW_MISMATCHES)
+            fprintf(stderr, "MISMATCH %s at [%zu]: cpu %" PRId64 " gpu %" PRId64 "\n", what, i, c, g);
+    }
+    return bad;
+}
+
+size_t chk_cmp_i32(const char *what, const int32_t *cpu, const int32_t *gpu, size_t n)
+{
+    return cmp_ints(what, cpu, gpu, n, 4);
+}
+
+size_t chk_cmp_i64(const char *what, const int64_t *cpu, const int64_t *gpu, size_t n)
+{
+    return cmp_ints(what, cpu, gpu, n, 8);
+}
+
+int chk_finish(chk_env *env, const char *name, int want_bench, void (*bench)(chk_env *env))
+{
+    printf("%s: %d CUDA-vs-C cases, %d with mismatches\n", name, env->checks, env->failures);
+    int rc = env->failures ? 1 : 0;
+    if (want_bench && bench) {
+        if (rc)
+            printf("\nTIMINGS OF OPS THAT FAILED THEIR CHECKS: read them as the cost only\n");
+        bench(env);
+    }
+    chk_fini(env);
+    return rc;
+}
+
+size_t chk_gpu_status(chk_env *env, di_status st, const char *what)
+{
+    if (st == DI_OK)
+        return 0;
+    fprintf(stderr, "FAIL %s: CUDA op returned %s: %s\n", what, di_status_name(st),
+            kern_cuda_last_error(&env->gpu));
+    return 1;
+}
+
+void chk_cpu_status(di_status st, const char *what)
+{
+    if (st != DI_OK) {
+        fprintf(stderr, "%s: CPU op returned %s\n", what, di_status_name(st));
+        exit(2);
+    }
+}
+
+size_t chk_expect(chk_env *env, di_status got, di_status want, const char *what)
+{
+    if (got == want)
+        return 0;
+    fprintf(stderr, "FAIL %s: returned %s, expected %s (%s)\n", what, di_status_name(got),
+            di_status_name(want), kern_cuda_last_error(&env->gpu));
+    return 1;
+}
+
+void chk_fill_f32(float *x, size_t n, double scale, di_rng *rng)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = (float)(di_rng_normal(rng) * scale);
+}
+
+void chk_poison(void *x, size_t n)
+{
+    memset(x, 0x5a, n);
+}
+
+void *chk_dev_copy(chk_env *env, const void *host, size_t bytes)
+{
+    void *d = chk_dev_alloc(env, bytes);
+    chk_put(env, d, host, bytes);
+    return d;
+}
+
 void chk_count(chk_env *env, size_t mismatches)
 {
     env->checks++;
@@ -276,4 +395,157 @@ double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int rep
     GPU_OK(cudaEventDestroy(t0));
     GPU_OK(cudaEventDestroy(t1));
     return med;
+}
+
+/* ---- KV pools ---- */
+
+size_t chk_kv_block_bytes(const chk_kv *kv)
+{
+    return kv->pool_h.block_bytes;
+}
+
+/* A valid compressed entry: (C) main entry or (B) index key of N(0,1) numbers. */
+static void make_entry(uint8_t *dst, uint32_t n, int index, di_rng *rng)
+{
+    float x[4096];
+    for (uint32_t i = 0; i < n; i++)
+        x[i] = (float)di_rng_normal(rng);
+    if (index)
+        di_quant_fp4_b32(x, n, dst, dst + n / 2);
+    else
+        di_quant_fp4_b16(x, n, dst, dst + n / 2);
+}
+
+void chk_kv_make(chk_env *env, chk_kv *kv, const chk_kv_shape *shape, uint32_t n_seqs,
+                 const chk_seq_shape *seqs, size_t slot_bytes, di_rng *rng)
+{
+    memset(kv, 0, sizeof(*kv));
+    uint32_t epb = shape->entries_per_block, total = 0;
+    size_t mb = shape->dim / 2 + shape->dim / 16, ib = shape->index_dim / 2 + shape->index_dim / 32;
+    kern_kv_pool pool = {.entries_per_block = epb, .main_entry_bytes = mb,
+                         .index_entry_bytes = ib};
+    pool.main_offset = 128 + shape->skew;
+    pool.index_offset = pool.main_offset + (size_t)epb * mb + shape->skew;
+    pool.block_bytes = pool.index_offset + (size_t)epb * ib + 5;
+    for (uint32_t s = 0; s < n_seqs; s++)
+        total += (seqs[s].n_entries + epb - 1) / epb;
+    kv->n_blocks = total + total / 2 + 2; /* spare blocks no sequence owns */
+    kv->tables = chk_malloc((size_t)(total ? total : 1) * 4);
+    uint32_t *perm = chk_malloc((size_t)kv->n_blocks * 4);
+    for (uint32_t i = 0; i < kv->n_blocks; i++)
+        perm[i] = i;
+    for (uint32_t i = kv->n_blocks - 1; i > 0; i--) {
+        uint32_t j = (uint32_t)di_rng_below(rng, i + 1), t = perm[i];
+        perm[i] = perm[j];
+        perm[j] = t;
+    }
+    memcpy(kv->tables, perm, (size_t)total * 4);
+    free(perm);
+    size_t bb = pool.block_bytes * kv->n_blocks;
+    kv->blocks_h = chk_malloc(bb);
+    for (size_t i = 0; i + 8 <= bb; i += 8) {
+        uint64_t r = di_rng_u64(rng);
+        memcpy(kv->blocks_h + i, &r, 8);
+    }
+    for (size_t i = bb & ~(size_t)7; i < bb; i++)
+        kv->blocks_h[i] = (uint8_t)di_rng_u32(rng);
+    for (uint32_t b = 0; !shape->raw && b < kv->n_blocks; b++)
+        for (uint32_t e = 0; e < epb; e++) {
+            uint8_t *blk = kv->blocks_h + (size_t)b * pool.block_bytes;
+            make_entry(blk + pool.main_offset + e * mb, shape->dim, 0, rng);
+            if (shape->index_dim)
+                make_entry(blk + pool.index_offset + e * ib, shape->index_dim, 1, rng);
+        }
+    kv->slot_bytes = slot_bytes;
+    kv->slots_h = chk_malloc(slot_bytes * n_seqs + 1);
+    for (size_t i = 0; i < slot_bytes * n_seqs; i++)
+        kv->slots_h[i] = (uint8_t)di_rng_u32(rng);
+    kv->blocks_d = chk_dev_copy(env, kv->blocks_h, bb);
+    kv->slots_d = chk_dev_copy(env, kv->slots_h, slot_bytes * n_seqs + 1);
+    kv->pool_h = pool;
+    kv->pool_h.blocks = kv->blocks_h;
+    kv->pool_d = pool;
+    kv->pool_d.blocks = kv->blocks_d;
+    kv->n_seqs = n_seqs;
+    kv->seqs_h = chk_malloc((size_t)(n_seqs ? n_seqs : 1) * sizeof(kern_seq));
+    kv->seqs_d = chk_malloc((size_t)(n_seqs ? n_seqs : 1) * sizeof(kern_seq));
+    uint32_t row = 0, t0 = 0;
+    for (uint32_t s = 0; s < n_seqs; s++) {
+        kern_seq q = {.row0 = row, .n_rows = seqs[s].n_rows, .pos0 = seqs[s].pos0,
+                      .blocks = kv->tables + t0, .n_blocks = (seqs[s].n_entries + epb - 1) / epb,
+                      .ring_hi = -1};
+        t0 += q.n_blocks;
+        row += q.n_rows;
+        kv->seqs_h[s] = q;
+        kv->seqs_d[s] = q;
+        if (seqs[s].has_slot) {
+            kv->seqs_h[s].slot = kv->slots_h + s * slot_bytes;
+            kv->seqs_d[s].slot = kv->slots_d + s * slot_bytes;
+        }
+    }
+}
+
+void chk_kv_fill_rings(chk_env *env, chk_kv *kv, size_t ring_offset, uint32_t ring_positions,
+                       uint32_t dim, float scale, di_rng *rng)
+{
+    size_t eb = (size_t)dim + dim / 32;
+    float x[4096];
+    for (uint32_t s = 0; s < kv->n_seqs; s++)
+        for (uint32_t r = 0; r < ring_positions; r++) {
+            for (uint32_t i = 0; i < dim; i++)
+                x[i] = (float)di_rng_normal(rng) * scale;
+            uint8_t *e = kv->slots_h + s * kv->slot_bytes + ring_offset + r * eb;
+            di_quant_fp8_b32(x, dim, e, e + dim);
+        }
+    chk_put(env, kv->slots_d, kv->slots_h, kv->slot_bytes * kv->n_seqs + 1);
+}
+
+void chk_kv_get(chk_env *env, const chk_kv *kv, uint8_t *blocks, uint8_t *slots)
+{
+    if (blocks)
+        chk_get(env, blocks, kv->blocks_d, kv->pool_h.block_bytes * kv->n_blocks);
+    if (slots)
+        chk_get(env, slots, kv->slots_d, kv->slot_bytes * kv->n_seqs + 1);
+}
+
+void chk_kv_free(chk_env *env, chk_kv *kv)
+{
+    chk_dev_free(env, kv->blocks_d);
+    chk_dev_free(env, kv->slots_d);
+    free(kv->blocks_h), free(kv->slots_h), free(kv->seqs_h), free(kv->seqs_d), free(kv->tables);
+    memset(kv, 0, sizeof(*kv));
+}
+
+/* ---- the matrix-rate ceiling ---- */
+
+static di_status ceiling_call(void *arg, int i)
+{
+    chk_env *env = ((void **)arg)[0];
+    const kern_linear *p = ((void **)arg)[1];
+    return env->gpu.ops.linear_bf16(env->gpu.ctx, p);
+}
+
+double chk_gemm_ceiling(chk_env *env)
+{
+    const uint32_t N = 8192;
+    size_t bytes = (size_t)N * N * 2;
+    di_rng rng;
+    chk_case_rng(env, &rng);
+    uint16_t *h = chk_malloc(bytes);
+    chk_fill_bf16_fast(h, (size_t)N * N, 1.0f, &rng);
+    void *x = chk_dev_copy(env, h, bytes);
+    chk_fill_bf16_fast(h, (size_t)N * N, 0.05f, &rng);
+    void *w = chk_dev_copy(env, h, bytes), *y = chk_dev_alloc(env, bytes);
+    free(h);
+    kern_linear p = {N, N, N, 1, x, N, w, NULL, 0, 0, y, N};
+    void *arg[2] = {env, &p};
+    double ms = chk_time_ms(env, ceiling_call, arg, 3, 20);
+    chk_dev_free(env, x);
+    chk_dev_free(env, w);
+    chk_dev_free(env, y);
+    if (ms <= 0) {
+        fprintf(stderr, "the 8192^3 BF16 GEMM ceiling failed\n");
+        exit(2);
+    }
+    return 2.0 * N * N * (double)N / (ms * 1e-3) / 1e12;
 }

@@ -78,8 +78,86 @@ size_t chk_cmp_bf16_exact(const char *what, const uint16_t *cpu, const uint16_t 
 size_t chk_cmp_bf16_ulp(const char *what, const uint16_t *cpu, const uint16_t *gpu,
                         const uint8_t *mask, size_t n, unsigned ulp);
 
+/* f32 arrays within an absolute tolerance; NaN only matches NaN, infinities match themselves.
+ * worst (may be NULL) keeps the largest finite |gpu - cpu| seen. */
+size_t chk_cmp_f32_abs(const char *what, const float *cpu, const float *gpu, size_t n, double tol,
+                       double *worst);
+/* Byte arrays, int32 and int64 arrays: exact. */
+size_t chk_cmp_bytes(const char *what, const void *cpu, const void *gpu, size_t n);
+size_t chk_cmp_i32(const char *what, const int32_t *cpu, const int32_t *gpu, size_t n);
+size_t chk_cmp_i64(const char *what, const int64_t *cpu, const int64_t *gpu, size_t n);
+
 /* Records the outcome of one case. */
 void chk_count(chk_env *env, size_t mismatches);
+
+/* The end of a check program's main: prints "NAME: N CUDA-vs-C cases, M with mismatches", runs
+ * bench(env) when --bench was given (after a banner if a case failed: timings are still worth
+ * having), releases the backends and returns the exit code (0 or 1). */
+int chk_finish(chk_env *env, const char *name, int want_bench, void (*bench)(chk_env *env));
+
+/* A status of a CUDA op: 0 for DI_OK, else 1 with the op's message printed (a mismatch). */
+size_t chk_gpu_status(chk_env *env, di_status st, const char *what);
+/* A status of a C twin: exit 2 unless DI_OK (a broken reference is a setup error). */
+void chk_cpu_status(di_status st, const char *what);
+/* 0 when got == want, else 1 with both printed (refused-input checks). */
+size_t chk_expect(chk_env *env, di_status got, di_status want, const char *what);
+
+/* n floats N(0, 1) * scale. */
+void chk_fill_f32(float *x, size_t n, double scale, di_rng *rng);
+/* n bytes of the poison pattern 0x5a. */
+void chk_poison(void *x, size_t n);
+/* A device copy of host bytes (chk_dev_alloc + chk_put). */
+void *chk_dev_copy(chk_env *env, const void *host, size_t bytes);
+
+/* ---- KV pools and sequences ---- */
+
+/* A paged block pool and state slots, the same bytes in host memory (for the C twins) and in
+ * device memory (for the CUDA ops), and sequences addressing them. Block tables are host
+ * memory for both (kernels.h). */
+typedef struct chk_kv {
+    kern_kv_pool pool_h;        /* geometry with blocks = blocks_h */
+    kern_kv_pool pool_d;        /* the same with blocks = blocks_d */
+    uint8_t *blocks_h, *blocks_d;
+    uint32_t n_blocks;
+    uint8_t *slots_h, *slots_d;
+    size_t slot_bytes;
+    uint32_t n_seqs;
+    kern_seq *seqs_h, *seqs_d;  /* identical but for the slot pointers */
+    uint32_t *tables;           /* every sequence's block table, one after another */
+} chk_kv;
+
+/* Geometry of a pool: entries per block, widths (numbers) and entry sizes follow the rules of
+ * kv_layout.h; `skew` bytes shift both regions off alignment. */
+typedef struct chk_kv_shape {
+    uint32_t entries_per_block;
+    uint32_t dim;               /* main entry width: dim/2 + dim/16 bytes */
+    uint32_t index_dim;         /* index key width: index_dim/2 + index_dim/32 bytes */
+    uint32_t skew;
+    int raw;                    /* 1: random bytes only, no valid entries (benchmarks) */
+} chk_kv_shape;
+
+/* One sequence of a chk_kv. */
+typedef struct chk_seq_shape {
+    uint32_t n_rows;
+    int64_t pos0;
+    uint32_t n_entries;         /* compressed entries its block table must reach */
+    int has_slot;
+} chk_seq_shape;
+
+/* Builds a pool with every sequence's blocks distinct (a random permutation, with spare
+ * blocks between them), rows consecutive from row 0, and slot_bytes per sequence. Blocks get
+ * valid compressed entries (procedures (C) and (B) of N(0,1) numbers) and random bytes
+ * elsewhere; slots random bytes (chk_kv_fill_rings makes valid ring entries). */
+void chk_kv_make(chk_env *env, chk_kv *kv, const chk_kv_shape *shape, uint32_t n_seqs,
+                 const chk_seq_shape *seqs, size_t slot_bytes, di_rng *rng);
+/* Valid (A) ring entries of `dim` numbers in every slot: ring_positions entries at
+ * ring_offset, N(0,1) numbers times scale. Copied to the device. */
+void chk_kv_fill_rings(chk_env *env, chk_kv *kv, size_t ring_offset, uint32_t ring_positions,
+                       uint32_t dim, float scale, di_rng *rng);
+/* The device copies back into the given host buffers (blocks, slots). */
+void chk_kv_get(chk_env *env, const chk_kv *kv, uint8_t *blocks, uint8_t *slots);
+void chk_kv_free(chk_env *env, chk_kv *kv);
+size_t chk_kv_block_bytes(const chk_kv *kv);
 
 /* ---- timing ---- */
 
@@ -88,5 +166,9 @@ void chk_count(chk_env *env, size_t mismatches);
  * its di_status) the message is printed and the result is -1. */
 typedef di_status (*chk_timed_fn)(void *arg, int i);
 double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int reps);
+
+/* The matrix-rate ceiling of the run: an 8192^3 BF16 GEMM (bf16 out, the backend's linear_bf16
+ * on cuBLASLt) on random data, TFLOP/s (median of 20 after 3 warm-ups). Exit 2 on failure. */
+double chk_gemm_ceiling(chk_env *env);
 
 #endif

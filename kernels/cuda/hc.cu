@@ -1,0 +1,288 @@
+/* hc.cu: the manifold-constrained hyper-connections (MODEL.md §2.3): the per-site mixes with the
+ * Sinkhorn normalisation (kern_hc_mixes), the collapse of the residual copies (kern_hc_collapse)
+ * and the expand/mix after a sublayer (kern_hc_expand). C twins: kernels/cpu/ops_basic.c
+ * (mixes_rows, sinkhorn, collapse_rows, expand_rows).
+ *
+ * Arithmetic order on the device, against the twin:
+ *  - mixes: the sum of squares and the (2+hc)*hc dot products fn[i] . v are summed in double
+ *    (every product of two floats is exact there) in another order than the twin's lanes, so
+ *    their fp32 roundings match except at a double rounding tie; every later step is the twin's
+ *    step for step (fp32 multiply and add with the _rn intrinsics so that nothing is fused,
+ *    sigmoid and Sinkhorn in double). Tolerance: abs 1e-5 (kernels.h).
+ *  - collapse and expand: each output is the twin's double expression in the twin's order
+ *    (products of fp32 and bf16 are exact in double), rounded once to fp32 then to bf16:
+ *    bit-identical.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/numfmt_dev.cuh"
+
+#define HC_MAX 8                      /* copies supported (the twin's HC_MAX) */
+#define HC_CHUNK 24                   /* mixes accumulated per pass over a row (one pass at hc 4) */
+#define HC_WARPS (CUDA_THREADS / 32)
+
+/* ---- device helpers ---- */
+
+__device__ __forceinline__ double warp_sum_d(double v)
+{
+    for (int off = 16; off > 0; off /= 2)
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+__device__ __forceinline__ double sigmoid_d(double x)
+{
+    return 1.0 / (1.0 + exp(-x));
+}
+
+/* The twin's sinkhorn(): row softmax + eps, a column step, then (iters - 1) x (row step,
+ * column step), all in double, in place on s[hc * hc]. */
+__device__ void sinkhorn_dev(double *s, uint32_t hc, uint32_t iters, double eps)
+{
+    for (uint32_t i = 0; i < hc; i++) {
+        double *row = s + i * hc, mx = row[0], sum = 0.0;
+        for (uint32_t j = 1; j < hc; j++)
+            mx = row[j] > mx ? row[j] : mx;
+        for (uint32_t j = 0; j < hc; j++) {
+            row[j] = exp(row[j] - mx);
+            sum += row[j];
+        }
+        for (uint32_t j = 0; j < hc; j++)
+            row[j] = row[j] / sum + eps;
+    }
+    for (uint32_t it = 0; it < iters; it++) {
+        if (it > 0) {
+            for (uint32_t i = 0; i < hc; i++) {
+                double sum = 0.0;
+                for (uint32_t j = 0; j < hc; j++)
+                    sum += s[i * hc + j];
+                for (uint32_t j = 0; j < hc; j++)
+                    s[i * hc + j] /= sum + eps;
+            }
+        }
+        for (uint32_t j = 0; j < hc; j++) {
+            double sum = 0.0;
+            for (uint32_t i = 0; i < hc; i++)
+                sum += s[i * hc + j];
+            for (uint32_t i = 0; i < hc; i++)
+                s[i * hc + j] /= sum + eps;
+        }
+    }
+}
+
+/* ---- kernels ---- */
+
+/* One block per row. Pass 0 also sums the squares; pass q accumulates mixes
+ * [q*HC_CHUNK, (q+1)*HC_CHUNK). Thread sums fold by warp shuffles, then the warps in order, so
+ * the result does not depend on the other rows. Thread 0 finishes the row. */
+__global__ void hc_mixes_kernel(kern_hc_mixes p)
+{
+    __shared__ double part[HC_WARPS][HC_CHUNK + 1];
+    __shared__ double tot[(2 + HC_MAX) * HC_MAX + 1]; /* mixes, then the sum of squares */
+    __shared__ double z[HC_MAX * HC_MAX];
+    const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
+    const uint16_t *v = p.h + (size_t)blockIdx.x * width;
+    const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+    for (uint32_t i0 = 0; i0 < n_mix; i0 += HC_CHUNK) {
+        double acc[HC_CHUNK], sq = 0.0;
+#pragma unroll
+        for (int i = 0; i < HC_CHUNK; i++)
+            acc[i] = 0.0;
+        for (uint32_t k = threadIdx.x; k < width; k += blockDim.x) {
+            double x = (double)dev_bf16_to_f32(v[k]);
+            sq += x * x;
+#pragma unroll
+            for (int i = 0; i < HC_CHUNK; i++)
+                if (i0 + i < n_mix)
+                    acc[i] += (double)p.fn[(size_t)(i0 + i) * width + k] * x;
+        }
+#pragma unroll
+        for (int i = 0; i < HC_CHUNK; i++) {
+            double s = warp_sum_d(acc[i]);
+            if (lane == 0)
+                part[warp][i] = s;
+        }
+        sq = warp_sum_d(sq);
+        if (lane == 0)
+            part[warp][HC_CHUNK] = sq;
+        __syncthreads();
+        if (threadIdx.x <= HC_CHUNK) {
+            double s = 0.0;
+            for (uint32_t w = 0; w < HC_WARPS; w++)
+                s += part[w][threadIdx.x];
+            if (threadIdx.x == HC_CHUNK) {
+                if (i0 == 0)
+                    tot[n_mix] = s;
+            } else if (i0 + threadIdx.x < n_mix) {
+                tot[i0 + threadIdx.x] = s;
+            }
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x != 0)
+        return;
+    /* the twin's roundings: mean of squares to fp32, + eps in fp32, rsqrt in double to fp32 */
+    float ms = (float)(tot[n_mix] / (double)width);
+    float rs = (float)(1.0 / sqrt((double)__fadd_rn(ms, p.norm_eps)));
+    const size_t t = blockIdx.x;
+    for (uint32_t c = 0; c < hc; c++) {
+        float m_pre = __fmul_rn((float)tot[c], rs), m_post = __fmul_rn((float)tot[hc + c], rs);
+        float zp = __fadd_rn(__fmul_rn(m_pre, p.scale[0]), p.base[c]);
+        float zq = __fadd_rn(__fmul_rn(m_post, p.scale[1]), p.base[hc + c]);
+        p.pre[t * hc + c] = __fadd_rn((float)sigmoid_d((double)zp), (float)p.eps);
+        p.post[t * hc + c] = (float)(2.0 * sigmoid_d((double)zq));
+    }
+    for (uint32_t i = 0; i < hc * hc; i++) {
+        float m = __fmul_rn((float)tot[2 * hc + i], rs);
+        z[i] = (double)__fadd_rn(__fmul_rn(m, p.scale[2]), p.base[2 * hc + i]);
+    }
+    sinkhorn_dev(z, hc, p.sinkhorn_iters, p.eps);
+    for (uint32_t i = 0; i < hc * hc; i++)
+        p.comb[t * hc * hc + i] = (float)z[i];
+}
+
+/* One thread per (row, d): the copies summed in the twin's order, c = 0 first. */
+__global__ void hc_collapse_kernel(kern_hc_collapse p)
+{
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)p.n_rows * p.dim)
+        return;
+    size_t t = i / p.dim, d = i % p.dim;
+    const float *pre = p.pre + t * p.pre_stride;
+    const uint16_t *h = p.h + t * p.n_copies * p.dim + d;
+    double acc = __dmul_rn((double)pre[0], (double)dev_bf16_to_f32(h[0]));
+    for (uint32_t c = 1; c < p.n_copies; c++)
+        acc = __dadd_rn(acc, __dmul_rn((double)pre[c], (double)dev_bf16_to_f32(h[(size_t)c * p.dim])));
+    p.out[t * p.out_stride + d] = dev_f32_to_bf16((float)acc);
+}
+
+/* One thread per (row, d), all output copies j: s = sum_i comb[i][j] h_i in the twin's order,
+ * then post_j * y + s. HCT > 0: the copy count compiled in (registers); 0: p.n_copies. */
+template <int HCT>
+__global__ void hc_expand_kernel(kern_hc_expand p)
+{
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)p.n_rows * p.dim)
+        return;
+    const uint32_t hc = HCT > 0 ? (uint32_t)HCT : p.n_copies, D = p.dim;
+    size_t t = i / D, d = i % D;
+    const uint16_t *h = p.h + t * hc * D + d;
+    const float *post = p.post + t * hc, *comb = p.comb + t * hc * hc;
+    double hv[HCT > 0 ? HCT : HC_MAX];
+#pragma unroll
+    for (uint32_t c = 0; c < hc; c++)
+        hv[c] = (double)dev_bf16_to_f32(h[(size_t)c * D]);
+    double y = (double)dev_bf16_to_f32(p.y[t * D + d]);
+    uint16_t *o = p.out + t * hc * D + d;
+#pragma unroll
+    for (uint32_t j = 0; j < hc; j++) {
+        double s = __dmul_rn((double)comb[j], hv[0]);
+#pragma unroll
+        for (uint32_t c = 1; c < hc; c++)
+            s = __dadd_rn(s, __dmul_rn((double)comb[c * hc + j], hv[c]));
+        o[(size_t)j * D] = dev_f32_to_bf16((float)__dadd_rn(__dmul_rn((double)post[j], y), s));
+    }
+}
+
+/* ---- launchers ---- */
+
+static unsigned elem_blocks(size_t n)
+{
+    return (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS);
+}
+
+static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream_t stream)
+{
+    hc_mixes_kernel<<<p->n_rows, CUDA_THREADS, 0, stream>>>(*p);
+    return cuda_launched(c, "hc_mixes_kernel");
+}
+
+static di_status launch_hc_collapse(cuda_ctx *c, const kern_hc_collapse *p, cudaStream_t stream)
+{
+    hc_collapse_kernel<<<elem_blocks((size_t)p->n_rows * p->dim), CUDA_THREADS, 0, stream>>>(*p);
+    return cuda_launched(c, "hc_collapse_kernel");
+}
+
+static di_status launch_hc_expand(cuda_ctx *c, const kern_hc_expand *p, cudaStream_t stream)
+{
+    unsigned blocks = elem_blocks((size_t)p->n_rows * p->dim);
+    if (p->n_copies == 4)
+        hc_expand_kernel<4><<<blocks, CUDA_THREADS, 0, stream>>>(*p);
+    else
+        hc_expand_kernel<0><<<blocks, CUDA_THREADS, 0, stream>>>(*p);
+    return cuda_launched(c, "hc_expand_kernel");
+}
+
+/* ---- table entries ---- */
+
+/* Rows x dim elements must fit one launch of CUDA_THREADS-thread blocks. */
+static di_status check_elems(cuda_ctx *c, const char *op, uint32_t rows, uint32_t dim)
+{
+    if ((size_t)rows * dim / CUDA_THREADS >= 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "%s: %u rows x %u is too many for one launch", op, rows, dim);
+    return DI_OK;
+}
+
+di_status cuda_op_hc_mixes(void *ctx, const kern_hc_mixes *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_op_begin(c, p, "hc_mixes");
+    if (st != DI_OK)
+        return st;
+    if (p->n_copies < 1 || p->n_copies > HC_MAX)
+        return cuda_fail(c, DI_EINVAL, "hc_mixes: n_copies %u outside [1, %d]", p->n_copies, HC_MAX);
+    if (p->sinkhorn_iters < 1)
+        return cuda_fail(c, DI_EINVAL, "hc_mixes: sinkhorn_iters is 0");
+    if (p->n_rows == 0)
+        return DI_OK;
+    if (p->dim == 0 || (uint64_t)p->n_copies * p->dim > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "hc_mixes: dim %u", p->dim);
+    if (!p->h || !p->fn || !p->base || !p->scale || !p->pre || !p->post || !p->comb)
+        return cuda_fail(c, DI_EINVAL, "hc_mixes: a tensor pointer is NULL");
+    if (p->n_rows > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "hc_mixes: %u rows is too many for one launch", p->n_rows);
+    return launch_hc_mixes(c, p, c->stream);
+}
+
+di_status cuda_op_hc_collapse(void *ctx, const kern_hc_collapse *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_op_begin(c, p, "hc_collapse");
+    if (st != DI_OK)
+        return st;
+    if (p->n_rows == 0 || p->dim == 0)
+        return DI_OK;
+    if (p->n_copies < 1)
+        return cuda_fail(c, DI_EINVAL, "hc_collapse: n_copies is 0");
+    if (!p->h || !p->pre || !p->out)
+        return cuda_fail(c, DI_EINVAL, "hc_collapse: h, pre or out is NULL");
+    if (p->out_stride < p->dim || (p->pre_stride && p->pre_stride < p->n_copies))
+        return cuda_fail(c, DI_EINVAL, "hc_collapse: out_stride %zu below dim %u or pre_stride "
+                         "%zu below n_copies %u", p->out_stride, p->dim, p->pre_stride, p->n_copies);
+    if ((st = check_elems(c, "hc_collapse", p->n_rows, p->dim)) != DI_OK)
+        return st;
+    return launch_hc_collapse(c, p, c->stream);
+}
+
+di_status cuda_op_hc_expand(void *ctx, const kern_hc_expand *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_op_begin(c, p, "hc_expand");
+    if (st != DI_OK)
+        return st;
+    if (p->n_rows == 0 || p->dim == 0)
+        return DI_OK;
+    if (p->n_copies < 1 || p->n_copies > HC_MAX)
+        return cuda_fail(c, DI_EINVAL, "hc_expand: n_copies %u outside [1, %d]", p->n_copies, HC_MAX);
+    if (!p->y || !p->h || !p->post || !p->comb || !p->out)
+        return cuda_fail(c, DI_EINVAL, "hc_expand: a tensor pointer is NULL");
+    if (p->out == p->h)
+        return cuda_fail(c, DI_EINVAL, "hc_expand: out must not alias h");
+    if ((st = check_elems(c, "hc_expand", p->n_rows, p->dim)) != DI_OK)
+        return st;
+    return launch_hc_expand(c, p, c->stream);
+}

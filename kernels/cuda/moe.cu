@@ -1,0 +1,463 @@
+/* moe.cu: the mixture of experts (MODEL.md §2.8): the router (kern_moe_gate), SwiGLU with the
+ * asymmetric clamp (kern_swiglu) and the routed FP4 experts with the shared FP8 expert
+ * (kern_moe_experts). C twins: kernels/cpu/ops_moe.c.
+ *
+ *  - moe_gate, one warp per row: s = fp32(sqrt(fp32(softplus(z / temp)))) in double as the twin,
+ *    sel = fp32(s + bias); each of the top_k picks is a warp reduction that reproduces the
+ *    twin's scan (first unused expert, replaced only by a strictly larger sel: ties go to the
+ *    lower expert, and a NaN wins only as the first unused expert); the weights as the twin
+ *    (sum in double in pick order). Exact but for CUDA's and the C library's double log1p/exp
+ *    differing by an ulp at an fp32 rounding tie (tolerance: ids exact except at near-ties,
+ *    weights abs 1e-6).
+ *  - swiglu: element-wise, the twin's double expressions: bit-identical.
+ *  - moe_experts: the (row, slot) pairs are bucketed by expert on the host (the ids are read
+ *    back: one synchronisation per call), the rows gathered into the work buffer in the twin's
+ *    order, each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8
+ *    activations by (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM), SwiGLU with the
+ *    routing weight runs once over every pair, the shared expert on every row, and one kernel
+ *    sums each row's expert outputs in double in the twin's order (ascending expert, then the
+ *    shared expert) and rounds once. Tolerance: as kern_linear.
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/numfmt_dev.cuh"
+
+#define GATE_MAX_EXPERTS 4096         /* the twin's limit */
+
+/* ---- device helpers ---- */
+
+__device__ __forceinline__ double softplus_dev(double z)
+{
+    return z > 0 ? z + log1p(exp(-z)) : log1p(exp(z));
+}
+
+/* (value, index) of the better of two candidates (index -1: none): a number beats NaN, then the
+ * larger value, then the lower index. A total order, so a butterfly gives every lane the same
+ * winner. */
+__device__ __forceinline__ void better(float &v, int32_t &i, float v2, int32_t i2)
+{
+    bool take;
+    if (i2 < 0)
+        take = false;
+    else if (i < 0)
+        take = true;
+    else if (isnan(v2) != isnan(v))
+        take = isnan(v);
+    else if (isnan(v))
+        take = i2 < i;
+    else
+        take = v2 > v || (v2 == v && i2 < i);
+    if (take) {
+        v = v2;
+        i = i2;
+    }
+}
+
+/* ---- kernels ---- */
+
+/* One warp per row; s, sel and the picked flags of the row's experts in shared memory. */
+__global__ void moe_gate_kernel(kern_moe_gate p)
+{
+    extern __shared__ __align__(16) uint8_t gate_smem[];
+    const uint32_t E = p.n_experts, lane = threadIdx.x;
+    float *s = (float *)gate_smem, *sel = s + E;
+    uint8_t *used = (uint8_t *)(sel + E);
+    const size_t t = blockIdx.x;
+    const float *z = p.logits + t * E;
+    for (uint32_t e = lane; e < E; e += 32) {
+        float zt = __fdiv_rn(z[e], p.temp);
+        float sp = (float)softplus_dev((double)zt);
+        s[e] = (float)sqrt((double)sp);
+        sel[e] = __fadd_rn(s[e], p.bias ? p.bias[e] : 0.0f);
+        used[e] = 0;
+    }
+    __syncwarp();
+    int32_t *ids = p.ids + t * p.top_k;
+    double sum = 0.0;
+    for (uint32_t k = 0; k < p.top_k; k++) {
+        /* the twin's scan: candidate = first unused expert; a later one replaces it only when
+         * strictly larger. Equal to the best non-NaN sel (lowest index on ties) unless the first
+         * unused one is NaN, which then stays. */
+        float v = 0.0f;
+        int32_t i = -1, first = -1;
+        for (uint32_t e = lane; e < E; e += 32) {
+            if (used[e])
+                continue;
+            if (first < 0)
+                first = (int32_t)e;
+            better(v, i, sel[e], (int32_t)e);
+        }
+        for (int off = 16; off > 0; off /= 2) {
+            float v2 = __shfl_xor_sync(0xffffffffu, v, off);
+            int32_t i2 = __shfl_xor_sync(0xffffffffu, i, off);
+            int32_t f2 = __shfl_xor_sync(0xffffffffu, first, off);
+            better(v, i, v2, i2);
+            first = first < 0 || (f2 >= 0 && f2 < first) ? f2 : first;
+        }
+        int32_t best = isnan(sel[first]) ? first : i;
+        if (lane == 0) {
+            used[best] = 1;
+            ids[k] = best;
+        }
+        __syncwarp();
+        sum += (double)s[best];
+    }
+    if (lane != 0)
+        return;
+    float norm = (float)(sum + 1e-20);
+    for (uint32_t k = 0; k < p.top_k; k++) {
+        float wk = (float)((double)s[ids[k]] / (double)norm);
+        p.weights[t * p.top_k + k] = (float)((double)wk * (double)p.route_scale);
+    }
+}
+
+/* One thread per element: the twin's double expressions, rounded where it rounds. */
+__global__ void swiglu_kernel(kern_swiglu p)
+{
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)p.n_rows * p.n)
+        return;
+    size_t r = i / p.n, c = i % p.n;
+    float gv = dev_bf16_to_f32(p.g[r * p.stride + c]), uv = dev_bf16_to_f32(p.u[r * p.stride + c]);
+    if (p.limit > 0.0f) {
+        uv = uv < -p.limit ? -p.limit : (uv > p.limit ? p.limit : uv);
+        gv = gv > p.limit ? p.limit : gv;
+    }
+    float silu = (float)((double)gv * (1.0 / (1.0 + exp(-(double)gv))));
+    float act = (float)((double)silu * (double)uv);
+    if (p.w)
+        act = (float)((double)act * (double)p.w[r]);
+    p.h[r * p.n + c] = dev_f32_to_bf16(act);
+}
+
+/* Gathers the pairs' rows and routing weights in bucket order: xg[i] = x[pair[i] / top_k],
+ * wg[i] = weights[pair[i]]. One block per pair. */
+__global__ void moe_gather_kernel(const uint16_t *x, const float *weights, const int32_t *pair,
+                                  uint32_t top_k, uint32_t dim, uint16_t *xg, float *wg)
+{
+    const size_t i = blockIdx.x, src = (size_t)(pair[i] / (int32_t)top_k);
+    for (uint32_t d = threadIdx.x; d < dim; d += blockDim.x)
+        xg[i * dim + d] = x[src * dim + d];
+    if (threadIdx.x == 0)
+        wg[i] = weights[pair[i]];
+}
+
+/* y[t][d] = bf16(fp32(sum of the row's expert outputs, ascending expert, then the shared one)),
+ * the sum in double. pos[t][j]: row of the j-th output of row t in og. */
+__global__ void moe_combine_kernel(const uint16_t *og, const int32_t *pos, uint32_t top_k,
+                                   const uint16_t *os, uint32_t dim, uint32_t n_rows, uint16_t *y)
+{
+    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (size_t)n_rows * dim)
+        return;
+    size_t t = i / dim, d = i % dim;
+    double acc = 0.0;
+    for (uint32_t j = 0; j < top_k; j++)
+        acc += (double)dev_bf16_to_f32(og[(size_t)pos[t * top_k + j] * dim + d]);
+    if (os)
+        acc += (double)dev_bf16_to_f32(os[i]);
+    y[i] = dev_f32_to_bf16((float)acc);
+}
+
+/* ---- launchers ---- */
+
+static unsigned elem_grid(size_t n)
+{
+    return (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS);
+}
+
+static di_status launch_moe_gate(cuda_ctx *c, const kern_moe_gate *p, cudaStream_t stream)
+{
+    size_t smem = (size_t)p->n_experts * 9;
+    moe_gate_kernel<<<p->n_rows, 32, smem, stream>>>(*p);
+    return cuda_launched(c, "moe_gate_kernel");
+}
+
+static di_status launch_swiglu(cuda_ctx *c, const kern_swiglu *p, cudaStream_t stream)
+{
+    swiglu_kernel<<<elem_grid((size_t)p->n_rows * p->n), CUDA_THREADS, 0, stream>>>(*p);
+    return cuda_launched(c, "swiglu_kernel");
+}
+
+static di_status launch_gather(cuda_ctx *c, const kern_moe_experts *p, const int32_t *pair,
+                               uint32_t n_pairs, uint16_t *xg, float *wg, cudaStream_t stream)
+{
+    moe_gather_kernel<<<n_pairs, CUDA_THREADS, 0, stream>>>(p->x, p->weights, pair, p->top_k,
+                                                             p->dim, xg, wg);
+    return cuda_launched(c, "moe_gather_kernel");
+}
+
+static di_status launch_combine(cuda_ctx *c, const kern_moe_experts *p, const uint16_t *og,
+                                const int32_t *pos, const uint16_t *os, cudaStream_t stream)
+{
+    moe_combine_kernel<<<elem_grid((size_t)p->n_rows * p->dim), CUDA_THREADS, 0, stream>>>(
+        og, pos, p->top_k, os, p->dim, p->n_rows, p->y);
+    return cuda_launched(c, "moe_combine_kernel");
+}
+
+/* ---- table entries: gate and SwiGLU ---- */
+
+di_status cuda_op_moe_gate(void *ctx, const kern_moe_gate *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_op_begin(c, p, "moe_gate");
+    if (st != DI_OK)
+        return st;
+    if (p->top_k < 1 || p->top_k > p->n_experts || p->n_experts > GATE_MAX_EXPERTS)
+        return cuda_fail(c, DI_EINVAL, "moe_gate: top_k %u outside [1, n_experts %u] or more than "
+                         "%d experts", p->top_k, p->n_experts, GATE_MAX_EXPERTS);
+    if (p->n_rows == 0)
+        return DI_OK;
+    if (!p->logits || !p->ids || !p->weights)
+        return cuda_fail(c, DI_EINVAL, "moe_gate: logits, ids or weights is NULL");
+    if (p->n_rows > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "moe_gate: %u rows", p->n_rows);
+    return launch_moe_gate(c, p, c->stream);
+}
+
+static di_status swiglu_check(cuda_ctx *c, const kern_swiglu *p)
+{
+    if (!p->g || !p->u || !p->h)
+        return cuda_fail(c, DI_EINVAL, "swiglu: g, u or h is NULL");
+    if (p->stride < p->n)
+        return cuda_fail(c, DI_EINVAL, "swiglu: stride %zu below n %u", p->stride, p->n);
+    if ((size_t)p->n_rows * p->n / CUDA_THREADS >= 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "swiglu: %u rows of %u", p->n_rows, p->n);
+    return DI_OK;
+}
+
+di_status cuda_op_swiglu(void *ctx, const kern_swiglu *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_op_begin(c, p, "swiglu");
+    if (st != DI_OK)
+        return st;
+    if (p->n_rows == 0 || p->n == 0)
+        return DI_OK;
+    if ((st = swiglu_check(c, p)) != DI_OK)
+        return st;
+    return launch_swiglu(c, p, c->stream);
+}
+
+/* ---- moe_experts ---- */
+
+/* Where one call's buffers sit in the work buffer (byte offsets) and the host plan. */
+typedef struct moe_plan {
+    uint32_t n_pairs;
+    uint32_t *count, *start;    /* [n_experts + 1] pairs per expert and their first index */
+    int32_t *pair;              /* [n_pairs] (row * top_k + slot) in bucket order (host) */
+    int32_t *pos;               /* [n_rows, top_k] index of each row's outputs, ascending expert */
+    size_t off_pair, off_pos;   /* metadata offsets */
+    size_t xg, wg, g, u, h, og, gs, us, hs, os, total; /* work offsets after the metadata */
+} moe_plan;
+
+static void plan_free(moe_plan *pl)
+{
+    free(pl->count);
+    free(pl->start);
+    free(pl->pair);
+    free(pl->pos);
+}
+
+/* Buckets the pairs by expert exactly as the twin (pairs ascending inside a bucket) and lays
+ * out the work buffer. ids: the host copy. */
+static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t *ids,
+                           moe_plan *pl)
+{
+    memset(pl, 0, sizeof(*pl));
+    uint32_t E = p->n_experts, K = p->top_k, T = p->n_rows;
+    pl->n_pairs = T * K;
+    pl->count = (uint32_t *)calloc(E + 1, sizeof(uint32_t));
+    pl->start = (uint32_t *)calloc(E + 1, sizeof(uint32_t));
+    pl->pair = (int32_t *)malloc((size_t)pl->n_pairs * sizeof(int32_t));
+    pl->pos = (int32_t *)malloc((size_t)pl->n_pairs * sizeof(int32_t));
+    if (!pl->count || !pl->start || !pl->pair || !pl->pos)
+        return cuda_fail(c, DI_ENOMEM, "moe_experts: host plan of %u pairs", pl->n_pairs);
+    for (uint32_t i = 0; i < pl->n_pairs; i++) {
+        if (ids[i] < 0 || (uint32_t)ids[i] >= E)
+            return cuda_fail(c, DI_EINVAL, "moe_experts: ids[%u] = %d outside [0, %u)", i, ids[i], E);
+        pl->count[ids[i]]++;
+    }
+    for (uint32_t e = 0; e < E; e++) {
+        const kern_expert *ex = &p->experts[e];
+        if (pl->count[e] && (!ex->w1 || !ex->w2 || !ex->w3 || !ex->w1_scale || !ex->w2_scale ||
+                             !ex->w3_scale))
+            return cuda_fail(c, DI_EINVAL, "moe_experts: expert %u is routed to but has a NULL "
+                             "weight", e);
+    }
+    for (uint32_t e = 1; e <= E; e++)
+        pl->start[e] = pl->start[e - 1] + pl->count[e - 1];
+    uint32_t *fill = (uint32_t *)calloc(E, sizeof(uint32_t));
+    if (!fill)
+        return cuda_fail(c, DI_ENOMEM, "moe_experts: host plan");
+    for (uint32_t i = 0; i < pl->n_pairs; i++) {
+        uint32_t at = pl->start[ids[i]] + fill[ids[i]]++;
+        pl->pair[at] = (int32_t)i;
+    }
+    free(fill);
+    /* each row's outputs in ascending expert order (slots ascending within an expert): walk the
+     * buckets in order and append to the row */
+    uint32_t *seen = (uint32_t *)calloc(T ? T : 1, sizeof(uint32_t));
+    if (!seen)
+        return cuda_fail(c, DI_ENOMEM, "moe_experts: host plan");
+    for (uint32_t i = 0; i < pl->n_pairs; i++) {
+        uint32_t row = (uint32_t)pl->pair[i] / K;
+        pl->pos[(size_t)row * K + seen[row]++] = (int32_t)i;
+    }
+    free(seen);
+    size_t D = p->dim, I = p->inter, S = p->shared_inter, P = pl->n_pairs, at = 0;
+#define MOE_BUF(field, bytes) (pl->field = at, at += cuda_align_up(bytes))
+    MOE_BUF(xg, P * D * 2);
+    MOE_BUF(wg, P * 4);
+    MOE_BUF(g, P * I * 2);
+    MOE_BUF(u, P * I * 2);
+    MOE_BUF(h, P * I * 2);
+    MOE_BUF(og, P * D * 2);
+    MOE_BUF(gs, (size_t)T * S * 2);
+    MOE_BUF(us, (size_t)T * S * 2);
+    MOE_BUF(hs, (size_t)T * S * 2);
+    MOE_BUF(os, (size_t)T * D * 2);
+#undef MOE_BUF
+    pl->total = at;
+    return DI_OK;
+}
+
+/* o = W2 swiglu(W1 x, W3 x, w) for n rows through the linear path: W1 and W3 here, the SwiGLU
+ * and W2 by the caller (run_down). */
+static di_status run_up(cuda_ctx *c, const kern_expert *ex, kern_wfmt fmt, uint32_t n,
+                        uint32_t dim, uint32_t inter, const uint16_t *x, uint16_t *g, uint16_t *u)
+{
+    kern_linear l;
+    memset(&l, 0, sizeof(l));
+    l.m = n, l.n = inter, l.k = dim, l.groups = 1, l.x = x, l.x_stride = dim, l.y_stride = inter;
+    l.w = ex->w1, l.w_scale = ex->w1_scale, l.y = g;
+    di_status st = cuda_linear_run(c, &l, fmt);
+    l.w = ex->w3, l.w_scale = ex->w3_scale, l.y = u;
+    if (st == DI_OK)
+        st = cuda_linear_run(c, &l, fmt);
+    return st;
+}
+
+static di_status run_down(cuda_ctx *c, const kern_expert *ex, kern_wfmt fmt, uint32_t n,
+                          uint32_t dim, uint32_t inter, const uint16_t *h, uint16_t *o)
+{
+    kern_linear l;
+    memset(&l, 0, sizeof(l));
+    l.m = n, l.n = dim, l.k = inter, l.groups = 1, l.x = h, l.x_stride = inter, l.y = o,
+    l.y_stride = dim, l.w = ex->w2, l.w_scale = ex->w2_scale;
+    return cuda_linear_run(c, &l, fmt);
+}
+
+static di_status experts_check(cuda_ctx *c, const kern_moe_experts *p)
+{
+    if (p->top_k < 1 || p->n_experts < 1 || p->dim == 0 || p->dim % 32 || p->inter == 0 ||
+        p->inter % 32 || p->shared_inter % 32)
+        return cuda_fail(c, DI_EINVAL, "moe_experts: top_k %u, %u experts, dim %u, inter %u, "
+                         "shared_inter %u (widths must be positive multiples of 32)", p->top_k,
+                         p->n_experts, p->dim, p->inter, p->shared_inter);
+    if (!p->x || !p->ids || !p->weights || !p->experts || !p->y)
+        return cuda_fail(c, DI_EINVAL, "moe_experts: x, ids, weights, experts or y is NULL");
+    if (p->shared_inter && (!p->shared.w1 || !p->shared.w2 || !p->shared.w3 ||
+                            !p->shared.w1_scale || !p->shared.w2_scale || !p->shared.w3_scale))
+        return cuda_fail(c, DI_EINVAL, "moe_experts: a shared-expert weight is NULL");
+    if ((uint64_t)p->n_rows * p->top_k > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "moe_experts: %u rows x top-%u", p->n_rows, p->top_k);
+    return DI_OK;
+}
+
+/* The routed experts over the plan's buckets: up projections, one SwiGLU over every pair,
+ * down projections. */
+static di_status run_routed(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
+                            uint8_t *w)
+{
+    di_status st = DI_OK;
+    uint16_t *xg = (uint16_t *)(w + pl->xg), *g = (uint16_t *)(w + pl->g);
+    uint16_t *u = (uint16_t *)(w + pl->u), *h = (uint16_t *)(w + pl->h);
+    uint16_t *og = (uint16_t *)(w + pl->og);
+    const size_t D = p->dim, I = p->inter;
+    for (uint32_t e = 0; st == DI_OK && e < p->n_experts; e++) {
+        uint32_t n = pl->count[e], at = pl->start[e];
+        if (n == 0)
+            continue;
+        st = run_up(c, &p->experts[e], KERN_W_FP4, n, p->dim, p->inter, xg + at * D, g + at * I, u + at * I);
+    }
+    kern_swiglu sw;
+    memset(&sw, 0, sizeof(sw));
+    sw.n_rows = pl->n_pairs, sw.n = p->inter, sw.g = g, sw.u = u, sw.stride = p->inter;
+    sw.w = (const float *)(w + pl->wg), sw.limit = p->swiglu_limit, sw.h = h;
+    if (st == DI_OK)
+        st = launch_swiglu(c, &sw, c->stream);
+    for (uint32_t e = 0; st == DI_OK && e < p->n_experts; e++) {
+        uint32_t n = pl->count[e], at = pl->start[e];
+        if (n)
+            st = run_down(c, &p->experts[e], KERN_W_FP4, n, p->dim, p->inter, h + at * I,
+                          og + at * D);
+    }
+    return st;
+}
+
+static di_status run_shared(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl, uint8_t *w)
+{
+    uint16_t *gs = (uint16_t *)(w + pl->gs), *us = (uint16_t *)(w + pl->us);
+    uint16_t *hs = (uint16_t *)(w + pl->hs), *os = (uint16_t *)(w + pl->os);
+    di_status st = run_up(c, &p->shared, KERN_W_FP8, p->n_rows, p->dim, p->shared_inter, p->x, gs, us);
+    kern_swiglu sw;
+    memset(&sw, 0, sizeof(sw));
+    sw.n_rows = p->n_rows, sw.n = p->shared_inter, sw.g = gs, sw.u = us, sw.stride = p->shared_inter;
+    sw.limit = p->swiglu_limit, sw.h = hs;
+    if (st == DI_OK)
+        st = launch_swiglu(c, &sw, c->stream);
+    if (st == DI_OK)
+        st = run_down(c, &p->shared, KERN_W_FP8, p->n_rows, p->dim, p->shared_inter, hs, os);
+    return st;
+}
+
+di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_op_begin(c, p, "moe_experts");
+    if (st != DI_OK)
+        return st;
+    if (p->n_rows == 0)
+        return DI_OK;
+    if ((st = experts_check(c, p)) != DI_OK)
+        return st;
+    size_t n_pairs = (size_t)p->n_rows * p->top_k;
+    int32_t *ids = (int32_t *)malloc(n_pairs * sizeof(int32_t));
+    if (!ids)
+        return cuda_fail(c, DI_ENOMEM, "moe_experts: host copy of %zu ids", n_pairs);
+    moe_plan pl;
+    memset(&pl, 0, sizeof(pl));
+    st = cuda_download(c, ids, p->ids, n_pairs * sizeof(int32_t));
+    if (st == DI_OK)
+        st = plan_make(c, p, ids, &pl);
+    free(ids);
+    uint8_t *dev = NULL, *w = NULL;
+    cuda_meta_reset(c);
+    if (st == DI_OK)
+        st = cuda_meta_push(c, pl.pair, n_pairs * sizeof(int32_t), &pl.off_pair);
+    if (st == DI_OK)
+        st = cuda_meta_push(c, pl.pos, n_pairs * sizeof(int32_t), &pl.off_pos);
+    if (st == DI_OK)
+        st = cuda_meta_upload(c, 1, pl.total, &dev, &w);
+    if (st == DI_OK)
+        st = launch_gather(c, p, (const int32_t *)(dev + pl.off_pair), pl.n_pairs,
+                           (uint16_t *)(w + pl.xg), (float *)(w + pl.wg), c->stream);
+    if (st == DI_OK)
+        st = run_routed(c, p, &pl, w);
+    if (st == DI_OK && p->shared_inter)
+        st = run_shared(c, p, &pl, w);
+    if (st == DI_OK)
+        st = launch_combine(c, p, (const uint16_t *)(w + pl.og), (const int32_t *)(dev + pl.off_pos),
+                            p->shared_inter ? (const uint16_t *)(w + pl.os) : NULL, c->stream);
+    plan_free(&pl);
+    if (st != DI_OK)
+        di_error_prefix(&c->last, "moe_experts: ");
+    return st;
+}

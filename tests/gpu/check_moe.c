@@ -1,0 +1,517 @@
+/* check_moe: the CUDA backend's MoE ops against their C twins (kern_cpu_create's table), with
+ * kernels.h's tolerances:
+ *   moe_gate: ids exactly and weights within abs 1e-6; a differing pick is accepted only at a
+ *     near-tie (the two experts' selection scores within 2 fp32 ulps), and reported;
+ *   swiglu: bit for bit;
+ *   moe_experts: |y - y_cpu| <= 1e-2 * max(1, |y_cpu|, rms of the row) per element and cosine
+ *     >= 0.9999 per row (the hidden activations are re-quantised to FP8 inside the op, so an
+ *     output small against its row can move by more than kern_linear's element bound).
+ * Router inputs: N(0,1) logits at several spreads, ties (logits from a few values), NaN, huge and
+ * very negative logits, with and without bias, top-k from 1 to all experts. Experts: the tiny and
+ * small models' shapes and wider ones, rows 1, 3, 63, 127, repeated experts in a row, every
+ * expert of a set routed or only a few, with and without the shared expert.
+ * With --bench: moe_experts at V4.1-Flash shapes (384 experts top-6, 5120 x 2304, the shared
+ * expert; all 384 experts of one layer fit one H200: 7.2 GB) for 64 and 384 rows, and the gate,
+ * next to the copy bandwidth and the BF16 GEMM ceiling of the same run.
+ * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/numfmt.h"
+#include "kernels/cuda/backend_cuda.h"
+#include "tests/gpu/check_util.h"
+#include "tests/gpu/gpu_common.h"
+
+static const char usage[] =
+    "usage: check_moe [--bench] [--seed N]\n"
+    "  CUDA moe_gate, swiglu, moe_experts against the C twins; --bench adds V4.1-Flash timings\n";
+
+#define SHOW 5
+
+/* ---- moe_gate ---- */
+
+typedef struct gate_case {
+    uint32_t rows, experts, top_k;
+    int mode;                   /* 0 N(0,1); 1 ties; 2 NaN; 3 huge and very negative */
+    int bias;
+    float temp;
+} gate_case;
+
+/* The twin's selection score of one expert (to judge a differing pick). */
+static float gate_sel(const gate_case *gc, float z, float bias)
+{
+    double zt = (double)(z / gc->temp);
+    double sp = zt > 0 ? zt + log1p(exp(-zt)) : log1p(exp(zt));
+    float s = (float)sqrt((double)(float)sp);
+    return s + bias;
+}
+
+static uint64_t g_near_ties;
+
+static void check_gate(chk_env *env, const gate_case *gc)
+{
+    di_rng rng;
+    uint64_t seed = chk_case_rng(env, &rng);
+    size_t nz = (size_t)gc->rows * gc->experts, nk = (size_t)gc->rows * gc->top_k;
+    float *z = chk_malloc(nz * 4), *bias = chk_malloc(gc->experts * 4);
+    for (size_t i = 0; i < nz; i++) {
+        double v = di_rng_normal(&rng);
+        z[i] = gc->mode == 1 ? (float)di_rng_below(&rng, 3) - 1.0f : (float)(v * 2.0);
+        if (gc->mode == 2 && i % 53 == 7)
+            z[i] = NAN;
+        if (gc->mode == 3)
+            z[i] = (float)(v * 60.0);
+    }
+    for (uint32_t e = 0; e < gc->experts; e++)
+        bias[e] = gc->mode == 1 ? 0.0f : (float)(di_rng_normal(&rng) * 0.1);
+    int32_t *ids = chk_malloc(nk * 4), *gids = chk_malloc(nk * 4);
+    float *w = chk_malloc(nk * 4), *gw = chk_malloc(nk * 4);
+    chk_poison(ids, nk * 4), chk_poison(w, nk * 4);
+    char what[200];
+    snprintf(what, sizeof(what), "moe_gate rows=%u experts=%u top_k=%u mode=%d bias=%d temp=%g "
+             "seed=%" PRIu64, gc->rows, gc->experts, gc->top_k, gc->mode, gc->bias,
+             (double)gc->temp, seed);
+    float *dz = chk_dev_copy(env, z, nz * 4), *db = chk_dev_copy(env, bias, gc->experts * 4);
+    int32_t *dids = chk_dev_copy(env, ids, nk * 4);
+    float *dw = chk_dev_copy(env, w, nk * 4);
+    kern_moe_gate p = {.n_rows = gc->rows, .n_experts = gc->experts, .top_k = gc->top_k,
+                       .logits = dz, .bias = gc->bias ? db : NULL, .temp = gc->temp,
+                       .route_scale = 1.5f, .ids = dids, .weights = dw};
+    size_t bad = chk_gpu_status(env, env->gpu.ops.moe_gate(env->gpu.ctx, &p), what);
+    chk_get(env, gids, dids, nk * 4);
+    chk_get(env, gw, dw, nk * 4);
+    p.logits = z, p.bias = gc->bias ? bias : NULL, p.ids = ids, p.weights = w;
+    chk_cpu_status(env->cpu.ops.moe_gate(env->cpu.ctx, &p), what);
+    for (uint32_t t = 0; !bad && t < gc->rows; t++) {
+        int row_ok = 1;
+        for (uint32_t k = 0; k < gc->top_k; k++) {
+            int32_t a = ids[t * gc->top_k + k], b = gids[t * gc->top_k + k];
+            if (a == b)
+                continue;
+            row_ok = 0;
+            float sa = gate_sel(gc, z[t * gc->experts + a], gc->bias ? bias[a] : 0.0f);
+            float sb = b >= 0 && (uint32_t)b < gc->experts
+                           ? gate_sel(gc, z[t * gc->experts + b], gc->bias ? bias[b] : 0.0f) : NAN;
+            if (fabsf(sa - sb) <= 2 * (nextafterf(fabsf(sa), INFINITY) - fabsf(sa))) {
+                g_near_ties++;
+                printf("note: %s row %u pick %u: cpu expert %d, gpu %d at a near-tie (%.9g vs %.9g)\n",
+                       what, t, k, a, b, (double)sa, (double)sb);
+            } else if (bad++ < SHOW) {
+                fprintf(stderr, "MISMATCH %s: row %u pick %u: cpu expert %d (sel %.9g), gpu %d "
+                        "(sel %.9g)\n", what, t, k, a, (double)sa, b, (double)sb);
+            }
+            break;
+        }
+        if (row_ok)
+            bad += chk_cmp_f32_abs(what, w + t * gc->top_k, gw + t * gc->top_k, gc->top_k, 1e-6, NULL);
+    }
+    chk_count(env, bad);
+    chk_dev_free(env, dz), chk_dev_free(env, db), chk_dev_free(env, dids), chk_dev_free(env, dw);
+    free(z), free(bias), free(ids), free(gids), free(w), free(gw);
+}
+
+/* ---- swiglu ---- */
+
+static void check_swiglu(chk_env *env, uint32_t rows, uint32_t n, uint32_t pad, int weighted,
+                         float limit, int mode)
+{
+    di_rng rng;
+    uint64_t seed = chk_case_rng(env, &rng);
+    size_t stride = (size_t)n + pad, in = rows * stride, on = (size_t)rows * n;
+    uint16_t *g = chk_malloc(in * 2), *u = chk_malloc(in * 2), *h = chk_malloc(on * 2), *gh = chk_malloc(on * 2);
+    float *w = chk_malloc(rows * 4);
+    chk_fill_bf16(g, in, mode, &rng);
+    chk_fill_bf16(u, in, mode == CHK_SPECIALS ? CHK_NORMAL : mode, &rng);
+    chk_fill_f32(w, rows, 1.0, &rng);
+    chk_fill_u16(h, on, CHK_POISON_BF16);
+    char what[200];
+    snprintf(what, sizeof(what), "swiglu rows=%u n=%u stride=%zu weighted=%d limit=%g mode=%s "
+             "seed=%" PRIu64, rows, n, stride, weighted, (double)limit, chk_mode_name[mode], seed);
+    uint16_t *dg = chk_dev_copy(env, g, in * 2), *du = chk_dev_copy(env, u, in * 2);
+    uint16_t *dh = chk_dev_copy(env, h, on * 2);
+    float *dw = chk_dev_copy(env, w, rows * 4);
+    kern_swiglu p = {.n_rows = rows, .n = n, .g = dg, .u = du, .stride = stride,
+                     .w = weighted ? dw : NULL, .limit = limit, .h = dh};
+    size_t bad = chk_gpu_status(env, env->gpu.ops.swiglu(env->gpu.ctx, &p), what);
+    chk_get(env, gh, dh, on * 2);
+    p.g = g, p.u = u, p.w = weighted ? w : NULL, p.h = h;
+    chk_cpu_status(env->cpu.ops.swiglu(env->cpu.ctx, &p), what);
+    if (!bad)
+        bad = chk_cmp_bf16_exact(what, h, gh, on);
+    chk_count(env, bad);
+    chk_dev_free(env, dg), chk_dev_free(env, du), chk_dev_free(env, dh), chk_dev_free(env, dw);
+    free(g), free(u), free(h), free(gh), free(w);
+}
+
+/* ---- moe_experts ---- */
+
+typedef struct expert_set {
+    uint32_t n, dim, inter, shared_inter;
+    kern_expert *h, *d;         /* [n] host and device weight pointers */
+    kern_expert sh, sd;         /* shared expert */
+    void **owned_h, **owned_d;  /* for freeing */
+    uint32_t n_owned;
+} expert_set;
+
+/* One weight of `rows` x `cols`: FP4 (1x32 scales) or FP8 (32x32), random codes (no NaN) and
+ * UE8M0 scales that keep |w| near 1/sqrt(cols) * a few. */
+static void make_weight(chk_env *env, expert_set *s, int fp8, uint32_t rows, uint32_t cols,
+                        di_rng *rng, const uint8_t **w_h, const uint8_t **sc_h,
+                        const uint8_t **w_d, const uint8_t **sc_d)
+{
+    size_t wb = fp8 ? (size_t)rows * cols : (size_t)rows * cols / 2;
+    size_t sb = fp8 ? (size_t)(rows + 31) / 32 * (cols / 32) : (size_t)rows * (cols / 32);
+    uint8_t *w = chk_malloc(wb), *sc = chk_malloc(sb);
+    for (size_t i = 0; i < wb; i++) {
+        uint8_t b = (uint8_t)di_rng_u32(rng);
+        w[i] = fp8 && (b & 0x7f) == 0x7f ? (uint8_t)(b ^ 1) : b;
+    }
+    int base = (int)(127 - (fp8 ? 9 : 2) - (int)round(log2(sqrt((double)cols))));
+    for (size_t i = 0; i < sb; i++)
+        sc[i] = (uint8_t)(base + (int)di_rng_below(rng, 3));
+    *w_h = w, *sc_h = sc;
+    *w_d = chk_dev_copy(env, w, wb), *sc_d = chk_dev_copy(env, sc, sb);
+    s->owned_h[s->n_owned] = w, s->owned_d[s->n_owned++] = (void *)*w_d;
+    s->owned_h[s->n_owned] = sc, s->owned_d[s->n_owned++] = (void *)*sc_d;
+}
+
+static void make_expert(chk_env *env, expert_set *s, int fp8, uint32_t inter, kern_expert *h,
+                        kern_expert *d, di_rng *rng)
+{
+    make_weight(env, s, fp8, inter, s->dim, rng, &h->w1, &h->w1_scale, &d->w1, &d->w1_scale);
+    make_weight(env, s, fp8, inter, s->dim, rng, &h->w3, &h->w3_scale, &d->w3, &d->w3_scale);
+    make_weight(env, s, fp8, s->dim, inter, rng, &h->w2, &h->w2_scale, &d->w2, &d->w2_scale);
+}
+
+static void experts_make(chk_env *env, expert_set *s, uint32_t n, uint32_t dim, uint32_t inter,
+                         uint32_t shared_inter, di_rng *rng)
+{
+    memset(s, 0, sizeof(*s));
+    s->n = n, s->dim = dim, s->inter = inter, s->shared_inter = shared_inter;
+    s->h = chk_malloc(n * sizeof(kern_expert));
+    s->d = chk_malloc(n * sizeof(kern_expert));
+    s->owned_h = chk_malloc((n + 1) * 6 * sizeof(void *));
+    s->owned_d = chk_malloc((n + 1) * 6 * sizeof(void *));
+    for (uint32_t e = 0; e < n; e++)
+        make_expert(env, s, 0, inter, &s->h[e], &s->d[e], rng);
+    if (shared_inter)
+        make_expert(env, s, 1, shared_inter, &s->sh, &s->sd, rng);
+}
+
+static void experts_free(chk_env *env, expert_set *s)
+{
+    for (uint32_t i = 0; i < s->n_owned; i++) {
+        free(s->owned_h[i]);
+        chk_dev_free(env, s->owned_d[i]);
+    }
+    free(s->h), free(s->d), free(s->owned_h), free(s->owned_d);
+}
+
+typedef struct experts_case {
+    uint32_t rows, n_experts, top_k, dim, inter, shared_inter;
+    uint32_t used;              /* ids drawn from the first `used` experts (0: all) */
+    int repeat;                 /* a row may name the same expert twice */
+    int xmode;
+} experts_case;
+
+/* moe_experts' tolerance (kernels.h): per element |y - y_cpu| <= 1e-2 * max(1, |y_cpu|, rms of
+ * the row of y_cpu), per row cosine >= 0.9999. Returns mismatches; keeps the worst ratio of an
+ * element's error to its bound, the worst cosine and the worst row error norm relative to the
+ * row's norm. */
+static size_t cmp_expert_rows(const char *what, const uint16_t *c, const uint16_t *g, uint32_t rows,
+                              uint32_t n, double *worst_ratio, double *worst_cos, double *worst_rel)
+{
+    size_t bad = 0;
+    for (uint32_t r = 0; r < rows; r++) {
+        const uint16_t *cr = c + (size_t)r * n, *gr = g + (size_t)r * n;
+        double dot = 0, nc = 0, ng = 0, ne = 0;
+        for (uint32_t j = 0; j < n; j++) {
+            double x = di_bf16_to_f32(cr[j]), y = di_bf16_to_f32(gr[j]);
+            dot += x * y, nc += x * x, ng += y * y, ne += (x - y) * (x - y);
+        }
+        double rms = sqrt(nc / n), floor = rms > 1 ? rms : 1;
+        for (uint32_t j = 0; j < n; j++) {
+            double x = di_bf16_to_f32(cr[j]), y = di_bf16_to_f32(gr[j]);
+            double tol = 1e-2 * (fabs(x) > floor ? fabs(x) : floor);
+            int ok = isfinite(x) && isfinite(y) ? fabs(x - y) <= tol : (isnan(x) && isnan(y)) || x == y;
+            if (isfinite(x) && isfinite(y) && fabs(x - y) / tol > *worst_ratio)
+                *worst_ratio = fabs(x - y) / tol;
+            if (!ok && bad++ < SHOW)
+                fprintf(stderr, "MISMATCH %s: y[%u][%u] cpu %.6g gpu %.6g (tolerance %.3g, row rms "
+                        "%.3g)\n", what, r, j, x, y, tol, rms);
+        }
+        double cs = nc == 0 && ng == 0 ? 1.0 : dot / sqrt(nc * ng);
+        if (!(cs >= 0.9999) && isfinite(nc) && isfinite(ng) && bad++ < SHOW)
+            fprintf(stderr, "MISMATCH %s: row %u cosine %.7f < 0.9999\n", what, r, cs);
+        if (isfinite(cs) && cs < *worst_cos)
+            *worst_cos = cs;
+        if (nc > 0 && isfinite(ne) && sqrt(ne / nc) > *worst_rel)
+            *worst_rel = sqrt(ne / nc);
+    }
+    return bad;
+}
+
+static void check_experts(chk_env *env, const experts_case *ec, double *worst)
+{
+    di_rng rng;
+    uint64_t seed = chk_case_rng(env, &rng);
+    expert_set es;
+    experts_make(env, &es, ec->n_experts, ec->dim, ec->inter, ec->shared_inter, &rng);
+    size_t xn = (size_t)ec->rows * ec->dim, nk = (size_t)ec->rows * ec->top_k;
+    uint16_t *x = chk_malloc(xn * 2), *y = chk_malloc(xn * 2), *gy = chk_malloc(xn * 2);
+    chk_fill_bf16(x, xn, ec->xmode, &rng);
+    chk_fill_u16(y, xn, CHK_POISON_BF16);
+    int32_t *ids = chk_malloc(nk * 4);
+    float *w = chk_malloc(nk * 4);
+    uint32_t pool = ec->used ? ec->used : ec->n_experts;
+    int repeat = ec->repeat || pool < ec->top_k; /* distinct picks need enough experts */
+    for (uint32_t t = 0; t < ec->rows; t++)
+        for (uint32_t k = 0; k < ec->top_k; k++) {
+            int32_t e;
+            int again;
+            do { /* distinct within a row unless repeats are asked for */
+                e = (int32_t)di_rng_below(&rng, pool);
+                again = 0;
+                for (uint32_t j = 0; j < k && !repeat; j++)
+                    again |= ids[t * ec->top_k + j] == e;
+            } while (again);
+            ids[t * ec->top_k + k] = e;
+            w[t * ec->top_k + k] = (float)(0.2 + di_rng_uniform(&rng));
+        }
+    char what[256];
+    snprintf(what, sizeof(what), "moe_experts rows=%u experts=%u top_k=%u dim=%u inter=%u "
+             "shared_inter=%u used=%u repeat=%d x=%s seed=%" PRIu64, ec->rows, ec->n_experts,
+             ec->top_k, ec->dim, ec->inter, ec->shared_inter, pool, ec->repeat,
+             chk_mode_name[ec->xmode], seed);
+    uint16_t *dx = chk_dev_copy(env, x, xn * 2), *dy = chk_dev_copy(env, y, xn * 2);
+    int32_t *dids = chk_dev_copy(env, ids, nk * 4);
+    float *dw = chk_dev_copy(env, w, nk * 4);
+    kern_moe_experts p = {.n_rows = ec->rows, .dim = ec->dim, .inter = ec->inter,
+                          .shared_inter = ec->shared_inter, .n_experts = ec->n_experts,
+                          .top_k = ec->top_k, .x = dx, .ids = dids, .weights = dw,
+                          .experts = es.d, .shared = es.sd, .swiglu_limit = 10.0f, .y = dy};
+    size_t bad = chk_gpu_status(env, env->gpu.ops.moe_experts(env->gpu.ctx, &p), what);
+    chk_get(env, gy, dy, xn * 2);
+    p.x = x, p.ids = ids, p.weights = w, p.experts = es.h, p.shared = es.sh, p.y = y;
+    chk_cpu_status(env->cpu.ops.moe_experts(env->cpu.ctx, &p), what);
+    if (!bad)
+        bad = cmp_expert_rows(what, y, gy, ec->rows, ec->dim, &worst[0], &worst[1], &worst[2]);
+    chk_count(env, bad);
+    chk_dev_free(env, dx), chk_dev_free(env, dy), chk_dev_free(env, dids), chk_dev_free(env, dw);
+    experts_free(env, &es);
+    free(x), free(y), free(gy), free(ids), free(w);
+}
+
+/* ---- refused inputs ---- */
+
+static void check_refusals(chk_env *env)
+{
+    kern_ops *o = &env->gpu.ops;
+    void *c = env->gpu.ctx;
+    uint8_t *d = chk_dev_alloc(env, 1 << 16);
+    size_t bad = 0;
+    kern_moe_gate g = {.n_rows = 1, .n_experts = 8, .top_k = 9, .logits = (float *)d,
+                       .temp = 1.0f, .route_scale = 1.5f, .ids = (int32_t *)(d + 4096),
+                       .weights = (float *)(d + 8192)};
+    bad += chk_expect(env, o->moe_gate(c, NULL), DI_EINVAL, "moe_gate(NULL)");
+    bad += chk_expect(env, o->moe_gate(c, &g), DI_EINVAL, "moe_gate top_k 9 of 8");
+    g.top_k = 2, g.n_experts = 5000;
+    bad += chk_expect(env, o->moe_gate(c, &g), DI_EINVAL, "moe_gate 5000 experts");
+    kern_swiglu sw = {.n_rows = 1, .n = 64, .g = (uint16_t *)d, .u = (uint16_t *)d, .stride = 32,
+                      .h = (uint16_t *)(d + 4096)};
+    bad += chk_expect(env, o->swiglu(c, &sw), DI_EINVAL, "swiglu stride 32 < n 64");
+    /* ids outside the experts: the op reads them back and refuses */
+    int32_t ids[2] = {0, 8};
+    chk_put(env, d + 16384, ids, sizeof(ids));
+    kern_expert ex[8];
+    memset(ex, 0, sizeof(ex));
+    kern_moe_experts me = {.n_rows = 1, .dim = 32, .inter = 32, .n_experts = 8, .top_k = 2,
+                           .x = (uint16_t *)d, .ids = (int32_t *)(d + 16384),
+                           .weights = (float *)(d + 8192), .experts = ex, .y = (uint16_t *)(d + 32768)};
+    bad += chk_expect(env, o->moe_experts(c, &me), DI_EINVAL, "moe_experts id 8 of 8");
+    ids[1] = 1;
+    chk_put(env, d + 16384, ids, sizeof(ids));
+    bad += chk_expect(env, o->moe_experts(c, &me), DI_EINVAL, "moe_experts routed to NULL weights");
+    me.dim = 48;
+    bad += chk_expect(env, o->moe_experts(c, &me), DI_EINVAL, "moe_experts dim 48");
+    g.n_experts = 8;
+    bad += chk_expect(env, o->moe_gate(c, &g), DI_OK, "moe_gate after refusals");
+    chk_sync(env);
+    chk_count(env, bad);
+    printf("refused inputs: %s\n", bad ? "MISMATCHES" : "all refused with DI_EINVAL");
+    chk_dev_free(env, d);
+}
+
+/* ---- the sweep ---- */
+
+static void sweep(chk_env *env)
+{
+    static const gate_case gates[] = {
+        {1, 384, 6, 0, 1, 1.0f},  {3, 384, 6, 1, 0, 1.0f},  {63, 384, 6, 2, 1, 1.0f},
+        {127, 128, 3, 0, 1, 1.0f}, {5, 8, 2, 3, 1, 1.0f},   {7, 16, 4, 0, 0, 0.7f},
+        {9, 5, 5, 1, 1, 1.0f},    {4, 1, 1, 0, 1, 1.0f},    {33, 4096, 8, 0, 1, 1.0f},
+        {2, 384, 6, 3, 0, 2.0f},
+    };
+    int c0 = env->checks;
+    for (size_t i = 0; i < sizeof(gates) / sizeof(gates[0]); i++)
+        check_gate(env, &gates[i]);
+    printf("moe_gate: %d cases, %" PRIu64 " picks differing at near-ties\n", env->checks - c0,
+           g_near_ties);
+    c0 = env->checks;
+    static const uint32_t sw_rows[] = {1, 3, 63, 127};
+    for (int mode = 0; mode < CHK_MODES; mode++)
+        for (size_t r = 0; r < 4; r++)
+            check_swiglu(env, sw_rows[r], r % 2 ? 2304 : 64, r == 2 ? 7 : 0, (mode + (int)r) % 2,
+                         mode == CHK_ONES ? 0.0f : 10.0f, mode);
+    printf("swiglu: %d cases\n", env->checks - c0);
+    c0 = env->checks;
+    static const experts_case ecs[] = {
+        {1, 8, 2, 128, 64, 64, 0, 0, CHK_NORMAL},     {3, 8, 2, 128, 64, 64, 0, 1, CHK_EDGES},
+        {63, 16, 4, 256, 128, 128, 0, 0, CHK_NORMAL}, {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE},
+        {5, 64, 6, 1024, 512, 512, 0, 0, CHK_NORMAL}, {63, 64, 6, 1024, 512, 512, 0, 0, CHK_LARGE},
+        {17, 32, 6, 512, 256, 0, 7, 0, CHK_NORMAL},   {2, 4, 3, 96, 32, 32, 0, 1, CHK_ZEROS},
+        {9, 16, 4, 256, 128, 128, 0, 0, CHK_TINY},
+    };
+    double worst[3] = {0, 1, 0}; /* |err|/tolerance, row cosine, row relative error */
+    for (size_t i = 0; i < sizeof(ecs) / sizeof(ecs[0]); i++)
+        check_experts(env, &ecs[i], worst);
+    printf("moe_experts: %d cases; worst |err|/tolerance %.3g, worst row cosine %.7f, worst row "
+           "|y - y_cpu| / |y_cpu| %.3g\n", env->checks - c0, worst[0], worst[1], worst[2]);
+    check_refusals(env);
+}
+
+/* ---- benchmark: V4.1-Flash ---- */
+
+enum { B_E = 384, B_K = 6, B_D = 5120, B_I = 2304 };
+
+typedef struct bench_arg {
+    chk_env *env;
+    kern_moe_experts p;
+    kern_moe_gate g;
+    int op;
+} bench_arg;
+
+static di_status bench_call(void *arg, int i)
+{
+    bench_arg *b = arg;
+    kern_backend *g = &b->env->gpu;
+    return b->op == 0 ? g->ops.moe_experts(g->ctx, &b->p) : g->ops.moe_gate(g->ctx, &b->g);
+}
+
+static void bench(chk_env *env)
+{
+    double copy = gpu_copy_gbs((size_t)1 << 30, 20);
+    double peak = chk_gemm_ceiling(env);
+    di_rng rng;
+    chk_case_rng(env, &rng);
+    /* one expert's random FP4 weights, copied to all 384 (L2 holds none of them) */
+    size_t w13 = (size_t)B_I * B_D / 2, w2 = (size_t)B_D * B_I / 2;
+    size_t s13 = (size_t)B_I * (B_D / 32), s2 = (size_t)B_D * (B_I / 32);
+    size_t per = 2 * (w13 + s13) + w2 + s2;
+    uint8_t *h = chk_malloc(per);
+    for (size_t i = 0; i < per; i++)
+        h[i] = (uint8_t)di_rng_u32(&rng);
+    for (size_t i = 2 * w13; i < 2 * w13 + 2 * s13; i++)
+        h[i] = (uint8_t)(122 + di_rng_below(&rng, 3));
+    for (size_t i = 2 * w13 + 2 * s13 + w2; i < per; i++)
+        h[i] = (uint8_t)(122 + di_rng_below(&rng, 3));
+    uint8_t *all = chk_dev_alloc(env, per * B_E);
+    chk_put(env, all, h, per);
+    for (uint32_t e = 1; e < B_E; e++) /* device to device */
+        chk_put(env, all + per * e, all, per);
+    kern_expert *ex = chk_malloc(B_E * sizeof(kern_expert));
+    for (uint32_t e = 0; e < B_E; e++) {
+        uint8_t *b = all + per * e;
+        ex[e] = (kern_expert){.w1 = b, .w3 = b + w13, .w1_scale = b + 2 * w13,
+                              .w3_scale = b + 2 * w13 + s13, .w2 = b + 2 * w13 + 2 * s13,
+                              .w2_scale = b + 2 * w13 + 2 * s13 + w2};
+    }
+    size_t sh8 = (size_t)B_I * B_D, shs = (size_t)(B_I / 32) * (B_D / 32);
+    uint8_t *hs = chk_malloc(3 * (sh8 + shs));
+    for (size_t i = 0; i < 3 * (sh8 + shs); i++)
+        hs[i] = (uint8_t)(i % (sh8 + shs) < sh8 ? (di_rng_u32(&rng) & 0x7e) : 115);
+    uint8_t *sd = chk_dev_copy(env, hs, 3 * (sh8 + shs));
+    kern_expert shared = {.w1 = sd, .w1_scale = sd + sh8, .w3 = sd + sh8 + shs,
+                          .w3_scale = sd + 2 * sh8 + shs, .w2 = sd + 2 * (sh8 + shs),
+                          .w2_scale = sd + 3 * sh8 + 2 * shs};
+    free(h), free(hs);
+    printf("\nmoe_experts at V4.1-Flash shapes: 384 routed FP4 experts top-6 (5120 x 2304), one "
+           "shared FP8 expert; all 384 experts of one layer on this GPU (%.1f GB of weights)\n"
+           "ceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s; bytes = the "
+           "weights of the experts used, read once\n", (double)(per * B_E + 3 * (sh8 + shs)) / 1e9,
+           copy, peak);
+    printf("%-20s %5s %7s %10s %9s %7s %7s %7s\n", "op", "rows", "experts", "us", "TFLOP/s",
+           "GB/s", "of GEMM", "of copy");
+    static const uint32_t rows_list[] = {64, 384};
+    for (int r = 0; r < 2; r++) {
+        uint32_t T = rows_list[r];
+        size_t nk = (size_t)T * B_K;
+        int32_t *ids = chk_malloc(nk * 4);
+        float *w = chk_malloc(nk * 4);
+        uint8_t used[B_E] = {0};
+        uint32_t n_used = 0;
+        for (uint32_t t = 0; t < T; t++)
+            for (uint32_t k = 0; k < B_K; k++) {
+                int32_t e;
+                int again;
+                do {
+                    e = (int32_t)di_rng_below(&rng, B_E);
+                    again = 0;
+                    for (uint32_t j = 0; j < k; j++)
+                        again |= ids[t * B_K + j] == e;
+                } while (again);
+                ids[t * B_K + k] = e;
+                w[t * B_K + k] = 1.0f / B_K;
+                n_used += !used[e];
+                used[e] = 1;
+            }
+        uint16_t *hx = chk_malloc((size_t)T * B_D * 2);
+        chk_fill_bf16_fast(hx, (size_t)T * B_D, 1.0f, &rng);
+        float *hz = chk_malloc((size_t)T * B_E * 4);
+        chk_fill_f32(hz, (size_t)T * B_E, 1.0, &rng);
+        bench_arg b = {.env = env};
+        b.p = (kern_moe_experts){.n_rows = T, .dim = B_D, .inter = B_I, .shared_inter = B_I,
+                                 .n_experts = B_E, .top_k = B_K,
+                                 .x = chk_dev_copy(env, hx, (size_t)T * B_D * 2),
+                                 .ids = chk_dev_copy(env, ids, nk * 4),
+                                 .weights = chk_dev_copy(env, w, nk * 4), .experts = ex,
+                                 .shared = shared, .swiglu_limit = 10.0f,
+                                 .y = chk_dev_alloc(env, (size_t)T * B_D * 2)};
+        b.g = (kern_moe_gate){.n_rows = T, .n_experts = B_E, .top_k = B_K,
+                              .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
+                              .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
+                              .weights = chk_dev_alloc(env, nk * 4)};
+        for (int op = 0; op < 2; op++) {
+            b.op = op;
+            double ms = chk_time_ms(env, bench_call, &b, 2, op == 0 ? 7 : 30);
+            double flops = op == 0 ? 2.0 * 3 * B_D * (double)B_I * (nk + T) : 0;
+            double bytes = op == 0 ? n_used * (double)per + 3.0 * (sh8 + shs) + 4.0 * T * B_D
+                                   : T * (B_E * 4.0 + B_K * 8.0);
+            const char *name = op == 0 ? "moe_experts" : "moe_gate";
+            if (ms <= 0) {
+                printf("%-20s %5u failed (message above)\n", name, T);
+                continue;
+            }
+            double tf = flops / (ms * 1e-3) / 1e12, gb = bytes / (ms * 1e-3) / 1e9;
+            printf("%-20s %5u %7u %10.1f %9.2f %7.0f %6.1f%% %6.1f%%\n", name, T, n_used, ms * 1e3,
+                   tf, gb, 100 * tf / peak, 100 * gb / copy);
+        }
+        chk_dev_free(env, (void *)b.p.x), chk_dev_free(env, (void *)b.p.ids);
+        chk_dev_free(env, (void *)b.p.weights), chk_dev_free(env, b.p.y);
+        chk_dev_free(env, (void *)b.g.logits), chk_dev_free(env, b.g.ids), chk_dev_free(env, b.g.weights);
+        free(ids), free(w), free(hx), free(hz);
+    }
+    chk_dev_free(env, all), chk_dev_free(env, sd);
+    free(ex);
+}
+
+int main(int argc, char **argv)
+{
+    chk_env env;
+    int want_bench = chk_init(&env, argc, argv, usage);
+    sweep(&env);
+    return chk_finish(&env, "check_moe", want_bench, bench);
+}
