@@ -398,8 +398,7 @@ di_status fwd_engram(fwd_run *r, const fwd_layer_w *L, di_error *err)
     kern_engram_lookup lk = {.n_rows = T, .n_cols = cols, .head_dim = w,
                              .hash = r->hash + (size_t)L->engram_slot * cols,
                              .hash_stride = (size_t)c->n_engram_layers * cols,
-                             .table = e->seeded ? NULL : e->table.data,
-                             .table_scale = e->seeded ? NULL : e->table.scale,
+                             .table = L->e_table, .table_scale = L->e_table_s,
                              .table_rows = e->rows, .row_fn = e->seeded ? seeded_row : NULL,
                              .row_userdata = (void *)e, .out = r->erows};
     FWD_TRY(err, l, be->ops.engram_lookup(be->ctx, &lk)); /* rows [T, cols*w] */

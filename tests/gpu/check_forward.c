@@ -1,0 +1,845 @@
+/* check_forward: the whole forward on the CUDA backend against the CPU backend.
+ *
+ * For the shipped small configs (tiny, small) it writes a random-weight checkpoint with the
+ * di-mkmodel generator (runner_model_random), runs one fixed scenario (tests/forward/
+ * fwd_scenario.h: chunked prefill of two prompts, single-row decode of both, a draft proposal,
+ * a speculative step of 1 + nextn rows, one more decode row; YOCO off, compact and mask) on
+ * three backends:
+ *   ref:  the CPU backend (the C twins);
+ *   pert: the CPU backend with every op's output moved by noise as large as the tolerance
+ *         kernels.h states for that op (bf16 1 ulp; linear 1e-2 * max(1, |y|) capped so the
+ *         row cosine stays >= 0.9999; attention abs 2e-2; MoE as stated; hc mixes abs 1e-5;
+ *         router weights abs 1e-6; indexer scores 1 bf16 ulp) and exact ops untouched;
+ *   cuda: the CUDA backend, weights placed in device memory.
+ * ref vs pert is what the per-op tolerances allow once the model propagates them (FP8/FP4
+ * re-quantisation included); the CUDA run must stay within twice that, per quantity:
+ *   - logits, per row: relative L2 error and 1 - cosine within 2x the worst row of pert; and
+ *     the argmax equal wherever ref's top-2 gap exceeds twice the largest logit change pert
+ *     made in that row (there no perturbation of tolerance size could flip it);
+ *   - draft logits the same way; draft confidences within 2x pert's worst absolute change;
+ *   - caches, decoded (ring entries (A), compressed main entries (C), index keys (B), the
+ *     compressor's fp32 pending state): relative L2 per region (a layer's rings, an owner's
+ *     main entries, its index keys, the pending state) within 2x pert's, and the set of
+ *     entries written exactly equal (an entry all zero in one and not in the other fails).
+ * Failure paths: every allocation of model, run and KV creation refused in turn (DI_ENOMEM
+ * with a message, nothing left allocated), a KV pool larger than the device, an allocation
+ * refused inside a step (then the same step runs).
+ *
+ * --bench: decode steps and a prefill chunk at the V4.1-Flash width (see bench_forward).
+ * Exit 0: all within tolerance; 1: a mismatch; 2: a setup error. The seed is printed first. */
+#include <inttypes.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/model/forward.h"
+#include "common/model/runner.h"
+#include "kernels/cpu/numfmt.h"
+#include "kernels/cuda/backend_cuda.h"
+#include "tests/forward/fwd_scenario.h"
+#include "tests/gpu/check_util.h"
+#include "tests/gpu/gpu_common.h"
+
+#define SHOW 5
+#define MARGIN 2.0              /* allowed: MARGIN x what tolerance-sized noise gives */
+#define KEEP_TOKENS 160
+
+static const char usage[] =
+    "usage: check_forward [--seed N] [--bench]\n"
+    "The forward (prefill, decode, drafts, YOCO) on the CUDA backend against the CPU backend\n"
+    "on random-weight tiny and small models; --bench adds V4.1-Flash-width step timings.\n";
+
+/* ---- the perturbing backend: CPU ops, outputs moved within each op's tolerance ---- */
+
+typedef struct pert_state {
+    kern_ops inner;             /* the CPU backend's table */
+    di_rng rng;
+} pert_state;
+
+static pert_state *pert_cur;
+
+static double pert_u(void)
+{
+    return 2.0 * di_rng_uniform(&pert_cur->rng) - 1.0;
+}
+
+/* One bf16 unit in the last place up, down or not at all. */
+static uint16_t ulp_move(uint16_t h)
+{
+    if ((h & 0x7f80) == 0x7f80)
+        return h; /* inf, NaN */
+    switch (di_rng_u32(&pert_cur->rng) % 3) {
+    case 1: return (h & 0x7fff) == 0x7f7f ? h : (uint16_t)(h + 1);
+    case 2: return (h & 0x7fff) == 0 ? h : (uint16_t)(h - 1);
+    default: return h;
+    }
+}
+
+static void ulp_rows(uint16_t *x, size_t rows, size_t n, size_t stride)
+{
+    for (size_t r = 0; r < rows; r++)
+        for (size_t i = 0; i < n; i++)
+            x[r * stride + i] = ulp_move(x[r * stride + i]);
+}
+
+/* v[i] += u * t_i, t_i = a * max(1, rel ? |v_i| : 0, rms_floor ? rms : 0), capped at
+ * 0.02 * rms of the row (uniform noise of that size keeps the row cosine above 0.9999). */
+static void noise_f32(float *v, size_t n, double a, int rel, int rms_floor)
+{
+    double ss = 0;
+    for (size_t i = 0; i < n; i++)
+        if (isfinite(v[i]))
+            ss += (double)v[i] * v[i];
+    double rms = n ? sqrt(ss / (double)n) : 0, cap = 0.02 * rms;
+    for (size_t i = 0; i < n; i++) {
+        if (!isfinite(v[i]))
+            continue;
+        double t = fmax(1.0, rel ? fabs(v[i]) : 0.0);
+        t = a * (rms_floor ? fmax(t, rms) : t);
+        v[i] += (float)(fmin(t, cap) * pert_u());
+    }
+}
+
+static void noise_bf16(uint16_t *x, size_t n, double a, int rel, int rms_floor)
+{
+    float *v = chk_malloc(n * sizeof(float));
+    for (size_t i = 0; i < n; i++)
+        v[i] = di_bf16_to_f32(x[i]);
+    noise_f32(v, n, a, rel, rms_floor);
+    for (size_t i = 0; i < n; i++)
+        x[i] = di_f32_to_bf16(v[i]);
+    free(v);
+}
+
+static di_status p_rmsnorm(void *ctx, const kern_rmsnorm *p)
+{
+    di_status st = pert_cur->inner.rmsnorm(ctx, p);
+    if (st == DI_OK)
+        ulp_rows(p->y, p->n_rows, p->dim, p->y_stride);
+    return st;
+}
+
+static di_status p_rope(void *ctx, const kern_rope *p)
+{
+    di_status st = pert_cur->inner.rope(ctx, p);
+    for (uint32_t r = 0; st == DI_OK && r < p->n_rows; r++)
+        ulp_rows(p->x + r * p->row_stride + p->offset, p->n_heads, p->rope_dim, p->head_stride);
+    return st;
+}
+
+static di_status lin_noise(di_status st, const kern_linear *p)
+{
+    size_t w = (size_t)(p->groups ? p->groups : 1) * p->n;
+    for (uint32_t r = 0; st == DI_OK && r < p->m; r++) {
+        if (p->out_f32)
+            noise_f32((float *)p->y + r * p->y_stride, w, 1e-2, 1, 0);
+        else
+            noise_bf16((uint16_t *)p->y + r * p->y_stride, w, 1e-2, 1, 0);
+    }
+    return st;
+}
+
+static di_status p_linear_fp8(void *ctx, const kern_linear *p)
+{
+    return lin_noise(pert_cur->inner.linear_fp8(ctx, p), p);
+}
+
+static di_status p_linear_fp4(void *ctx, const kern_linear *p)
+{
+    return lin_noise(pert_cur->inner.linear_fp4(ctx, p), p);
+}
+
+static di_status p_linear_bf16(void *ctx, const kern_linear *p)
+{
+    return lin_noise(pert_cur->inner.linear_bf16(ctx, p), p);
+}
+
+static di_status p_head(void *ctx, const kern_linear *p)
+{
+    return lin_noise(pert_cur->inner.head(ctx, p), p);
+}
+
+static di_status p_sparse_attn(void *ctx, const kern_sparse_attn *p)
+{
+    di_status st = pert_cur->inner.sparse_attn(ctx, p);
+    for (size_t h = 0; st == DI_OK && h < (size_t)p->n_rows * p->n_heads; h++)
+        noise_bf16(p->out + h * p->head_dim, p->head_dim, 2e-2, 0, 0);
+    return st;
+}
+
+static di_status p_moe_experts(void *ctx, const kern_moe_experts *p)
+{
+    di_status st = pert_cur->inner.moe_experts(ctx, p);
+    for (uint32_t t = 0; st == DI_OK && t < p->n_rows; t++)
+        noise_bf16(p->y + (size_t)t * p->dim, p->dim, 1e-2, 1, 1);
+    return st;
+}
+
+static void abs_noise(float *v, size_t n, double a)
+{
+    for (size_t i = 0; i < n; i++)
+        v[i] += (float)(a * pert_u());
+}
+
+static di_status p_hc_mixes(void *ctx, const kern_hc_mixes *p)
+{
+    di_status st = pert_cur->inner.hc_mixes(ctx, p);
+    if (st == DI_OK) {
+        size_t T = p->n_rows, hc = p->n_copies;
+        abs_noise(p->pre, T * hc, 1e-5);
+        abs_noise(p->post, T * hc, 1e-5);
+        abs_noise(p->comb, T * hc * hc, 1e-5);
+    }
+    return st;
+}
+
+static di_status p_moe_gate(void *ctx, const kern_moe_gate *p)
+{
+    di_status st = pert_cur->inner.moe_gate(ctx, p);
+    if (st == DI_OK)
+        abs_noise(p->weights, (size_t)p->n_rows * p->top_k, 1e-6);
+    return st;
+}
+
+static di_status p_engram_gate(void *ctx, const kern_engram_gate *p)
+{
+    di_status st = pert_cur->inner.engram_gate(ctx, p);
+    if (st == DI_OK)
+        ulp_rows(p->h, (size_t)p->n_rows * p->n_copies, p->dim, p->dim);
+    return st;
+}
+
+static di_status p_index_scores(void *ctx, const kern_index_scores *p)
+{
+    di_status st = pert_cur->inner.index_scores(ctx, p);
+    for (uint32_t t = 0; st == DI_OK && t < p->n_rows; t++)
+        for (int32_t j = 0; j < p->n_visible[t]; j++) {
+            float *s = &p->scores[t * p->stride + (size_t)j];
+            if (isfinite(*s))
+                *s = di_bf16_to_f32(ulp_move(di_f32_to_bf16(*s)));
+        }
+    return st;
+}
+
+static void pert_make(pert_state *s, const kern_backend *cpu, uint64_t seed, kern_backend *out)
+{
+    s->inner = cpu->ops;
+    di_rng_init(&s->rng, seed);
+    pert_cur = s;
+    *out = *cpu;
+    out->ops.rmsnorm = p_rmsnorm;
+    out->ops.rope = p_rope;
+    out->ops.linear_fp8 = p_linear_fp8;
+    out->ops.linear_fp4 = p_linear_fp4;
+    out->ops.linear_bf16 = p_linear_bf16;
+    out->ops.head = p_head;
+    out->ops.sparse_attn = p_sparse_attn;
+    out->ops.moe_experts = p_moe_experts;
+    out->ops.hc_mixes = p_hc_mixes;
+    out->ops.moe_gate = p_moe_gate;
+    out->ops.engram_gate = p_engram_gate;
+    out->ops.index_scores = p_index_scores;
+}
+
+/* ---- one scenario on one backend ---- */
+
+/* The residual stream after each layer and draft stage in the first step that runs it (the
+ * first prompt chunk for the layers, the proposal for the stages), from the dump hook. */
+#define CAP_MAX 64
+typedef struct capture {
+    float *h[CAP_MAX];          /* [T, hc, D] as floats */
+    size_t n[CAP_MAX];          /* numbers */
+    size_t w[CAP_MAX];          /* numbers per row (hc * D) */
+} capture;
+
+static void cap_hook(void *ud, const fwd_tensor *t)
+{
+    capture *c = ud;
+    if (strcmp(t->name, "H") != 0 || t->layer < 0 || t->layer >= CAP_MAX || c->h[t->layer] ||
+        t->dims[0] == 0) /* a chunk YOCO compaction dropped whole */
+        return;
+    size_t n = (size_t)t->dims[0] * (t->dims[1] ? t->dims[1] : 1) * (t->dims[2] ? t->dims[2] : 1);
+    float *v = chk_malloc(n * sizeof(float));
+    const uint16_t *x = t->data;
+    for (size_t i = 0; i < n; i++)
+        v[i] = di_bf16_to_f32(x[i]);
+    c->h[t->layer] = v;
+    c->n[t->layer] = n;
+    c->w[t->layer] = n / t->dims[0];
+}
+
+static void cap_free(capture *c)
+{
+    for (int i = 0; i < CAP_MAX; i++)
+        free(c->h[i]);
+    memset(c, 0, sizeof(*c));
+}
+
+static fwd_options scn_opts(const runner_model *rm, const scn_params *p, uint32_t max_rows)
+{
+    fwd_options o = {.nextn = p->nextn, .max_rows = max_rows, .yoco = p->yoco,
+                     .keep_tokens = p->keep_tokens, .token_map = rm->token_map,
+                     .token_map_pad = rm->token_map_pad};
+    return o;
+}
+
+static di_status run_scn(const runner_model *rm, const kern_backend *be, const scn_params *p,
+                         capture *cap, scn_out *out, di_error *e)
+{
+    fwd_options o = scn_opts(rm, p, SCN_CHUNK);
+    memset(out, 0, sizeof(*out));
+    if (cap) {
+        memset(cap, 0, sizeof(*cap));
+        o.dump = cap_hook;
+        o.dump_userdata = cap;
+    }
+    fwd_model *m = NULL;
+    fwd_run *run = NULL;
+    fwd_kv *kv = NULL;
+    di_status st = fwd_model_create(rm->w, be, &o, &m, e);
+    if (st == DI_OK)
+        st = fwd_run_create(m, &run, e);
+    if (st == DI_OK)
+        st = fwd_kv_create(fwd_model_geometry(m), be, SCN_BLOCKS, SCN_SLOTS, &kv, e);
+    if (st == DI_OK)
+        st = scn_run(run, kv, m, p, out, e);
+    fwd_kv_free(kv);
+    fwd_run_free(run);
+    fwd_model_free(m);
+    return st;
+}
+
+/* ---- comparisons ---- */
+
+/* Relative L2 of every element one bf16 ulp off: a difference never worth a failure. */
+#define FLOOR 0.0078125
+
+/* Relative L2 error and 1 - cosine of x against c; *bad counts elements finite in one only. */
+static void row_err(const float *c, const float *x, size_t n, double *rel, double *omc,
+                    double *maxdev, int *bad)
+{
+    double d2 = 0, c2 = 0, x2 = 0, cx = 0, md = 0;
+    for (size_t i = 0; i < n; i++) {
+        if (isfinite(c[i]) != isfinite(x[i]))
+            (*bad)++;
+        if (!isfinite(c[i]) || !isfinite(x[i]))
+            continue;
+        double d = (double)x[i] - c[i];
+        d2 += d * d;
+        c2 += (double)c[i] * c[i];
+        x2 += (double)x[i] * x[i];
+        cx += (double)c[i] * x[i];
+        md = fmax(md, fabs(d));
+    }
+    *rel = c2 > 0 ? sqrt(d2 / c2) : sqrt(d2);
+    *omc = c2 > 0 && x2 > 0 ? 1.0 - cx / sqrt(c2 * x2) : (d2 > 0 ? 1.0 : 0.0);
+    *maxdev = md;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Order statistics of per-item errors (sorts e). */
+typedef struct dist {
+    double med, p90, worst;
+} dist;
+
+static dist dist_of(double *e, size_t n)
+{
+    dist d = {0, 0, 0};
+    if (n == 0)
+        return d;
+    qsort(e, n, sizeof(double), cmp_double);
+    size_t i9 = (size_t)(0.9 * (double)n);
+    d.med = e[n / 2];
+    d.p90 = e[i9 < n ? i9 : n - 1];
+    d.worst = e[n - 1];
+    return d;
+}
+
+/* The CUDA run's median, 90th percentile and worst item error each within MARGIN x the
+ * perturbed run's (at least floor). A random-weight model turns a one-ulp difference into a
+ * different MoE pick now and then, which changes that row completely: so the statistics of
+ * the rows, not one bound per row, say whether the backend computes the same model. */
+static size_t dist_check(const char *what, const char *metric, dist g, dist p, double floor)
+{
+    double tm = fmax(MARGIN * p.med, floor), t9 = fmax(MARGIN * p.p90, floor);
+    double tw = fmax(MARGIN * p.worst, floor);
+    int ok = g.med <= tm && g.p90 <= t9 && g.worst <= tw;
+    printf("  %s%s %s: median %.3g (max %.3g), p90 %.3g (max %.3g), worst %.3g (max %.3g)\n",
+           ok ? "" : "FAIL ", what, metric, g.med, tm, g.p90, t9, g.worst, tw);
+    return ok ? 0 : 1;
+}
+
+/* Perturbed runs (PERT_DRAWS draws of the noise): the budget of each statistic is MARGIN x its
+ * largest value over the draws, so one lucky draw does not make it tight. */
+#define PERT_DRAWS 4
+
+static dist dist_max(dist a, dist b)
+{
+    dist d = {fmax(a.med, b.med), fmax(a.p90, b.p90), fmax(a.worst, b.worst)};
+    return d;
+}
+
+/* n items of w floats: ref c, the perturbed draws p[k], CUDA g. */
+static size_t cmp_items(const char *what, const float *c, const float *const *p, const float *g,
+                        size_t n, size_t w, int with_cos)
+{
+    double *eg = chk_malloc(4 * (n ? n : 1) * sizeof(double));
+    double *ep = eg + n, *og = ep + n, *op = og + n, md;
+    int bad = 0, pbad = 0;
+    for (size_t i = 0; i < n; i++)
+        row_err(c + i * w, g + i * w, w, &eg[i], &og[i], &md, &bad);
+    dist dg = dist_of(eg, n), cg = dist_of(og, n), dp = {0, 0, 0}, cp = {0, 0, 0};
+    for (int k = 0; k < PERT_DRAWS; k++) {
+        for (size_t i = 0; i < n; i++)
+            row_err(c + i * w, p[k] + i * w, w, &ep[i], &op[i], &md, &pbad);
+        dp = dist_max(dp, dist_of(ep, n));
+        cp = dist_max(cp, dist_of(op, n));
+    }
+    size_t mism = 0;
+    if (bad) {
+        printf("FAIL %s: %d values finite in one run only\n", what, bad);
+        mism++;
+    }
+    mism += dist_check(what, "rel L2", dg, dp, FLOOR);
+    if (with_cos)
+        mism += dist_check(what, "1-cos", cg, cp, FLOOR * FLOOR);
+    free(eg);
+    return mism;
+}
+
+static uint32_t argmax_gap(const float *v, size_t n, double *gap)
+{
+    uint32_t b = 0;
+    double top = -INFINITY, second = -INFINITY;
+    for (size_t i = 0; i < n; i++) {
+        if (v[i] > top) {
+            second = top;
+            top = v[i];
+            b = (uint32_t)i;
+        } else if (v[i] > second) {
+            second = v[i];
+        }
+    }
+    *gap = top - second;
+    return b;
+}
+
+/* Rows of V logits: the statistics above, and the rows whose argmax differs from ref's: at
+ * most MARGIN x the most any perturbed draw had (at least one row). */
+static size_t cmp_logit_rows(const char *what, const float *c, const float *const *p,
+                             const float *g, uint32_t n, uint32_t V, const int64_t *pos,
+                             const int32_t *seq)
+{
+    size_t mism = cmp_items(what, c, p, g, n, V, 1), flips = 0, pflips = 0;
+    for (int k = 0; k < PERT_DRAWS; k++) {
+        size_t f = 0;
+        for (uint32_t r = 0; r < n; r++) {
+            double gap, gp;
+            f += argmax_gap(c + (size_t)r * V, V, &gap) != argmax_gap(p[k] + (size_t)r * V, V, &gp);
+        }
+        pflips = f > pflips ? f : pflips;
+    }
+    for (uint32_t r = 0; r < n; r++) {
+        double gap, gg;
+        uint32_t ac = argmax_gap(c + (size_t)r * V, V, &gap);
+        uint32_t ag = argmax_gap(g + (size_t)r * V, V, &gg);
+        if (ag != ac && flips++ < SHOW)
+            printf("    %s: sequence %d position %lld: argmax %u, the CPU's %u (top-2 gap %.3g)\n",
+                   what, seq ? seq[r] : 0, pos ? (long long)pos[r] : (long long)r, ag, ac, gap);
+    }
+    double tol = fmax(MARGIN * (double)pflips, 1.0);
+    int ok = (double)flips <= tol;
+    printf("  %s%s: argmax differs on %zu of %u rows (max %.0f; perturbed draws up to %zu)\n",
+           ok ? "" : "FAIL ", what, flips, n, tol, pflips);
+    return mism + (ok ? 0 : 1);
+}
+
+/* The residual stream after each layer in its first step, rows compared as items. The early
+ * layers have amplified nothing yet: a wrong op shows there first. */
+static size_t cmp_layers(const char *what, const capture *c, const capture *p, const capture *g)
+{
+    const float *pk[PERT_DRAWS];
+    size_t mism = 0, n = 0;
+    for (int l = 0; l < CAP_MAX; l++) {
+        if (!c->h[l])
+            continue;
+        char name[96];
+        snprintf(name, sizeof name, "%s, stream after layer %d", what, l);
+        int ok = g->h[l] && c->n[l] == g->n[l];
+        for (int k = 0; k < PERT_DRAWS; k++) {
+            ok = ok && p[k].h[l] && p[k].n[l] == c->n[l];
+            pk[k] = p[k].h[l];
+        }
+        if (!ok) {
+            printf("FAIL %s: missing or of another size\n", name);
+            mism++;
+            continue;
+        }
+        mism += cmp_items(name, c->h[l], pk, g->h[l], c->n[l] / c->w[l], c->w[l], 0);
+        n++;
+    }
+    if (n == 0) {
+        printf("FAIL %s: no layer was captured\n", what);
+        mism++;
+    }
+    return mism;
+}
+
+/* One cache region's entries, decoded: the entries ref wrote (as items) and those written in
+ * one run only. */
+typedef struct region {
+    char name[64];
+    size_t w;                   /* numbers per entry */
+    size_t n, cap;              /* entries collected */
+    float *c, *g;               /* [cap, w] decoded */
+    float *p[PERT_DRAWS];
+    size_t entries, written_diff;
+} region;
+
+static void region_open(region *rg, const char *name, size_t w, size_t cap)
+{
+    memset(rg, 0, sizeof(*rg));
+    snprintf(rg->name, sizeof rg->name, "%s", name);
+    rg->w = w;
+    rg->cap = cap;
+    rg->c = chk_malloc((2 + PERT_DRAWS) * (cap ? cap : 1) * w * sizeof(float));
+    rg->g = rg->c + cap * w;
+    for (int k = 0; k < PERT_DRAWS; k++)
+        rg->p[k] = rg->g + (size_t)(k + 1) * cap * w;
+}
+
+static int all_zero(const uint8_t *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++)
+        if (p[i])
+            return 0;
+    return 1;
+}
+
+typedef void (*decode_fn)(const uint8_t *e, uint32_t dim, float *out);
+
+static void dec_ring(const uint8_t *e, uint32_t dim, float *out) /* (A) */
+{
+    for (uint32_t i = 0; i < dim; i++)
+        out[i] = di_e4m3_decode(e[i]) * di_ue8m0_decode(e[dim + i / 32]);
+}
+
+static void dec_main(const uint8_t *e, uint32_t dim, float *out) /* (C) */
+{
+    for (uint32_t i = 0; i < dim; i++)
+        out[i] = di_e2m1_decode((uint8_t)(e[i / 2] >> (4 * (i & 1)))) *
+                 di_e4m3_decode(e[dim / 2 + i / 16]);
+}
+
+static void dec_index(const uint8_t *e, uint32_t dim, float *out) /* (B) */
+{
+    for (uint32_t i = 0; i < dim; i++)
+        out[i] = di_e2m1_decode((uint8_t)(e[i / 2] >> (4 * (i & 1)))) *
+                 di_ue8m0_decode(e[dim / 2 + i / 32]);
+}
+
+static void dec_f32(const uint8_t *e, uint32_t n, float *out)
+{
+    memcpy(out, e, (size_t)n * sizeof(float));
+}
+
+/* The entry at byte offset off of every image (slots or blocks). */
+static const uint8_t *image(const scn_out *o, int slots)
+{
+    return slots ? o->slots : o->blocks;
+}
+
+static void region_entry(region *rg, const scn_out *c, const scn_out *p, const scn_out *g,
+                         int slots, size_t off, size_t bytes, decode_fn dec)
+{
+    const uint8_t *ec = image(c, slots) + off, *eg = image(g, slots) + off;
+    rg->entries++;
+    int zc = all_zero(ec, bytes);
+    if (zc != all_zero(eg, bytes))
+        rg->written_diff++;
+    if (zc || rg->n == rg->cap)
+        return;
+    dec(ec, (uint32_t)rg->w, rg->c + rg->n * rg->w);
+    dec(eg, (uint32_t)rg->w, rg->g + rg->n * rg->w);
+    for (int k = 0; k < PERT_DRAWS; k++)
+        dec(image(&p[k], slots) + off, (uint32_t)rg->w, rg->p[k] + rg->n * rg->w);
+    rg->n++;
+}
+
+static size_t region_close(const char *what, region *rg)
+{
+    char name[160];
+    snprintf(name, sizeof name, "%s, %s (%zu written)", what, rg->name, rg->n);
+    size_t mism = cmp_items(name, rg->c, (const float *const *)rg->p, rg->g, rg->n, rg->w, 0);
+    if (rg->written_diff) {
+        printf("FAIL %s: %zu of %zu entries written in one cache only\n", name,
+               rg->written_diff, rg->entries);
+        mism++;
+    }
+    free(rg->c);
+    return mism ? 1 : 0;
+}
+
+/* Every cache region of the three runs: a layer's rings (both slots), an owner's main entries
+ * and index keys (every block), the compressor's pending tokens. Returns the regions failed. */
+static size_t cmp_caches(const char *what, const fwd_model *m, const scn_out *c,
+                         const scn_out *p, const scn_out *g)
+{
+    const kv_geometry *G = fwd_model_geometry(m);
+    size_t bb = kv_block_bytes(G), sb = kv_state_slot_bytes(G), eb = kv_ring_entry_bytes(G);
+    size_t rb = kv_ring_bytes(G);
+    uint32_t hd = G->head_dim, id = G->index_head_dim;
+    size_t fails = 0;
+    region rg;
+    char name[64];
+    for (uint32_t l = 0; l < G->n_layers + G->n_draft_stages; l++) {
+        snprintf(name, sizeof name, "ring of %s %u", l < G->n_layers ? "layer" : "draft stage",
+                 l < G->n_layers ? l : l - G->n_layers);
+        region_open(&rg, name, hd, (size_t)SCN_SLOTS * G->ring_positions);
+        for (uint32_t s = 0; s < SCN_SLOTS; s++)
+            for (uint32_t e = 0; e < G->ring_positions; e++)
+                region_entry(&rg, c, p, g, 1, s * sb + l * rb + e * eb, eb, dec_ring);
+        fails += region_close(what, &rg);
+    }
+    for (uint32_t k = 0; k < G->n_owners; k++)
+        for (int idx = 0; idx < 2; idx++) {
+            uint32_t per = kv_owner_entries_per_block(G, k);
+            snprintf(name, sizeof name, "%s of owner %u (layer %u)",
+                     idx ? "index keys" : "main entries", k, G->owner_layer[k]);
+            region_open(&rg, name, idx ? id : hd, (size_t)SCN_BLOCKS * per);
+            for (uint32_t b = 0; b < SCN_BLOCKS; b++)
+                for (uint32_t e = 0; e < per; e++)
+                    region_entry(&rg, c, p, g, 0,
+                                 b * bb + (idx ? kv_owner_index_offset(G, k, e)
+                                               : kv_owner_main_offset(G, k, e)),
+                                 idx ? kv_index_entry_bytes(G) : kv_main_entry_bytes(G),
+                                 idx ? dec_index : dec_main);
+            fails += region_close(what, &rg);
+        }
+    size_t rings = (size_t)(G->n_layers + G->n_draft_stages) * rb;
+    size_t tok = 2 * (size_t)hd * sizeof(float); /* one pending token: a then g */
+    size_t n_tok = kv_compressor_state_bytes(G) / tok;
+    if (n_tok) {
+        region_open(&rg, "compressor pending tokens", 2 * (size_t)hd, SCN_SLOTS * n_tok);
+        for (uint32_t s = 0; s < SCN_SLOTS; s++)
+            for (size_t t = 0; t < n_tok; t++)
+                region_entry(&rg, c, p, g, 1, s * sb + rings + t * tok, tok, dec_f32);
+        fails += region_close(what, &rg);
+    }
+    return fails;
+}
+
+static size_t cmp_case(const char *what, const fwd_model *m, const scn_out *c, const scn_out *p,
+                       const scn_out *g)
+{
+    int same = c->n_rows == g->n_rows && c->n_drafts == g->n_drafts &&
+               c->blocks_bytes == g->blocks_bytes && c->slots_bytes == g->slots_bytes;
+    const float *pl[PERT_DRAWS], *pd[PERT_DRAWS], *pc[PERT_DRAWS];
+    for (int k = 0; k < PERT_DRAWS; k++) {
+        same = same && p[k].n_rows == c->n_rows && p[k].n_drafts == c->n_drafts;
+        pl[k] = p[k].logits;
+        pd[k] = p[k].draft_logits;
+        pc[k] = p[k].draft_conf;
+    }
+    if (!same) {
+        printf("FAIL %s: the runs recorded different shapes\n", what);
+        return 1;
+    }
+    char w[96];
+    snprintf(w, sizeof w, "%s, logits", what);
+    size_t mism = cmp_logit_rows(w, c->logits, pl, g->logits, c->n_rows, c->vocab, c->row_pos,
+                                 c->row_seq);
+    if (c->n_drafts) {
+        snprintf(w, sizeof w, "%s, draft logits", what);
+        mism += cmp_logit_rows(w, c->draft_logits, pd, g->draft_logits, c->n_drafts, c->vocab,
+                               NULL, NULL);
+        snprintf(w, sizeof w, "%s, draft confidences", what);
+        mism += cmp_items(w, c->draft_conf, pc, g->draft_conf, c->n_drafts, 1, 0);
+    }
+    return mism + cmp_caches(what, m, c, p, g);
+}
+
+/* ---- cases ---- */
+
+typedef struct fwd_case {
+    const char *config;
+    fwd_yoco yoco;
+} fwd_case;
+
+static const fwd_case cases[] = {
+    {"tiny", FWD_YOCO_OFF},  {"tiny", FWD_YOCO_COMPACT}, {"tiny", FWD_YOCO_MASK},
+    {"small", FWD_YOCO_OFF}, {"small", FWD_YOCO_COMPACT},
+};
+
+static const char *const yoco_name[] = {"off", "compact", "mask"};
+
+static void load_model(chk_env *env, const char *config, runner_model *rm)
+{
+    di_error e;
+    if (runner_model_random(config, env->seed, NULL, NULL, rm, &e) != DI_OK) {
+        fprintf(stderr, "random %s checkpoint: %s\n", config, e.msg);
+        exit(2);
+    }
+}
+
+static void check_case(chk_env *env, const runner_model *rm, const fwd_case *k,
+                       const kern_backend *gpu, trk_state *trk)
+{
+    char what[64];
+    snprintf(what, sizeof what, "%s, YOCO %s", k->config, yoco_name[k->yoco]);
+    scn_params p = {.config = k->config, .nextn = 3, .yoco = k->yoco,
+                    .keep_tokens = KEEP_TOKENS, .seed = env->seed + 17};
+    scn_out c, q[PERT_DRAWS], g;
+    capture cc, cq[PERT_DRAWS], cg;
+    di_error e;
+    if (run_scn(rm, &env->cpu, &p, &cc, &c, &e) != DI_OK) {
+        fprintf(stderr, "%s: CPU run: %s\n", what, e.msg);
+        exit(2);
+    }
+    for (int k = 0; k < PERT_DRAWS; k++) {
+        pert_state ps;
+        kern_backend pb;
+        pert_make(&ps, &env->cpu, env->seed * 31 + 977 * (uint64_t)k + 1, &pb);
+        if (run_scn(rm, &pb, &p, &cq[k], &q[k], &e) != DI_OK) {
+            fprintf(stderr, "%s: perturbed CPU run: %s\n", what, e.msg);
+            exit(2);
+        }
+    }
+    int64_t live0 = trk->live;
+    di_status st = run_scn(rm, gpu, &p, &cg, &g, &e);
+    size_t mism = 0;
+    if (st == DI_OK)
+        st = kern_cuda_sync(&env->gpu, &e);
+    if (st != DI_OK) {
+        printf("FAIL %s: CUDA run: %s (%s)\n", what, e.msg, kern_cuda_last_error(&env->gpu));
+        mism = 1;
+    } else {
+        printf("%s: %u logits rows, %u drafts\n", what, c.n_rows, c.n_drafts);
+        /* a model for the geometry (the comparison reads the cache layout) */
+        fwd_options o = scn_opts(rm, &p, SCN_CHUNK);
+        fwd_model *m = NULL;
+        if (fwd_model_create(rm->w, &env->cpu, &o, &m, &e) != DI_OK) {
+            fprintf(stderr, "%s: %s\n", what, e.msg);
+            exit(2);
+        }
+        mism = cmp_layers(what, &cc, cq, &cg) + cmp_case(what, m, &c, q, &g);
+        fwd_model_free(m);
+    }
+    if (trk->live != live0) {
+        printf("FAIL %s: %lld device allocations left after the run\n", what,
+               (long long)(trk->live - live0));
+        mism++;
+    }
+    chk_count(env, mism);
+    scn_out_free(&c);
+    scn_out_free(&g);
+    cap_free(&cc);
+    cap_free(&cg);
+    for (int k = 0; k < PERT_DRAWS; k++) {
+        scn_out_free(&q[k]);
+        cap_free(&cq[k]);
+    }
+}
+
+/* ---- failure paths ---- */
+
+/* Every allocation of model, run and KV creation refused in turn; a KV pool twice the device's
+ * memory; an allocation refused inside a step, then the same step. */
+static void check_refusals(chk_env *env, const runner_model *rm, trk_state *trk,
+                           const kern_backend *gpu)
+{
+    scn_params p = {.nextn = 3, .yoco = FWD_YOCO_OFF};
+    fwd_options o = scn_opts(rm, &p, SCN_CHUNK);
+    di_error e;
+    uint64_t k = 0, refused = 0;
+    size_t mism = 0;
+    if (scn_refuse_creation(trk, rm->w, gpu, &o, &k, &e) != DI_OK) {
+        printf("FAIL refused allocations at creation: %s\n", e.msg);
+        mism++;
+    } else {
+        printf("creation with each of its %" PRIu64 " device allocations refused in turn: "
+               "DI_ENOMEM, nothing left allocated\n", k);
+    }
+    fwd_model *m = NULL;
+    fwd_run *run = NULL;
+    fwd_kv *kv = NULL, *huge = NULL;
+    if (fwd_model_create(rm->w, gpu, &o, &m, &e) != DI_OK || fwd_run_create(m, &run, &e) != DI_OK ||
+        fwd_kv_create(fwd_model_geometry(m), gpu, SCN_BLOCKS, SCN_SLOTS, &kv, &e) != DI_OK) {
+        fprintf(stderr, "refusals: %s\n", e.msg);
+        exit(2);
+    }
+    size_t free_b = 0, total_b = 0;
+    GPU_OK(cudaMemGetInfo(&free_b, &total_b));
+    int64_t live = trk->live;
+    const kv_geometry *G = fwd_model_geometry(m);
+    uint64_t nb = 2 * (uint64_t)total_b / kv_block_bytes(G) + 1;
+    nb = nb > UINT32_MAX ? UINT32_MAX : nb;
+    di_status st = fwd_kv_create(G, gpu, (uint32_t)nb, 1, &huge, &e);
+    if (st != DI_ENOMEM || huge || trk->live != live) {
+        printf("FAIL a KV pool of %" PRIu64 " blocks (%.1f GB, device %.1f GB): %s, %lld "
+               "allocations left\n", nb, (double)nb * kv_block_bytes(G) / 1e9, total_b / 1e9,
+               di_status_name(st), (long long)(trk->live - live));
+        mism++;
+        fwd_kv_free(huge);
+    } else {
+        printf("a KV pool of %.1f GB on a %.1f GB device: %s\n",
+               (double)nb * kv_block_bytes(G) / 1e9, total_b / 1e9, e.msg);
+    }
+    if (scn_refuse_in_step(trk, run, kv, fwd_model_config(m)->vocab_size, &refused, &e) != DI_OK) {
+        printf("FAIL refused allocations in a step: %s\n", e.msg);
+        mism++;
+    } else {
+        printf("a step with an allocation refused (%" PRIu64 " times): DI_ENOMEM, then the "
+               "step runs\n", refused);
+    }
+    fwd_kv_free(kv);
+    fwd_run_free(run);
+    fwd_model_free(m);
+    if (trk->live != 0) {
+        printf("FAIL refusals: %lld device allocations left\n", (long long)trk->live);
+        mism++;
+    }
+    chk_count(env, mism);
+}
+
+/* ---- benchmark ---- */
+
+static void bench_forward(chk_env *env)
+{
+    (void)env;
+}
+
+int main(int argc, char **argv)
+{
+    chk_env env;
+    int bench = chk_init(&env, argc, argv, usage);
+    if (env.gpu.device_memory != 1) {
+        printf("FAIL the CUDA backend does not say device_memory\n");
+        env.failures++;
+    }
+    trk_state trk;
+    kern_backend gpu;
+    trk_wrap(&trk, &env.gpu, 1, &gpu);
+    const char *loaded = NULL;
+    runner_model rm = {0};
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        if (!loaded || strcmp(loaded, cases[i].config) != 0) {
+            if (loaded)
+                runner_model_free(&rm);
+            load_model(&env, cases[i].config, &rm);
+            loaded = cases[i].config;
+        }
+        check_case(&env, &rm, &cases[i], &gpu, &trk);
+    }
+    runner_model_free(&rm);
+    load_model(&env, "tiny", &rm);
+    check_refusals(&env, &rm, &trk, &gpu);
+    runner_model_free(&rm);
+    return chk_finish(&env, "check_forward", bench, bench_forward);
+}
