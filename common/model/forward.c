@@ -528,7 +528,7 @@ void fwd_run_free(fwd_run *r)
                     r->f_comb, r->onehot, r->mean_pre, r->x, r->y, r->qr, r->q, r->kv,
                     r->local, r->o, r->z, r->ca, r->cg, r->latent, r->cmain, r->ckey, r->iq,
                     r->iw, r->scores, r->cand, r->topk, r->glog, r->eids, r->ew, r->hash,
-                    r->erows, r->ekv, r->taps, r->mx, r->hfin, r->hsel};
+                    r->erows, r->ekv, r->taps, r->mx, r->hfin, r->hsel, r->logits};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         if (bufs[i])
             be->ops.free(be->ctx, bufs[i]);
@@ -872,18 +872,19 @@ static di_status final_logits(fwd_run *r, const fwd_step *st, float *logits, di_
                         .dst_stride = (size_t)c->dim * 2};
     FWD_TRY(err, -1, be->ops.copy_rows(be->ctx, &g));
     size_t bytes = (size_t)n * c->vocab_size * sizeof(float);
-    float *dev = be->ops.alloc(be->ctx, bytes);
-    if (!dev)
-        return di_fail(err, DI_ENOMEM, "logits of %u rows", n);
+    if (r->logits_rows < n) { /* kept between steps: a device backend's free waits */
+        if (r->logits)
+            be->ops.free(be->ctx, r->logits);
+        r->logits = be->ops.alloc(be->ctx, bytes);
+        r->logits_rows = r->logits ? n : 0;
+        if (!r->logits)
+            return di_fail(err, DI_ENOMEM, "logits of %u rows", n);
+    }
     kern_linear head = {.m = n, .n = c->vocab_size, .k = c->dim, .groups = 1, .x = r->hsel,
-                        .x_stride = c->dim, .w = m->head, .out_f32 = 1, .y = dev,
+                        .x_stride = c->dim, .w = m->head, .out_f32 = 1, .y = r->logits,
                         .y_stride = c->vocab_size};
-    di_status s = be->ops.head(be->ctx, &head); /* [n, V] f32 */
-    if (s == DI_OK)
-        be->ops.to_host(be->ctx, logits, dev, bytes);
-    be->ops.free(be->ctx, dev);
-    if (s != DI_OK)
-        return fwd_op_fail(err, s, "head", -1);
+    FWD_TRY(err, -1, be->ops.head(be->ctx, &head)); /* [n, V] f32 */
+    be->ops.to_host(be->ctx, logits, r->logits, bytes);
     return DI_OK;
 }
 

@@ -198,10 +198,16 @@ static di_status ensure_scores(fwd_run *r, size_t rows, size_t width, di_error *
     const kern_backend *be = r->m->be;
     size_t need = rows * width;
     if (r->scores_cap < need) {
+        /* grow by half again at least (up to the budget): a decode step's width grows with the
+         * context, and a device backend's free waits for its queue */
+        size_t grown = r->scores_cap + r->scores_cap / 2;
+        size_t cap = grown < SCORE_BUDGET_BYTES / sizeof(float) ? grown
+                                                                 : SCORE_BUDGET_BYTES / sizeof(float);
+        cap = cap > need ? cap : need;
         if (r->scores)
             be->ops.free(be->ctx, r->scores);
-        r->scores = be->ops.alloc(be->ctx, need * sizeof(float));
-        r->scores_cap = r->scores ? need : 0;
+        r->scores = be->ops.alloc(be->ctx, cap * sizeof(float));
+        r->scores_cap = r->scores ? cap : 0;
         if (!r->scores)
             return di_fail(err, DI_ENOMEM, "indexer scores of %zu x %zu", rows, width);
     }
@@ -216,7 +222,8 @@ static di_status ensure_cand(fwd_run *r, size_t width, di_error *err)
         return DI_OK;
     if (r->cand)
         be->ops.free(be->ctx, r->cand);
-    r->cand = be->ops.alloc(be->ctx, (size_t)r->max_rows * (width ? width : 1));
+    width = (width / 256 + 1) * 256; /* room for 2048 more entries before the next growth */
+    r->cand = be->ops.alloc(be->ctx, (size_t)r->max_rows * width);
     r->cand_stride = r->cand ? width : 0;
     if (!r->cand)
         return di_fail(err, DI_ENOMEM, "candidate blocks of %zu", width);

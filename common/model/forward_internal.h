@@ -137,6 +137,8 @@ struct fwd_run {
     /* final rows */
     uint16_t *hfin;                  /* [T, D] */
     uint16_t *hsel;                  /* [T, D] rows whose logits are wanted */
+    float *logits;                   /* [logits_rows, V] head output, grown on demand */
+    uint32_t logits_rows;
     /* host metadata */
     fwd_rows rows, rows2;            /* live rows; rows2 is the compaction target */
     int32_t *nvis;                   /* [T] visible compressed entries */

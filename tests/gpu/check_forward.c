@@ -33,8 +33,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <jansson.h>
+#include <unistd.h>
+
 #include "common/model/forward.h"
+#include "common/model/mkmodel.h"
 #include "common/model/runner.h"
+#include "common/util/clock.h"
 #include "kernels/cpu/numfmt.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "tests/forward/fwd_scenario.h"
@@ -673,8 +678,8 @@ typedef struct fwd_case {
 } fwd_case;
 
 static const fwd_case cases[] = {
-    {"tiny", FWD_YOCO_OFF},  {"tiny", FWD_YOCO_COMPACT}, {"tiny", FWD_YOCO_MASK},
-    {"small", FWD_YOCO_OFF}, {"small", FWD_YOCO_COMPACT},
+    {"tiny", FWD_YOCO_OFF}, {"tiny", FWD_YOCO_COMPACT}, {"tiny", FWD_YOCO_MASK},
+    {"small", FWD_YOCO_OFF},
 };
 
 static const char *const yoco_name[] = {"off", "compact", "mask"};
@@ -810,9 +815,336 @@ static void check_refusals(chk_env *env, const runner_model *rm, trk_state *trk,
 
 /* ---- benchmark ---- */
 
+/* The V4.1-Flash width with fewer layers: the whole checkpoint (computed below) fits neither
+ * the GPU machine's disk nor the time of one run, and the generator writes about 30 M values a
+ * second. So the checkpoint is generated with four layers (ratios 0, 2, 2, 1: a window-only
+ * layer, a compressed-KV owner with the indexer, a layer reading that owner, the ratio-1 owner
+ * with the candidate blocks), no draft stages and no Engram, ONE routed expert and a small
+ * vocabulary; in memory it is then widened to the real geometry: 384 experts (each a view of
+ * the generated one, so the device still holds and reads 384 distinct copies), top-6 routing
+ * with a random router, and a 129,280-token embedding and head filled with random BF16. The
+ * logits mean nothing; the bytes and the arithmetic are those of V4.1-Flash layers. */
+#define BENCH_LAYERS 4
+#define BENCH_EXPERTS 384
+#define BENCH_TOPK 6
+#define BENCH_VOCAB 129280
+#define BENCH_CONTEXT 4096       /* prefill chunk, then decode at this position */
+#define BENCH_MAX_SEQS 64
+#define BENCH_REPS 5
+
+static const uint32_t bench_ratios[BENCH_LAYERS] = {0, 2, 2, 1};
+
+/* The shipped v41-flash config with the reductions above, written to path. */
+static int bench_write_config(const char *path)
+{
+    const char *text = model_config_builtin_json("v41-flash");
+    json_error_t je;
+    json_t *root = text ? json_loads(text, 0, &je) : NULL;
+    if (!root)
+        return 0;
+    json_t *t = json_object_get(root, "text_config");
+    t = t ? t : root;
+    json_t *ratios = json_array(), *owners = json_array();
+    for (int l = 0; l < BENCH_LAYERS; l++)
+        json_array_append_new(ratios, json_integer(bench_ratios[l]));
+    json_array_append_new(owners, json_integer(1));
+    json_array_append_new(owners, json_integer(3));
+    json_object_set_new(t, "num_hidden_layers", json_integer(BENCH_LAYERS));
+    json_object_set_new(t, "num_nextn_predict_layers", json_integer(0));
+    json_object_set_new(t, "compress_ratios", ratios);
+    json_object_set_new(t, "kv_source_layer_ids", owners);
+    json_object_set(t, "index_source_layer_ids", owners);
+    json_object_set_new(t, "candidate_source_layer_id", json_integer(3));
+    json_object_set_new(t, "engram_layer_ids", json_array());
+    json_object_set_new(t, "engram_num_embeddings", json_array());
+    json_object_set_new(t, "dspark_target_layer_ids", json_array());
+    json_object_set_new(t, "n_routed_experts", json_integer(1));
+    json_object_set_new(t, "num_experts_per_tok", json_integer(1));
+    json_object_set_new(t, "vocab_size", json_integer(8192));
+    json_object_set_new(t, "dspark_noise_token_id", json_integer(8000));
+    int ok = json_dump_file(root, path, JSON_INDENT(1)) == 0;
+    json_decref(root);
+    return ok;
+}
+
+/* n random BF16 values, magnitudes in [0.5, 2) * 2^-e, random signs (a fast fill). */
+static uint16_t *bench_bf16(size_t n, int e, uint64_t seed)
+{
+    uint16_t *x = chk_malloc(n * sizeof(uint16_t));
+    uint64_t s = seed | 1;
+    for (size_t i = 0; i < n; i++) {
+        s ^= s << 13, s ^= s >> 7, s ^= s << 17;
+        x[i] = (uint16_t)((s & 0x807f) | ((uint16_t)(126 + (s >> 20) % 2 - e) << 7));
+    }
+    return x;
+}
+
+static uint64_t tbytes(const model_tensor *t)
+{
+    return t->fmt == MODEL_WFMT_NONE ? 0 : model_tensor_data_bytes(t) + model_tensor_scale_bytes(t);
+}
+
+static uint64_t expert_bytes(const model_expert_weights *e)
+{
+    return tbytes(&e->w1) + tbytes(&e->w2) + tbytes(&e->w3);
+}
+
+/* Bytes of a layer's weights other than the routed experts, as placed (wo_a in BF16). */
+static uint64_t dense_bytes(const model_layer_weights *L)
+{
+    const model_attn_weights *a = &L->attn;
+    const model_tensor *t[] = {
+        &L->attn_norm, &L->ffn_norm, &L->hc_attn.fn, &L->hc_attn.base, &L->hc_attn.scale,
+        &L->hc_ffn.fn, &L->hc_ffn.base, &L->hc_ffn.scale, &a->wq_a, &a->q_norm, &a->wq_b,
+        &a->wkv, &a->kv_norm, &a->wo_b, &a->attn_sink, &L->compressor.wkv,
+        &L->compressor.wgate, &L->compressor.norm, &L->indexer.wq_b,
+        &L->indexer.weights_proj, &L->indexer.wk, &L->indexer.k_norm, &L->ffn.gate,
+        &L->ffn.gate_bias,
+    };
+    uint64_t b = a->wo_a.rows * a->wo_a.cols * 2 + expert_bytes(&L->ffn.shared);
+    for (size_t i = 0; i < sizeof(t) / sizeof(t[0]); i++)
+        b += tbytes(t[i]);
+    return b;
+}
+
+/* Multiply-adds x 2 of one prompt row at position p in the layers (linear layers with the
+ * top-k and shared experts, attention over the window and the top-k, indexer scores). */
+static double bench_row_flops(const model_config *c, int64_t p)
+{
+    double D = c->dim, H = c->n_heads, hd = c->head_dim, q = c->q_lora_rank;
+    double G = c->o_groups, olr = c->o_lora_rank, ih = c->index_n_heads, id = c->index_head_dim;
+    double inter = c->moe_inter_dim, f = 0;
+    for (uint32_t l = 0; l < c->n_layers; l++) {
+        const model_layer_role *r = &c->roles[l];
+        double lin = q * D + H * hd * q + hd * D + G * olr * (H * hd / G) + D * G * olr +
+                     c->n_routed_experts * D + (BENCH_TOPK + 1) * 3 * inter * D;
+        double keys = fmin((double)p + 1, c->window);
+        if (r->ratio) /* the KV source's entries visible at p, at most top-k of them */
+            keys += fmin(floor((double)(p + 1) / c->roles[r->kv_source].ratio), c->index_topk);
+        if (r->owns_compressor)
+            lin += (r->ratio > 1 ? 2 : 1) * hd * D;
+        if (r->owns_indexer) {
+            double vis = floor((double)(p + 1) / c->roles[r->index_key_source].ratio);
+            lin += ih * id * q + ih * D;
+            f += 2 * ih * id * vis;
+        }
+        f += 2 * lin + 2 * 2 * H * hd * keys;
+    }
+    return f;
+}
+
+typedef struct bench_ctx {
+    fwd_run *run;
+    fwd_kv *kv;
+    float *logits;
+    uint32_t vocab;
+} bench_ctx;
+
+/* Median wall time (ms) of reps runs of a step after one warm-up; -1 on failure. */
+static double bench_step_ms(bench_ctx *b, const fwd_step *st, int reps)
+{
+    double t[16];
+    di_error e;
+    for (int i = 0; i <= reps; i++) {
+        uint64_t t0 = di_mono_ns();
+        if (fwd_step_run(b->run, b->kv, st, b->logits, &e) != DI_OK) {
+            printf("bench step failed: %s\n", e.msg);
+            return -1;
+        }
+        if (i)
+            t[i - 1] = (double)(di_mono_ns() - t0) / 1e6;
+    }
+    qsort(t, (size_t)reps, sizeof(double), cmp_double);
+    return t[reps / 2];
+}
+
+/* The widened weights (see above): views, not copies, of the generated checkpoint. */
+typedef struct bench_weights {
+    model_weights w;
+    model_layer_weights layers[BENCH_LAYERS];
+    model_expert_weights *experts;  /* [BENCH_LAYERS * BENCH_EXPERTS] */
+    uint16_t *table;                /* [BENCH_VOCAB, dim]: embedding and head */
+    uint16_t *gate;                 /* [BENCH_EXPERTS, dim] */
+    float *bias;                    /* [BENCH_EXPERTS] zeros */
+} bench_weights;
+
+static void bench_widen(const model_weights *src, bench_weights *b)
+{
+    const model_config *c = &src->config;
+    size_t D = c->dim;
+    b->w = *src;
+    b->w.config.vocab_size = BENCH_VOCAB;
+    b->w.config.n_routed_experts = BENCH_EXPERTS;
+    b->w.config.n_activated_experts = BENCH_TOPK;
+    b->table = bench_bf16((size_t)BENCH_VOCAB * D, 0, 12345);
+    b->gate = bench_bf16((size_t)BENCH_EXPERTS * D, 7, 777); /* ~ N(0, 1/D) scale */
+    b->bias = calloc(BENCH_EXPERTS, sizeof(float));
+    b->experts = chk_malloc((size_t)BENCH_LAYERS * BENCH_EXPERTS * sizeof(model_expert_weights));
+    model_tensor big = src->embed;
+    big.rows = BENCH_VOCAB;
+    big.data = b->table;
+    b->w.embed = big;
+    big.name = src->head.name;
+    b->w.head = big;
+    for (uint32_t l = 0; l < BENCH_LAYERS; l++) {
+        model_layer_weights *L = &b->layers[l];
+        *L = src->layers[l];
+        L->ffn.n_experts = BENCH_EXPERTS;
+        L->ffn.experts = b->experts + (size_t)l * BENCH_EXPERTS;
+        for (uint32_t e = 0; e < BENCH_EXPERTS; e++)
+            L->ffn.experts[e] = src->layers[l].ffn.experts[0];
+        L->ffn.gate.rows = BENCH_EXPERTS;
+        L->ffn.gate.data = b->gate;
+        if (L->ffn.gate_bias.fmt != MODEL_WFMT_NONE) {
+            L->ffn.gate_bias.rows = BENCH_EXPERTS;
+            L->ffn.gate_bias.data = b->bias;
+        }
+    }
+    b->w.layers = b->layers;
+}
+
+static void bench_unwiden(bench_weights *b)
+{
+    free(b->experts);
+    free(b->table);
+    free(b->gate);
+    free(b->bias);
+}
+
+/* Decode steps of n sequences (one row each, position BENCH_CONTEXT) sharing the prompt's
+ * blocks, each with a block and a slot of its own; and their report line. */
+static void bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, double copy_gbs)
+{
+    const model_config *c = &bw->w.config;
+    uint32_t nb = BENCH_CONTEXT / 128;
+    static uint32_t tables[BENCH_MAX_SEQS][BENCH_CONTEXT / 128 + 1];
+    fwd_seq seqs[BENCH_MAX_SEQS];
+    int32_t toks[BENCH_MAX_SEQS], rows[BENCH_MAX_SEQS];
+    for (uint32_t i = 0; i < n; i++) {
+        for (uint32_t k = 0; k < nb; k++)
+            tables[i][k] = k;
+        tables[i][nb] = nb + i;
+        toks[i] = (int32_t)(5 + 97 * i);
+        rows[i] = (int32_t)i;
+        seqs[i] = (fwd_seq){.n_rows = 1, .pos0 = BENCH_CONTEXT, .tokens = &toks[i],
+                            .blocks = tables[i], .n_blocks = nb + 1, .slot = i};
+    }
+    fwd_step st = {.n_seqs = n, .seqs = seqs, .n_logit_rows = n, .logit_rows = rows};
+    double ms = bench_step_ms(b, &st, BENCH_REPS);
+    if (ms < 0)
+        return;
+    /* weights read: every layer's dense weights, the distinct experts the rows pick (expected
+     * for uniform routing: E (1 - (1 - k/E)^n)), the head */
+    double used = BENCH_EXPERTS * (1.0 - pow(1.0 - (double)BENCH_TOPK / BENCH_EXPERTS, n));
+    double bytes = (double)c->vocab_size * c->dim * 2;
+    for (uint32_t l = 0; l < c->n_layers; l++)
+        bytes += (double)dense_bytes(&bw->layers[l]) + used * expert_bytes(&bw->layers[l].ffn.experts[0]);
+    double ideal = bytes / (copy_gbs * 1e9) * 1e3;
+    printf("  decode %2u rows: %8.2f ms per step (%.2f ms per layer, head included), %8.1f "
+           "tokens/s; weights read %.2f GB (%.0f experts per layer expected) in %.2f ms at the "
+           "copy bandwidth: %.1f%% of it\n", n, ms, ms / c->n_layers, n / (ms / 1e3),
+           bytes / 1e9, used, ideal, 100.0 * ideal / ms);
+}
+
 static void bench_forward(chk_env *env)
 {
-    (void)env;
+    printf("\n== check_forward --bench: V4.1-Flash width, %d layers ==\n", BENCH_LAYERS);
+    double copy = gpu_copy_gbs((size_t)1 << 30, 20);
+    double peak = chk_gemm_ceiling(env);
+    printf("ceilings: device copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s\n", copy, peak);
+    di_error e;
+    model_config full;
+    mkmodel_options mo;
+    mkmodel_options_default(&mo);
+    mo.max_bytes = 0;
+    mkmodel_plan plan;
+    if (model_config_resolve("v41-flash", &full, &e) == DI_OK &&
+        mkmodel_plan_for(&full, &mo, &plan, &e) == DI_OK)
+        printf("the whole V4.1-Flash checkpoint: %.1f GB (%" PRIu64 " parameters, Engram "
+               "tables seeded): beyond the 64 GiB disk and the run's time at ~30 M generated "
+               "values/s, hence %d layers at full width\n", plan.bytes / 1e9, plan.params,
+               BENCH_LAYERS);
+    char dir[] = "/tmp/di-bench-XXXXXX", path[64];
+    if (!mkdtemp(dir)) {
+        printf("bench: no temporary directory\n");
+        return;
+    }
+    snprintf(path, sizeof path, "%s/bench.json", dir);
+    runner_model rm = {0};
+    uint64_t t0 = di_mono_ns();
+    int ok = bench_write_config(path);
+    if (!ok || runner_model_random(path, env->seed, NULL, NULL, &rm, &e) != DI_OK) {
+        printf("bench: checkpoint: %s\n", ok ? e.msg : "config");
+        unlink(path);
+        rmdir(dir);
+        return;
+    }
+    unlink(path);
+    rmdir(dir);
+    printf("checkpoint generated and mapped in %.1f s\n", (double)(di_mono_ns() - t0) / 1e9);
+    bench_weights bw;
+    bench_widen(rm.w, &bw);
+    const model_config *c = &bw.w.config;
+    fwd_options o = {.nextn = 0, .max_rows = BENCH_CONTEXT, .token_map_pad = -1};
+    fwd_model *m = NULL;
+    bench_ctx b = {.vocab = c->vocab_size};
+    t0 = di_mono_ns();
+    di_status st = fwd_model_create(&bw.w, &env->gpu, &o, &m, &e);
+    if (st == DI_OK)
+        st = fwd_run_create(m, &b.run, &e);
+    if (st == DI_OK)
+        st = fwd_kv_create(fwd_model_geometry(m), &env->gpu,
+                           BENCH_CONTEXT / 128 + BENCH_MAX_SEQS + 1, BENCH_MAX_SEQS, &b.kv, &e);
+    b.logits = malloc((size_t)BENCH_MAX_SEQS * c->vocab_size * sizeof(float));
+    if (st != DI_OK || !b.logits) {
+        printf("bench: %s\n", st != DI_OK ? e.msg : "logits");
+    } else {
+        uint64_t dense = 0, ex = expert_bytes(&bw.layers[0].ffn.experts[0]);
+        for (uint32_t l = 0; l < c->n_layers; l++)
+            dense += dense_bytes(&bw.layers[l]);
+        printf("weights placed in %.1f s: %.2f GB per layer on average (%.2f GB of 384 experts), "
+               "embedding and head %.2f GB\n", (double)(di_mono_ns() - t0) / 1e9,
+               (dense + (double)BENCH_EXPERTS * ex * c->n_layers) / c->n_layers / 1e9,
+               (double)BENCH_EXPERTS * ex / 1e9, 2.0 * c->vocab_size * c->dim * 2 / 1e9);
+        /* the prompt: one chunk of BENCH_CONTEXT rows, logits of its last row */
+        int32_t *toks = chk_malloc(BENCH_CONTEXT * sizeof(int32_t));
+        uint32_t tab[BENCH_CONTEXT / 128];
+        for (uint32_t i = 0; i < BENCH_CONTEXT; i++)
+            toks[i] = (int32_t)(3 + (i * 7919u) % (c->vocab_size - 3));
+        for (uint32_t k = 0; k < BENCH_CONTEXT / 128; k++)
+            tab[k] = k;
+        fwd_seq q = {.n_rows = BENCH_CONTEXT, .tokens = toks, .blocks = tab,
+                     .n_blocks = BENCH_CONTEXT / 128, .slot = 0};
+        int32_t last = BENCH_CONTEXT - 1;
+        fwd_step ps = {.n_seqs = 1, .seqs = &q, .n_logit_rows = 1, .logit_rows = &last};
+        double ms = bench_step_ms(&b, &ps, 3);
+        if (ms > 0) {
+            double fl = 0;
+            for (int64_t p = 0; p < BENCH_CONTEXT; p++)
+                fl += bench_row_flops(c, p);
+            printf("  prefill chunk of %d tokens: %.1f ms (%.1f ms per layer), %.0f tokens/s, "
+                   "%.1f TFLOP/s = %.1f%% of the BF16 GEMM ceiling\n", BENCH_CONTEXT, ms,
+                   ms / c->n_layers, BENCH_CONTEXT / (ms / 1e3), fl / (ms / 1e3) / 1e12,
+                   100.0 * fl / (ms / 1e3) / 1e12 / peak);
+            /* every decode sequence starts from the prompt's rings and pending state */
+            for (uint32_t i = 1; i < BENCH_MAX_SEQS && st == DI_OK; i++) {
+                kern_copy_rows cp = {.n_rows = 1, .row_bytes = b.kv->slot_bytes,
+                                     .src = fwd_kv_slot(b.kv, 0), .src_stride = b.kv->slot_bytes,
+                                     .dst = fwd_kv_slot(b.kv, i), .dst_stride = b.kv->slot_bytes};
+                st = env->gpu.ops.copy_rows(env->gpu.ctx, &cp);
+            }
+            const uint32_t ns[] = {1, 8, 64};
+            for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]) && st == DI_OK; i++)
+                bench_decode(&b, &bw, ns[i], copy);
+        }
+        free(toks);
+    }
+    free(b.logits);
+    fwd_kv_free(b.kv);
+    fwd_run_free(b.run);
+    fwd_model_free(m);
+    bench_unwiden(&bw);
+    runner_model_free(&rm);
 }
 
 int main(int argc, char **argv)
