@@ -13,6 +13,10 @@
  * two backends see the same inputs whatever their logits: the comparison measures the
  * numbers, never a different path. With YOCO on, the prompt rows ask only for the logits of
  * the rows in the keep window (compact mode cannot give the others).
+ *
+ * The executor scenario (scn_exec_*): runner_exec with two requests of one 150-token prompt;
+ * request 1's prompt in two chunks, then request 2 forked from it by the plan's copies (its
+ * second block and the slot) and one decode step of both, with request 1's drafts as rows.
  */
 #ifndef DI_TESTS_FORWARD_FWD_SCENARIO_H
 #define DI_TESTS_FORWARD_FWD_SCENARIO_H
@@ -22,6 +26,7 @@
 #include <string.h>
 
 #include "common/model/forward.h"
+#include "common/model/runner_exec.h"
 #include "common/util/philox.h"
 
 /* ---- a backend that counts (and can refuse) allocations ---- */
@@ -297,6 +302,142 @@ static inline di_status scn_run(fwd_run *run, fwd_kv *kv, const fwd_model *m,
     free(tmp);
     free(x);
     return st;
+}
+
+/* ---- the executor ---- */
+
+#define EX_MAX_LOGITS 16
+
+/* Logits rows the executor hands out (on_logits), in order. */
+typedef struct scn_exec_log {
+    uint32_t n, vocab;
+    uint64_t req[EX_MAX_LOGITS];
+    int64_t pos[EX_MAX_LOGITS];
+    float *rows;                /* [EX_MAX_LOGITS, vocab] */
+    int overflow;               /* more rows came than fit */
+} scn_exec_log;
+
+static void scn_on_logits(void *ud, uint64_t id, int64_t pos, const float *logits, uint32_t vocab)
+{
+    scn_exec_log *l = ud;
+    if (l->n == EX_MAX_LOGITS) {
+        l->overflow = 1;
+        return;
+    }
+    l->req[l->n] = id;
+    l->pos[l->n] = pos;
+    memcpy(l->rows + (size_t)l->n * vocab, logits, vocab * sizeof(float));
+    l->n++;
+}
+
+/* One executor run: its results per step, the logits, the KV bytes at the end. */
+typedef struct scn_exec {
+    runner_exec *ex;
+    const kern_backend *be;
+    int32_t prompt[150];
+    scn_exec_log log;
+    sched_seq_result res[3][2];
+    uint8_t *blocks, *slots;
+    size_t blocks_bytes, slots_bytes;
+} scn_exec;
+
+static inline void scn_exec_free(scn_exec *x)
+{
+    runner_exec_free(x->ex);
+    free(x->log.rows);
+    free(x->blocks);
+    free(x->slots);
+    memset(x, 0, sizeof(*x));
+}
+
+/* The executor on be with both requests registered. */
+static inline di_status scn_exec_open(scn_exec *x, const runner_model *rm, const kern_backend *be,
+                                      di_error *err)
+{
+    memset(x, 0, sizeof(*x));
+    x->be = be;
+    uint32_t V = rm->w->config.vocab_size;
+    x->log.vocab = V;
+    x->log.rows = malloc((size_t)EX_MAX_LOGITS * V * sizeof(float));
+    if (!x->log.rows)
+        return di_fail(err, DI_ENOMEM, "logits log");
+    runner_exec_options o = {.fwd = {.nextn = 3, .max_rows = 128, .token_map_pad = -1},
+                             .n_blocks = 8, .n_slots = 4, .on_logits = scn_on_logits,
+                             .logits_userdata = &x->log};
+    di_status st = runner_exec_create(rm, be, &o, &x->ex, err);
+    for (int i = 0; i < 150; i++)
+        x->prompt[i] = 3 + (i * 37) % (int32_t)(V - 3);
+    for (uint64_t id = 1; id <= 2 && st == DI_OK; id++) {
+        runner_request q = {.id = id, .prompt = x->prompt, .prompt_len = 150, .max_tokens = 16,
+                            .params = sampling_params_default()};
+        st = runner_exec_add(x->ex, &q, err);
+    }
+    if (st != DI_OK)
+        scn_exec_free(x);
+    return st;
+}
+
+static inline sched_seq_plan scn_entry(uint64_t id, uint32_t pos, uint32_t n, const int32_t *toks,
+                                       const uint32_t *table, uint32_t slot, bool sample)
+{
+    sched_seq_plan p = {.request_id = id, .seqlen_q = n, .seqlen_k = pos + n,
+                        .first_position = pos, .tokens = toks, .block_table = table,
+                        .n_blocks = 2, .state_slot = (int32_t)slot, .sample = sample};
+    return p;
+}
+
+/* The three steps. DI_EINTERNAL when the results are not those the scenario needs. */
+static inline di_status scn_exec_steps(scn_exec *x, di_error *err)
+{
+    const uint32_t ta[2] = {1, 2}, tb[2] = {1, 3};
+    sched_seq_plan s1 = scn_entry(1, 0, 128, x->prompt, ta, 0, false);
+    sched_plan p1 = {.prompt_run = true, .n_seqs = 1, .seqs = &s1, .n_rows = 128};
+    di_status st = runner_exec_step(x->ex, &p1, x->res[0], err);
+    if (st != DI_OK)
+        return st;
+    sched_seq_plan s2 = scn_entry(1, 128, 22, x->prompt + 128, ta, 0, true);
+    sched_plan p2 = {.step = 1, .prompt_run = true, .n_seqs = 1, .seqs = &s2, .n_rows = 22};
+    if ((st = runner_exec_step(x->ex, &p2, x->res[1], err)) != DI_OK)
+        return st;
+    const sched_seq_result *r = &x->res[1][0];
+    if (r->status != SCHED_RESULT_OK || r->n_tokens != 1 || r->n_drafts != 3)
+        return di_fail(err, DI_EINTERNAL, "prompt result: status %d, %u tokens, %u drafts",
+                       (int)r->status, r->n_tokens, r->n_drafts);
+    int32_t rows[4] = {r->tokens[0], r->drafts[0], r->drafts[1], r->drafts[2]};
+    sched_seq_plan s3[2] = {scn_entry(1, 150, 4, rows, ta, 0, true),
+                            scn_entry(2, 150, 4, rows, tb, 1, true)};
+    const sched_copy cp[2] = {{SCHED_COPY_BLOCK, 2, 3}, {SCHED_COPY_SLOT, 0, 1}};
+    sched_plan p3 = {.step = 2, .n_seqs = 2, .seqs = s3, .n_rows = 8, .n_copies = 2,
+                     .copies = cp};
+    if ((st = runner_exec_step(x->ex, &p3, x->res[2], err)) != DI_OK)
+        return st;
+    if (x->log.overflow)
+        return di_fail(err, DI_EINTERNAL, "more than %d logits rows", EX_MAX_LOGITS);
+    return DI_OK;
+}
+
+/* The KV bytes into x (host copies). */
+static inline di_status scn_exec_close(scn_exec *x, di_error *err)
+{
+    fwd_kv *kv = runner_exec_kv(x->ex);
+    x->blocks_bytes = (size_t)kv->n_blocks * kv->block_bytes;
+    x->slots_bytes = (size_t)kv->n_slots * kv->slot_bytes;
+    x->blocks = malloc(x->blocks_bytes);
+    x->slots = malloc(x->slots_bytes);
+    if (!x->blocks || !x->slots)
+        return di_fail(err, DI_ENOMEM, "KV copies");
+    x->be->ops.to_host(x->be->ctx, x->blocks, kv->blocks, x->blocks_bytes);
+    x->be->ops.to_host(x->be->ctx, x->slots, kv->slots, x->slots_bytes);
+    return DI_OK;
+}
+
+/* Index in the log of the logits of request id at position pos; -1 when none. */
+static inline int scn_exec_find(const scn_exec *x, uint64_t id, int64_t pos)
+{
+    for (uint32_t i = 0; i < x->log.n; i++)
+        if (x->log.req[i] == id && x->log.pos[i] == pos)
+            return (int)i;
+    return -1;
 }
 
 /* ---- refused allocations ---- */

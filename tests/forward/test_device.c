@@ -5,7 +5,8 @@
  * test; the logits, draft outputs and caches must equal, bit for bit, those of the plain CPU
  * backend on the same scenario (tests/forward/fwd_scenario.h; the CUDA backend runs the same
  * scenario in tests/gpu/check_forward.c). Allocation failures at every point of model, run and
- * KV creation and inside a step give DI_ENOMEM with a message and leak nothing. */
+ * KV creation and inside a step give DI_ENOMEM with a message and leak nothing. The executor
+ * (runner_exec) on the same backend, with a fork done by the plan's copies, matches too. */
 #include <criterion/criterion.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -168,6 +169,46 @@ Test(device, refused_allocation_inside_a_step_fails_cleanly, .timeout = 60)
     fwd_kv_free(kv);
     fwd_run_free(run);
     fwd_model_free(m);
+    cr_assert_eq(v.trk.live, 0, "%lld allocations leaked", (long long)v.trk.live);
+    env_close(&v);
+}
+
+/* ---- the executor ---- */
+
+static void exec_run(dev_env *v, const kern_backend *be, int protect, scn_exec *x)
+{
+    di_error e;
+    cr_assert_eq(scn_exec_open(x, &v->rm, be, &e), DI_OK, "%s", e.msg);
+    if (protect)
+        protect_weights(v->rm.w, 0);
+    di_status st = scn_exec_steps(x, &e);
+    if (protect)
+        protect_weights(v->rm.w, 1);
+    cr_assert_eq(st, DI_OK, "%s", e.msg);
+    cr_assert_eq(scn_exec_close(x, &e), DI_OK, "%s", e.msg);
+}
+
+Test(device, executor_with_forks_on_placed_weights_matches_the_host, .timeout = 120)
+{
+    dev_env v;
+    env_open(&v, "tiny", 21);
+    scn_exec a, b;
+    exec_run(&v, &v.cpu, 0, &a);
+    exec_run(&v, &v.dev, 1, &b);
+    uint32_t V = a.log.vocab;
+    /* the fork: request 2's first decode row saw request 1's KV through the copies */
+    int i1 = scn_exec_find(&a, 1, 150), i2 = scn_exec_find(&a, 2, 150);
+    cr_assert(i1 >= 0 && i2 >= 0, "no logits of position 150 for both requests");
+    cr_assert_eq(memcmp(a.log.rows + (size_t)i1 * V, a.log.rows + (size_t)i2 * V, V * 4), 0,
+                 "the forked request's logits differ from its parent's");
+    /* the device path equals the host path */
+    cr_assert_eq(a.log.n, b.log.n);
+    cr_assert_eq(memcmp(a.log.rows, b.log.rows, (size_t)a.log.n * V * 4), 0);
+    cr_assert_eq(memcmp(a.res, b.res, sizeof(a.res)), 0);
+    cr_assert_eq(memcmp(a.blocks, b.blocks, a.blocks_bytes), 0);
+    cr_assert_eq(memcmp(a.slots, b.slots, a.slots_bytes), 0);
+    scn_exec_free(&a);
+    scn_exec_free(&b);
     cr_assert_eq(v.trk.live, 0, "%lld allocations leaked", (long long)v.trk.live);
     env_close(&v);
 }
