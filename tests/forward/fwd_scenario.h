@@ -82,7 +82,8 @@ static inline void trk_wrap(trk_state *s, const kern_backend *inner, int device_
 
 #define SCN_SEQS 2
 #define SCN_CHUNK 128
-#define SCN_DECODE 3            /* single-row decode steps before the proposal */
+#define SCN_DECODE 3            /* single-row decode steps, each followed by a proposal */
+#define SCN_PROPOSALS SCN_DECODE
 #define SCN_MAX_TOKENS 512
 
 typedef struct scn_params {
@@ -100,7 +101,7 @@ typedef struct scn_out {
     float *logits;              /* [n_rows, vocab] in the order requested */
     int64_t *row_pos;           /* [n_rows] position of each */
     int32_t *row_seq;           /* [n_rows] sequence of each */
-    uint32_t n_drafts;          /* SCN_SEQS * nextn (0 without draft stages) */
+    uint32_t n_drafts;          /* SCN_PROPOSALS * SCN_SEQS * nextn (0 without draft stages) */
     float *draft_logits;        /* [n_drafts, vocab] Markov-corrected draft logits */
     float *draft_conf;          /* [n_drafts] confidences */
     uint8_t *blocks;            /* [kv n_blocks * block_bytes] */
@@ -224,11 +225,11 @@ static inline di_status scn_propose(scn_ctx *x)
     int32_t tok[SCN_SEQS * 8];
     float cum[SCN_SEQS * 8];
     scn_out *o = x->out;
-    fwd_draft_out d = {.tokens = tok, .logits = o->draft_logits, .confidence = o->draft_conf,
-                       .cumulative = cum};
+    fwd_draft_out d = {.tokens = tok, .logits = o->draft_logits + (size_t)o->n_drafts * c->vocab_size,
+                       .confidence = o->draft_conf + o->n_drafts, .cumulative = cum};
     di_status s = fwd_draft(x->run, x->kv, SCN_SEQS, rq, nx, scn_draft_pick, x, &d, x->err);
     if (s == DI_OK)
-        o->n_drafts = SCN_SEQS * nx;
+        o->n_drafts += SCN_SEQS * nx;
     return s;
 }
 
@@ -248,8 +249,8 @@ static inline di_status scn_run(fwd_run *run, fwd_kv *kv, const fwd_model *m,
     out->logits = malloc((size_t)maxr * V * sizeof(float));
     out->row_pos = malloc(maxr * sizeof(int64_t));
     out->row_seq = malloc(maxr * sizeof(int32_t));
-    out->draft_logits = malloc((size_t)SCN_SEQS * (nx ? nx : 1) * V * sizeof(float));
-    out->draft_conf = malloc((size_t)SCN_SEQS * (nx ? nx : 1) * sizeof(float));
+    out->draft_logits = malloc((size_t)SCN_PROPOSALS * SCN_SEQS * (nx ? nx : 1) * V * sizeof(float));
+    out->draft_conf = malloc((size_t)SCN_PROPOSALS * SCN_SEQS * (nx ? nx : 1) * sizeof(float));
     out->blocks_bytes = (size_t)kv->n_blocks * kv->block_bytes;
     out->slots_bytes = (size_t)kv->n_slots * kv->slot_bytes;
     out->blocks = malloc(out->blocks_bytes);
@@ -287,10 +288,11 @@ static inline di_status scn_run(fwd_run *run, fwd_kv *kv, const fwd_model *m,
     }
     const uint32_t both[SCN_SEQS] = {0, 1}, one[SCN_SEQS] = {1, 1};
     const uint32_t spec[SCN_SEQS] = {1 + nx, 1 + nx};
-    for (uint32_t k = 0; k < SCN_DECODE && st == DI_OK; k++)
+    for (uint32_t k = 0; k < SCN_DECODE && st == DI_OK; k++) {
         st = scn_step(x, both, SCN_SEQS, one);
-    if (st == DI_OK)
-        st = scn_propose(x);
+        if (st == DI_OK) /* a proposal after every decode step */
+            st = scn_propose(x);
+    }
     if (st == DI_OK)
         st = scn_step(x, both, SCN_SEQS, spec);
     if (st == DI_OK)

@@ -2,8 +2,9 @@
  *
  * For the shipped small configs (tiny, small) it writes a random-weight checkpoint with the
  * di-mkmodel generator (runner_model_random), runs one fixed scenario (tests/forward/
- * fwd_scenario.h: chunked prefill of two prompts, single-row decode of both, a draft proposal,
- * a speculative step of 1 + nextn rows, one more decode row; YOCO off, compact and mask) on:
+ * fwd_scenario.h: chunked prefill of two prompts, single-row decode of both each followed by a
+ * draft proposal, a speculative step of 1 + nextn rows, one more decode row; YOCO off, compact
+ * and mask) on:
  *   ref:  the CPU backend (the C twins);
  *   pert: the CPU backend with every op's output moved by random noise as large as the
  *         tolerance kernels.h states for that op (bf16 1 ulp; linear 1e-2 * max(1, |y|) capped
@@ -12,13 +13,13 @@
  *         ops untouched; PERT_DRAWS runs with different noise;
  *   cuda: the CUDA backend, weights placed in device memory.
  * The pert runs measure what the per-op tolerances allow once the model propagates them
- * (FP8/FP4 re-quantisation, MoE picks that flip). For each quantity the CUDA run's median,
- * 90th percentile and worst item error must stay within MARGIN x the largest value of that
+ * (FP8/FP4 re-quantisation, MoE picks that flip). For each quantity the CUDA run's median and
+ * (from 32 items on) worst item error must stay within MARGIN x the largest value of that
  * statistic over the pert runs (never failing below a one-ulp relative L2):
  *   - the residual stream after every layer and draft stage in its first step (rows);
  *   - logits of every requested row and draft logits (relative L2 and 1 - cosine per row; the
  *     rows whose argmax differs, at most MARGIN x the most of any pert run);
- *   - draft confidences;
+ *   - draft confidences (absolute error);
  *   - caches, decoded (ring entries (A), compressed main entries (C), index keys (B), the
  *     compressor's fp32 pending tokens), per region; and the set of entries written, exactly.
  * Then the failure paths (every allocation of creation refused in turn, a KV pool twice the
@@ -366,23 +367,33 @@ static dist dist_of(double *e, size_t n)
     return d;
 }
 
-/* The CUDA run's median, 90th percentile and worst item error each within MARGIN x the
- * perturbed run's (at least floor). A random-weight model turns a one-ulp difference into a
- * different MoE pick now and then, which changes that row completely: so the statistics of
- * the rows, not one bound per row, say whether the backend computes the same model. */
-static size_t dist_check(const char *what, const char *metric, dist g, dist p, double floor)
+/* The CUDA run's median and worst item error each within MARGIN x the perturbed runs' (at least
+ * floor). A random-weight model turns a one-ulp difference into a different MoE pick now and
+ * then, which changes that row completely (and, through attention, the rows after it): the
+ * median says whether the backend computes the same model, the worst catches garbage (from
+ * WORST_MIN_ITEMS items on: the worst of a handful is one item's luck). The 90th percentile is
+ * printed, not bounded: it falls between the rows a pick changed and those it did not, and
+ * moves by more than 2x between two runs of the same noise. */
+#define WORST_MIN_ITEMS 32      /* below this many items the worst is not bounded */
+
+static size_t dist_check(const char *what, const char *metric, size_t n, dist g, dist p,
+                         double floor)
 {
-    double tm = fmax(MARGIN * p.med, floor), t9 = fmax(MARGIN * p.p90, floor);
-    double tw = fmax(MARGIN * p.worst, floor);
-    int ok = g.med <= tm && g.p90 <= t9 && g.worst <= tw;
-    printf("  %s%s %s: median %.3g (max %.3g), p90 %.3g (max %.3g), worst %.3g (max %.3g)\n",
-           ok ? "" : "FAIL ", what, metric, g.med, tm, g.p90, t9, g.worst, tw);
+    double tm = fmax(MARGIN * p.med, floor), tw = fmax(MARGIN * p.worst, floor);
+    int worst_ok = n < WORST_MIN_ITEMS || g.worst <= tw;
+    int ok = g.med <= tm && worst_ok;
+    if (n < WORST_MIN_ITEMS)
+        printf("  %s%s %s: median %.3g (max %.3g), worst %.3g (not bounded: %zu items)\n",
+               ok ? "" : "FAIL ", what, metric, g.med, tm, g.worst, n);
+    else
+        printf("  %s%s %s: median %.3g (max %.3g), p90 %.3g, worst %.3g (max %.3g)\n",
+               ok ? "" : "FAIL ", what, metric, g.med, tm, g.p90, g.worst, tw);
     return ok ? 0 : 1;
 }
 
 /* Perturbed runs (PERT_DRAWS draws of the noise): the budget of each statistic is MARGIN x its
  * largest value over the draws, so one lucky draw does not make it tight. */
-#define PERT_DRAWS 4
+#define PERT_DRAWS 6
 
 static dist dist_max(dist a, dist b)
 {
@@ -411,11 +422,28 @@ static size_t cmp_items(const char *what, const float *c, const float *const *p,
         printf("FAIL %s: %d values finite in one run only\n", what, bad);
         mism++;
     }
-    mism += dist_check(what, "rel L2", dg, dp, FLOOR);
+    mism += dist_check(what, "rel L2", n, dg, dp, FLOOR);
     if (with_cos)
-        mism += dist_check(what, "1-cos", cg, cp, FLOOR * FLOOR);
+        mism += dist_check(what, "1-cos", n, cg, cp, FLOOR * FLOOR);
     free(eg);
     return mism;
+}
+
+/* Probabilities (draft confidences): the absolute error, median and worst as above. */
+static size_t cmp_abs(const char *what, const float *c, const float *const *p, const float *g,
+                      size_t n)
+{
+    double *eg = chk_malloc(2 * (n ? n : 1) * sizeof(double)), *ep = eg + n;
+    for (size_t i = 0; i < n; i++)
+        eg[i] = fabs((double)g[i] - c[i]);
+    dist dg = dist_of(eg, n), dp = {0, 0, 0};
+    for (int k = 0; k < PERT_DRAWS; k++) {
+        for (size_t i = 0; i < n; i++)
+            ep[i] = fabs((double)p[k][i] - c[i]);
+        dp = dist_max(dp, dist_of(ep, n));
+    }
+    free(eg);
+    return dist_check(what, "|cuda - cpu|", n, dg, dp, 1e-6);
 }
 
 static uint32_t argmax_gap(const float *v, size_t n, double *gap)
@@ -665,7 +693,7 @@ static size_t cmp_case(const char *what, const fwd_model *m, const scn_out *c, c
         mism += cmp_logit_rows(w, c->draft_logits, pd, g->draft_logits, c->n_drafts, c->vocab,
                                NULL, NULL);
         snprintf(w, sizeof w, "%s, draft confidences", what);
-        mism += cmp_items(w, c->draft_conf, pc, g->draft_conf, c->n_drafts, 1, 0);
+        mism += cmp_abs(w, c->draft_conf, pc, g->draft_conf, c->n_drafts);
     }
     return mism + cmp_caches(what, m, c, p, g);
 }
