@@ -200,9 +200,8 @@ static di_status ensure_scores(fwd_run *r, size_t rows, size_t width, di_error *
     if (r->scores_cap < need) {
         /* grow by half again at least (up to the budget): a decode step's width grows with the
          * context, and a device backend's free waits for its queue */
-        size_t grown = r->scores_cap + r->scores_cap / 2;
-        size_t cap = grown < SCORE_BUDGET_BYTES / sizeof(float) ? grown
-                                                                 : SCORE_BUDGET_BYTES / sizeof(float);
+        size_t grown = r->scores_cap + r->scores_cap / 2, limit = SCORE_BUDGET_BYTES / 4;
+        size_t cap = grown < limit ? grown : limit;
         cap = cap > need ? cap : need;
         if (r->scores)
             be->ops.free(be->ctx, r->scores);

@@ -225,7 +225,8 @@ static inline di_status scn_propose(scn_ctx *x)
     int32_t tok[SCN_SEQS * 8];
     float cum[SCN_SEQS * 8];
     scn_out *o = x->out;
-    fwd_draft_out d = {.tokens = tok, .logits = o->draft_logits + (size_t)o->n_drafts * c->vocab_size,
+    fwd_draft_out d = {.tokens = tok,
+                       .logits = o->draft_logits + (size_t)o->n_drafts * c->vocab_size,
                        .confidence = o->draft_conf + o->n_drafts, .cumulative = cum};
     di_status s = fwd_draft(x->run, x->kv, SCN_SEQS, rq, nx, scn_draft_pick, x, &d, x->err);
     if (s == DI_OK)
@@ -249,8 +250,9 @@ static inline di_status scn_run(fwd_run *run, fwd_kv *kv, const fwd_model *m,
     out->logits = malloc((size_t)maxr * V * sizeof(float));
     out->row_pos = malloc(maxr * sizeof(int64_t));
     out->row_seq = malloc(maxr * sizeof(int32_t));
-    out->draft_logits = malloc((size_t)SCN_PROPOSALS * SCN_SEQS * (nx ? nx : 1) * V * sizeof(float));
-    out->draft_conf = malloc((size_t)SCN_PROPOSALS * SCN_SEQS * (nx ? nx : 1) * sizeof(float));
+    size_t nd = (size_t)SCN_PROPOSALS * SCN_SEQS * (nx ? nx : 1);
+    out->draft_logits = malloc(nd * V * sizeof(float));
+    out->draft_conf = malloc(nd * sizeof(float));
     out->blocks_bytes = (size_t)kv->n_blocks * kv->block_bytes;
     out->slots_bytes = (size_t)kv->n_slots * kv->slot_bytes;
     out->blocks = malloc(out->blocks_bytes);

@@ -735,11 +735,11 @@ static void check_case(chk_env *env, const runner_model *rm, const fwd_case *k,
         fprintf(stderr, "%s: CPU run: %s\n", what, e.msg);
         exit(2);
     }
-    for (int k = 0; k < PERT_DRAWS; k++) {
+    for (int d = 0; d < PERT_DRAWS; d++) {
         pert_state ps;
         kern_backend pb;
-        pert_make(&ps, &env->cpu, env->seed * 31 + 977 * (uint64_t)k + 1, &pb);
-        if (run_scn(rm, &pb, &p, &cq[k], &q[k], &e) != DI_OK) {
+        pert_make(&ps, &env->cpu, env->seed * 31 + 977 * (uint64_t)d + 1, &pb);
+        if (run_scn(rm, &pb, &p, &cq[d], &q[d], &e) != DI_OK) {
             fprintf(stderr, "%s: perturbed CPU run: %s\n", what, e.msg);
             exit(2);
         }
@@ -774,9 +774,9 @@ static void check_case(chk_env *env, const runner_model *rm, const fwd_case *k,
     scn_out_free(&g);
     cap_free(&cc);
     cap_free(&cg);
-    for (int k = 0; k < PERT_DRAWS; k++) {
-        scn_out_free(&q[k]);
-        cap_free(&cq[k]);
+    for (int d = 0; d < PERT_DRAWS; d++) {
+        scn_out_free(&q[d]);
+        cap_free(&cq[d]);
     }
 }
 
@@ -1107,7 +1107,8 @@ static void bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, doub
     double used = BENCH_EXPERTS * (1.0 - pow(1.0 - (double)BENCH_TOPK / BENCH_EXPERTS, n));
     double bytes = (double)c->vocab_size * c->dim * 2;
     for (uint32_t l = 0; l < c->n_layers; l++)
-        bytes += (double)dense_bytes(&bw->layers[l]) + used * expert_bytes(&bw->layers[l].ffn.experts[0]);
+        bytes += (double)dense_bytes(&bw->layers[l]) +
+                 used * (double)expert_bytes(&bw->layers[l].ffn.experts[0]);
     double ideal = bytes / (copy_gbs * 1e9) * 1e3;
     printf("  decode %2u rows: %8.2f ms per step (%.2f ms per layer, head included), %8.1f "
            "tokens/s; weights read %.2f GB (%.0f experts per layer expected) in %.2f ms at the "
