@@ -16,7 +16,8 @@
  * (FP8/FP4 re-quantisation, MoE picks that flip). For each quantity the CUDA run's median and
  * (from 32 items on) worst item error must stay within MARGIN x the largest value of that
  * statistic over the pert runs (never failing below a one-ulp relative L2):
- *   - the residual stream after every layer and draft stage in its first step (rows);
+ *   - the residual stream after every layer in its first step, and after every draft stage
+ *     in every proposal (rows);
  *   - logits of every requested row and draft logits (relative L2 and 1 - cosine per row; the
  *     rows whose argmax differs, at most MARGIN x the most of any pert run);
  *   - draft confidences (absolute error);
@@ -250,11 +251,13 @@ static void pert_make(pert_state *s, const kern_backend *cpu, uint64_t seed, ker
 
 /* ---- one scenario on one backend ---- */
 
-/* The residual stream after each layer and draft stage in the first step that runs it (the
- * first prompt chunk for the layers, the proposal for the stages), from the dump hook. */
+/* The residual stream after each layer in the first step that runs it (the first prompt chunk,
+ * or the first with rows left by YOCO compaction), and after each draft stage in every
+ * proposal (a proposal has few rows), from the dump hook. */
 #define CAP_MAX 64
 typedef struct capture {
-    float *h[CAP_MAX];          /* [T, hc, D] as floats */
+    uint32_t n_layers;          /* backbone layers: later ids are draft stages */
+    float *h[CAP_MAX];          /* [rows, hc, D] as floats */
     size_t n[CAP_MAX];          /* numbers */
     size_t w[CAP_MAX];          /* numbers per row (hc * D) */
 } capture;
@@ -262,17 +265,23 @@ typedef struct capture {
 static void cap_hook(void *ud, const fwd_tensor *t)
 {
     capture *c = ud;
-    if (strcmp(t->name, "H") != 0 || t->layer < 0 || t->layer >= CAP_MAX || c->h[t->layer] ||
-        t->dims[0] == 0) /* a chunk YOCO compaction dropped whole */
+    if (strcmp(t->name, "H") != 0 || t->layer < 0 || t->layer >= CAP_MAX || t->dims[0] == 0)
+        return; /* dims[0] 0: a chunk YOCO compaction dropped whole */
+    uint32_t l = (uint32_t)t->layer;
+    if (c->h[l] && l < c->n_layers)
         return;
     size_t n = (size_t)t->dims[0] * (t->dims[1] ? t->dims[1] : 1) * (t->dims[2] ? t->dims[2] : 1);
-    float *v = chk_malloc(n * sizeof(float));
+    float *v = realloc(c->h[l], (c->n[l] + n) * sizeof(float));
+    if (!v) {
+        fprintf(stderr, "capture of %zu numbers: out of memory\n", n);
+        exit(2);
+    }
     const uint16_t *x = t->data;
     for (size_t i = 0; i < n; i++)
-        v[i] = di_bf16_to_f32(x[i]);
-    c->h[t->layer] = v;
-    c->n[t->layer] = n;
-    c->w[t->layer] = n / t->dims[0];
+        v[c->n[l] + i] = di_bf16_to_f32(x[i]);
+    c->h[l] = v;
+    c->n[l] += n;
+    c->w[l] = n / t->dims[0];
 }
 
 static void cap_free(capture *c)
@@ -297,6 +306,7 @@ static di_status run_scn(const runner_model *rm, const kern_backend *be, const s
     memset(out, 0, sizeof(*out));
     if (cap) {
         memset(cap, 0, sizeof(*cap));
+        cap->n_layers = rm->w->config.n_layers;
         o.dump = cap_hook;
         o.dump_userdata = cap;
     }
