@@ -534,6 +534,9 @@ typedef struct kern_backend {
     const char *name;           /* "cpu" or "cuda" */
     void *ctx;                  /* passed as the first argument of every op */
     kern_ops ops;
+    int device_memory;          /* 1: the ops read tensors only from memory of `alloc` (a device
+                                 * backend), so a caller holding host tensors (the forward's
+                                 * weights) copies them there first; 0: host memory will do */
 } kern_backend;
 
 #endif

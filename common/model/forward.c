@@ -81,15 +81,58 @@ static int require(resolver *rs, const model_tensor *t, model_wfmt fmt, const ch
     return 0;
 }
 
-/* A naturally aligned view of a BF16 or F32 tensor (a copy when the mapping is not). */
+#define DEV_CHUNK_BYTES ((size_t)64 << 20)
+#define DEV_ALIGN 256
+
+/* Where the ops read a weight: the host view itself, or for a device backend
+ * (kern_backend.device_memory) a copy in backend memory, cut from chunks of DEV_CHUNK_BYTES
+ * (a larger tensor gets a chunk of its own) at DEV_ALIGN-byte offsets. NULL after a failure. */
+static const void *place(resolver *rs, const void *host, size_t bytes, const char *what)
+{
+    fwd_model *m = rs->m;
+    const kern_backend *be = m->be;
+    if (!be->device_memory)
+        return host;
+    if (rs->st != DI_OK || !host)
+        return NULL;
+    size_t at = (m->dev_used + DEV_ALIGN - 1) / DEV_ALIGN * DEV_ALIGN;
+    if (m->n_dev_chunks == 0 || at + bytes > m->dev_cap) {
+        if (m->n_dev_chunks == m->cap_dev_chunks) {
+            uint32_t cap = m->cap_dev_chunks ? 2 * m->cap_dev_chunks : 16;
+            void **n = realloc(m->dev_chunks, cap * sizeof(void *));
+            if (!n) {
+                rs->st = di_fail(rs->err, DI_ENOMEM, "%s: weight chunk table", what);
+                return NULL;
+            }
+            m->dev_chunks = n;
+            m->cap_dev_chunks = cap;
+        }
+        size_t cap = bytes > DEV_CHUNK_BYTES ? bytes : DEV_CHUNK_BYTES;
+        void *chunk = be->ops.alloc(be->ctx, cap);
+        if (!chunk) {
+            rs->st = di_fail(rs->err, DI_ENOMEM, "%s: %zu bytes of backend memory for weights",
+                             what, cap);
+            return NULL;
+        }
+        m->dev_chunks[m->n_dev_chunks++] = chunk;
+        m->dev_cap = cap;
+        at = 0;
+    }
+    uint8_t *dst = (uint8_t *)m->dev_chunks[m->n_dev_chunks - 1] + at;
+    be->ops.from_host(be->ctx, dst, host, bytes);
+    m->dev_used = at + bytes;
+    return dst;
+}
+
+/* A naturally aligned view of a BF16 or F32 tensor (a copy when the mapping is not), placed. */
 static const void *aligned(resolver *rs, const model_tensor *t, model_wfmt fmt, const char *what)
 {
     if (!require(rs, t, fmt, what))
         return NULL;
     size_t esz = fmt == MODEL_WFMT_F32 ? 4 : 2;
-    if ((uintptr_t)t->data % esz == 0)
-        return t->data;
     size_t bytes = (size_t)(t->rows * t->cols) * esz;
+    if ((uintptr_t)t->data % esz == 0 || rs->m->be->device_memory)
+        return place(rs, t->data, bytes, what);
     void *p = own(rs->m, bytes);
     if (!p) {
         rs->st = di_fail(rs->err, DI_ENOMEM, "%s: aligned copy of %s", what, t->name);
@@ -97,6 +140,14 @@ static const void *aligned(resolver *rs, const model_tensor *t, model_wfmt fmt, 
     }
     memcpy(p, t->data, bytes);
     return p;
+}
+
+/* A quantised tensor's data and scale, placed. */
+static const uint8_t *quantised(resolver *rs, const model_tensor *t, const uint8_t **scale,
+                                const char *what)
+{
+    *scale = place(rs, t->scale, model_tensor_scale_bytes(t), what);
+    return place(rs, t->data, model_tensor_data_bytes(t), what);
 }
 
 static const uint16_t *bf16w(resolver *rs, const model_tensor *t, const char *what)
@@ -114,8 +165,7 @@ static const uint8_t *fp8w(resolver *rs, const model_tensor *t, const uint8_t **
 {
     if (!require(rs, t, MODEL_WFMT_FP8_32X32, what))
         return NULL;
-    *scale = t->scale;
-    return t->data;
+    return quantised(rs, t, scale, what);
 }
 
 /* wo_a as BF16: as stored, or the FP8 x UE8M0 values, which are exact in BF16. */
@@ -125,7 +175,10 @@ static const uint16_t *wo_a_bf16(resolver *rs, const model_tensor *t, const char
         return bf16w(rs, t, what);
     if (!require(rs, t, MODEL_WFMT_FP8_32X32, what))
         return NULL;
-    uint16_t *out = own(rs->m, (size_t)(t->rows * t->cols) * 2);
+    /* a device backend keeps only its placed copy: the host one is temporary there */
+    int temp = rs->m->be->device_memory;
+    size_t bytes = (size_t)(t->rows * t->cols) * 2;
+    uint16_t *out = temp ? malloc(bytes ? bytes : 2) : own(rs->m, bytes);
     if (!out) {
         rs->st = di_fail(rs->err, DI_ENOMEM, "%s: BF16 copy of %s", what, t->name);
         return NULL;
@@ -136,7 +189,10 @@ static const uint16_t *wo_a_bf16(resolver *rs, const model_tensor *t, const char
             float s = di_ue8m0_decode(t->scale[(r / 32) * t->scale_cols + c / 32]);
             out[r * t->cols + c] = di_f32_to_bf16(di_e4m3_decode(q[r * t->cols + c]) * s);
         }
-    return out;
+    const uint16_t *placed = place(rs, out, bytes, what);
+    if (temp)
+        free(out);
+    return placed;
 }
 
 static void expert_view(resolver *rs, const model_expert_weights *e, model_wfmt fmt,
@@ -145,9 +201,9 @@ static void expert_view(resolver *rs, const model_expert_weights *e, model_wfmt 
     if (!require(rs, &e->w1, fmt, what) || !require(rs, &e->w2, fmt, what) ||
         !require(rs, &e->w3, fmt, what))
         return;
-    out->w1 = e->w1.data, out->w1_scale = e->w1.scale;
-    out->w2 = e->w2.data, out->w2_scale = e->w2.scale;
-    out->w3 = e->w3.data, out->w3_scale = e->w3.scale;
+    out->w1 = quantised(rs, &e->w1, &out->w1_scale, what);
+    out->w2 = quantised(rs, &e->w2, &out->w2_scale, what);
+    out->w3 = quantised(rs, &e->w3, &out->w3_scale, what);
 }
 
 static void site_view(resolver *rs, const model_hc_weights *h, fwd_site_w *out, const char *what)
@@ -227,6 +283,8 @@ static void layer_view(resolver *rs, const model_layer_weights *src, uint32_t id
         L->e_k = bf16w(rs, &e->k_weight, what);
         if (rs->st == DI_OK && !e->seeded && e->table.fmt != MODEL_WFMT_FP8_1X32)
             rs->st = di_fail(rs->err, DI_EINVAL, "%s: Engram table missing", what);
+        if (!e->seeded)
+            L->e_table = quantised(rs, &e->table, &L->e_table_s, what);
     }
 }
 
@@ -354,6 +412,9 @@ void fwd_model_free(fwd_model *m)
     for (uint32_t i = 0; i < m->n_owned; i++)
         free(m->owned[i]);
     free(m->owned);
+    for (uint32_t i = 0; i < m->n_dev_chunks; i++)
+        m->be->ops.free(m->be->ctx, m->dev_chunks[i]);
+    free(m->dev_chunks);
     free(m->layers);
     free(m->tmap);
     free(m->e_mult);
@@ -467,7 +528,7 @@ void fwd_run_free(fwd_run *r)
                     r->f_comb, r->onehot, r->mean_pre, r->x, r->y, r->qr, r->q, r->kv,
                     r->local, r->o, r->z, r->ca, r->cg, r->latent, r->cmain, r->ckey, r->iq,
                     r->iw, r->scores, r->cand, r->topk, r->glog, r->eids, r->ew, r->hash,
-                    r->erows, r->ekv, r->taps, r->mx, r->hfin, r->hsel};
+                    r->erows, r->ekv, r->taps, r->mx, r->hfin, r->hsel, r->logits};
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++)
         if (bufs[i])
             be->ops.free(be->ctx, bufs[i]);
@@ -811,18 +872,19 @@ static di_status final_logits(fwd_run *r, const fwd_step *st, float *logits, di_
                         .dst_stride = (size_t)c->dim * 2};
     FWD_TRY(err, -1, be->ops.copy_rows(be->ctx, &g));
     size_t bytes = (size_t)n * c->vocab_size * sizeof(float);
-    float *dev = be->ops.alloc(be->ctx, bytes);
-    if (!dev)
-        return di_fail(err, DI_ENOMEM, "logits of %u rows", n);
+    if (r->logits_rows < n) { /* kept between steps: a device backend's free waits */
+        if (r->logits)
+            be->ops.free(be->ctx, r->logits);
+        r->logits = be->ops.alloc(be->ctx, bytes);
+        r->logits_rows = r->logits ? n : 0;
+        if (!r->logits)
+            return di_fail(err, DI_ENOMEM, "logits of %u rows", n);
+    }
     kern_linear head = {.m = n, .n = c->vocab_size, .k = c->dim, .groups = 1, .x = r->hsel,
-                        .x_stride = c->dim, .w = m->head, .out_f32 = 1, .y = dev,
+                        .x_stride = c->dim, .w = m->head, .out_f32 = 1, .y = r->logits,
                         .y_stride = c->vocab_size};
-    di_status s = be->ops.head(be->ctx, &head); /* [n, V] f32 */
-    if (s == DI_OK)
-        be->ops.to_host(be->ctx, logits, dev, bytes);
-    be->ops.free(be->ctx, dev);
-    if (s != DI_OK)
-        return fwd_op_fail(err, s, "head", -1);
+    FWD_TRY(err, -1, be->ops.head(be->ctx, &head)); /* [n, V] f32 */
+    be->ops.to_host(be->ctx, logits, r->logits, bytes);
     return DI_OK;
 }
 

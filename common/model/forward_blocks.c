@@ -198,10 +198,15 @@ static di_status ensure_scores(fwd_run *r, size_t rows, size_t width, di_error *
     const kern_backend *be = r->m->be;
     size_t need = rows * width;
     if (r->scores_cap < need) {
+        /* grow by half again at least (up to the budget): a decode step's width grows with the
+         * context, and a device backend's free waits for its queue */
+        size_t grown = r->scores_cap + r->scores_cap / 2, limit = SCORE_BUDGET_BYTES / 4;
+        size_t cap = grown < limit ? grown : limit;
+        cap = cap > need ? cap : need;
         if (r->scores)
             be->ops.free(be->ctx, r->scores);
-        r->scores = be->ops.alloc(be->ctx, need * sizeof(float));
-        r->scores_cap = r->scores ? need : 0;
+        r->scores = be->ops.alloc(be->ctx, cap * sizeof(float));
+        r->scores_cap = r->scores ? cap : 0;
         if (!r->scores)
             return di_fail(err, DI_ENOMEM, "indexer scores of %zu x %zu", rows, width);
     }
@@ -216,7 +221,8 @@ static di_status ensure_cand(fwd_run *r, size_t width, di_error *err)
         return DI_OK;
     if (r->cand)
         be->ops.free(be->ctx, r->cand);
-    r->cand = be->ops.alloc(be->ctx, (size_t)r->max_rows * (width ? width : 1));
+    width = (width / 256 + 1) * 256; /* room for 2048 more entries before the next growth */
+    r->cand = be->ops.alloc(be->ctx, (size_t)r->max_rows * width);
     r->cand_stride = r->cand ? width : 0;
     if (!r->cand)
         return di_fail(err, DI_ENOMEM, "candidate blocks of %zu", width);
@@ -398,8 +404,7 @@ di_status fwd_engram(fwd_run *r, const fwd_layer_w *L, di_error *err)
     kern_engram_lookup lk = {.n_rows = T, .n_cols = cols, .head_dim = w,
                              .hash = r->hash + (size_t)L->engram_slot * cols,
                              .hash_stride = (size_t)c->n_engram_layers * cols,
-                             .table = e->seeded ? NULL : e->table.data,
-                             .table_scale = e->seeded ? NULL : e->table.scale,
+                             .table = L->e_table, .table_scale = L->e_table_s,
                              .table_rows = e->rows, .row_fn = e->seeded ? seeded_row : NULL,
                              .row_userdata = (void *)e, .out = r->erows};
     FWD_TRY(err, l, be->ops.engram_lookup(be->ctx, &lk)); /* rows [T, cols*w] */

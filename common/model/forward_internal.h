@@ -8,8 +8,10 @@
 
 #include "common/model/forward.h"
 
-/* Weight pointers of one layer or draft stage, as the ops take them: bf16/f32 vectors and
- * matrices naturally aligned (copied when the checkpoint's are not), FP8/FP4 bytes in place. */
+/* Weight pointers of one layer or draft stage, as the ops take them. On a host backend: bf16/f32
+ * vectors and matrices naturally aligned (copied when the checkpoint's are not), FP8/FP4 bytes
+ * in place. On a device backend (kern_backend.device_memory): every one a copy in backend
+ * memory (fwd_model.dev_chunks); the host views are not read after fwd_model_create. */
 typedef struct fwd_site_w {
     const float *fn;                 /* [24, hc*D] */
     const float *base;               /* [24] */
@@ -47,6 +49,8 @@ typedef struct fwd_layer_w {
     const model_engram_weights *engram;
     const uint8_t *e_wkv, *e_wkv_s;                /* [(hc+1)*D, cols*width] FP8 */
     const uint16_t *e_q, *e_k;                     /* [hc, D] */
+    const uint8_t *e_table, *e_table_s;            /* [rows, width] E4M3, [rows, width/32];
+                                                      NULL when seeded */
 } fwd_layer_w;
 
 struct fwd_model {
@@ -69,6 +73,11 @@ struct fwd_model {
     /* copies made for alignment or format */
     void **owned;
     uint32_t n_owned, cap_owned;
+    /* device backends (kern_backend.device_memory): every weight the ops read, copied into
+     * chunks of backend memory */
+    void **dev_chunks;
+    uint32_t n_dev_chunks, cap_dev_chunks;
+    size_t dev_used, dev_cap;                      /* bytes used / held in the last chunk */
 };
 
 /* Which rows are live and where they sit: changes once per step at YOCO compaction. */
@@ -128,6 +137,8 @@ struct fwd_run {
     /* final rows */
     uint16_t *hfin;                  /* [T, D] */
     uint16_t *hsel;                  /* [T, D] rows whose logits are wanted */
+    float *logits;                   /* [logits_rows, V] head output, grown on demand */
+    uint32_t logits_rows;
     /* host metadata */
     fwd_rows rows, rows2;            /* live rows; rows2 is the compaction target */
     int32_t *nvis;                   /* [T] visible compressed entries */

@@ -231,18 +231,27 @@ const char *runner_exec_error(const runner_exec *ex, uint64_t id)
 
 /* ---- one step --------------------------------------------------------------------------- */
 
-static void do_copies(runner_exec *ex, const sched_plan *plan)
+/* The plan's fork copies, block to block and slot to slot, as backend copies (the KV storage
+ * is backend memory: a device backend keeps it on the device). */
+static di_status do_copies(runner_exec *ex, const sched_plan *plan, di_error *err)
 {
     const kern_backend *be = ex->be;
     for (uint32_t i = 0; i < plan->n_copies; i++) {
         const sched_copy *c = &plan->copies[i];
-        if (c->kind == SCHED_COPY_BLOCK)
-            be->ops.from_host(be->ctx, fwd_kv_block(ex->kv, c->dst), fwd_kv_block(ex->kv, c->src),
-                              ex->kv->block_bytes);
-        else
-            be->ops.from_host(be->ctx, fwd_kv_slot(ex->kv, c->dst), fwd_kv_slot(ex->kv, c->src),
-                              ex->kv->slot_bytes);
+        int block = c->kind == SCHED_COPY_BLOCK;
+        kern_copy_rows cp = {.n_rows = 1,
+                             .row_bytes = block ? ex->kv->block_bytes : ex->kv->slot_bytes,
+                             .src = block ? fwd_kv_block(ex->kv, c->src)
+                                          : fwd_kv_slot(ex->kv, c->src),
+                             .dst = block ? fwd_kv_block(ex->kv, c->dst)
+                                          : fwd_kv_slot(ex->kv, c->dst)};
+        cp.src_stride = cp.dst_stride = cp.row_bytes;
+        di_status st = be->ops.copy_rows(be->ctx, &cp);
+        if (st != DI_OK)
+            return di_fail(err, st, "plan copy %u (%s %u to %u) failed", i,
+                           block ? "block" : "slot", c->src, c->dst);
     }
+    return DI_OK;
 }
 
 /* Builds the forward's step from the plan; records each entry's tokens by position. */
@@ -477,9 +486,10 @@ di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_re
         return di_fail(err, DI_EINVAL, "step: executor, plan and results are required");
     if (plan->placeholder)
         return DI_OK; /* one rank: nothing to run */
-    do_copies(ex, plan);
     fwd_step st;
-    di_status s = build_step(ex, plan, &st, err);
+    di_status s = do_copies(ex, plan, err);
+    if (s == DI_OK)
+        s = build_step(ex, plan, &st, err);
     for (uint32_t i = 0; s == DI_OK && i < plan->n_seqs; i++)
         if (plan->seqs[i].n_load || plan->seqs[i].load_window)
             s = ex->opt.on_load(ex->opt.load_userdata, ex->kv, &plan->seqs[i], err);

@@ -437,6 +437,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     memset(&be, 0, sizeof(be));
     be.name = "cuda";
     be.ctx = c;
+    be.device_memory = 1;
     be.ops.alloc = cuda_alloc;
     be.ops.free = cuda_free_mem;
     be.ops.to_host = cuda_to_host;
