@@ -234,6 +234,10 @@ Test(generate, bad_inputs_fail_with_a_clear_error)
         {"--nextn 9 --ids 3", "--nextn"},
         {"--no-such-flag", "unknown option"},
         {"--teacher-force 1,5000 --ids 3", "outside the vocabulary"},
+        {"--backend tpu --ids 3", "'tpu' is not cpu or cuda"},
+        {"--device 64 --ids 3", "--device"},
+        /* no CUDA in the build, no driver, or no device 63: refused whichever applies */
+        {"--backend cuda --device 63 --ids 3", "--backend cuda"},
     };
     expect_refusals(cases, sizeof(cases) / sizeof(cases[0]));
 }

@@ -151,6 +151,31 @@ static di_status o_threads(gen_args *a, const char *v, di_error *err)
     return st;
 }
 
+static di_status o_backend(gen_args *a, const char *v, di_error *err)
+{
+    if (strcmp(v, "cpu") == 0) {
+        a->cuda = false;
+        return DI_OK;
+    }
+    if (strcmp(v, "cuda") != 0)
+        return di_fail(err, DI_EINVAL, "--backend: '%s' is not cpu or cuda", v);
+#ifdef DI_HAVE_CUDA
+    a->cuda = true;
+    return DI_OK;
+#else
+    return di_fail(err, DI_EUNSUPPORTED, "--backend cuda: this build has no CUDA backend "
+                   "(meson setup -Dcuda=enabled on a machine with nvcc)");
+#endif
+}
+
+static di_status o_device(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--device", v, 0, 63, &x, err);
+    a->device = (int)x;
+    return st;
+}
+
 static di_status o_chunk(gen_args *a, const char *v, di_error *err)
 {
     uint64_t x;
@@ -289,6 +314,9 @@ static const gen_opt options[] = {
     {"--nextn", "N", o_nextn, "drafts per decode step (default: the draft block size, 0 without "
      "draft stages)"},
     {"--threads", "N", o_threads, "CPU threads (default 2)"},
+    {"--backend", "NAME", o_backend, "where the forward runs: cpu (default) or cuda (a build with "
+     "-Dcuda; weights and KV in device memory)"},
+    {"--device", "N", o_device, "CUDA device ordinal for --backend cuda (default 0)"},
     {"--chunk", "N", o_chunk, "prefill tokens per step (default 2048)"},
     {"--max-model-len", "N", o_max_len, "context limit in positions (default: the config's)"},
     {"--yoco", "MODE", o_yoco, "prefill truncation of layers >= the YOCO boundary: off, compact, "

@@ -12,6 +12,9 @@
 #include "common/model/runner_exec.h"
 #include "common/util/clock.h"
 #include "kernels/cpu/backend.h"
+#ifdef DI_HAVE_CUDA
+#include "kernels/cuda/backend_cuda.h"
+#endif
 #include "tools/generate/gen.h"
 #include "tools/generate/kvcache.h"
 #ifdef DI_HAVE_TOKENIZER
@@ -557,6 +560,32 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
     return DI_OK;
 }
 
+/* The backend of --backend: the CPU one with --threads, or a CUDA device. */
+static di_status backend_create(const gen_args *a, kern_backend *be, di_error *err)
+{
+#ifdef DI_HAVE_CUDA
+    if (a->cuda) {
+        kern_cuda_config c = {.device = a->device};
+        di_status st = kern_cuda_create(&c, be, err);
+        if (st != DI_OK)
+            di_error_prefix(err, "--backend cuda: ");
+        return st;
+    }
+#endif
+    return kern_cpu_create(a->threads, be, err);
+}
+
+static void backend_destroy(const gen_args *a, kern_backend *be)
+{
+#ifdef DI_HAVE_CUDA
+    if (a->cuda) {
+        kern_cuda_destroy(be);
+        return;
+    }
+#endif
+    kern_cpu_destroy(be);
+}
+
 di_status gen_run(gen_args *a, di_error *err)
 {
     sampling_params check = a->params;
@@ -570,7 +599,7 @@ di_status gen_run(gen_args *a, di_error *err)
     gen_ctx g = {.a = a, .log = {.fn = log_line, .level = a->quiet ? DI_LOG_WARN : DI_LOG_INFO}};
     run_state rs = {0};
     json_t *stats = NULL;
-    if ((st = kern_cpu_create(a->threads, &be, err)) != DI_OK)
+    if ((st = backend_create(a, &be, err)) != DI_OK)
         return st;
     uint64_t t0 = di_mono_ns();
     if ((st = load_model(a, &rm, err)) != DI_OK)
@@ -644,6 +673,6 @@ done:
 #ifdef DI_HAVE_TOKENIZER
     tok_free(g.tok);
 #endif
-    kern_cpu_destroy(&be);
+    backend_destroy(a, &be);
     return st;
 }
