@@ -336,7 +336,7 @@ static const gen_opt options[] = {
      "their rows, from the draft model's confidences and a step-time table"},
     {"--step-ms", "LIST", o_step_ms, "varlen's step-time table, ROWS:MS,... at the recorded "
      "graph sizes (1, 2, 4, 8, then multiples of 8, up to prompts x (1 + nextn), prompts at "
-     "most 64); default: measured at start-up on the CPU backend"},
+     "most 64); default: measured at start-up on the run's backend"},
     {"--sampler-ms", "X", o_sampler_ms, "varlen: sampler time per step added to every size "
      "(default 0)"},
     {"--json", NULL, o_json, "print the results as one JSON object"},

@@ -62,7 +62,7 @@ static di_status measure(const gen_args *a, runner_exec *ex, const graph_sizes *
 {
     if (!a->quiet)
         fprintf(stderr, "di-generate: varlen: timing decode steps at %zu graph sizes (up to %u "
-                "rows) on the CPU backend\n", g->count, g->max_rows);
+                "rows) on the %s backend\n", g->count, g->max_rows, a->cuda ? "CUDA" : "CPU");
     for (size_t i = 0; i < g->count; i++) {
         double ms;
         di_status st = runner_exec_time_step(ex, g->sizes[i], GEN_TIME_RUNS, &ms, err);
@@ -78,8 +78,12 @@ static di_status measure(const gen_args *a, runner_exec *ex, const graph_sizes *
             "row's logits; sampler %g ms):", GEN_TIME_RUNS, a->sampler_ms);
     for (size_t i = 0; i < g->count; i++)
         fprintf(stderr, " %u:%.3g", t[i].rows, t[i].step_ms);
-    fprintf(stderr, "\ndi-generate: varlen: the CPU backend has no recorded graphs and every row "
-            "costs time, so varlen's choices here say nothing about a GPU\n");
+    if (a->cuda)
+        fprintf(stderr, "\ndi-generate: varlen: steps run without recorded graphs here, so "
+                "launch costs are in every size\n");
+    else
+        fprintf(stderr, "\ndi-generate: varlen: the CPU backend has no recorded graphs and every "
+                "row costs time, so varlen's choices here say nothing about a GPU\n");
     return DI_OK;
 }
 
