@@ -1,0 +1,246 @@
+/* moe_grouped.cu: the routed experts of moe_experts for decode-sized batches (the grouped
+ * path; moe.cu picks it, builds the groups and runs the shared expert and the combine).
+ *
+ * The (row, slot) pairs are bucketed by expert (moe.cu, the twin's order); a group is one
+ * expert's bucket, or a piece of CUDA_MOE_GROUP_ROWS rows of a larger one. Two launches cover
+ * every group:
+ *  - up: block (group, tile of 64 outputs of W1 and W3). The group's input rows (x quantised
+ *    by (A) beforehand, exact in bf16) are staged in shared memory; each warp takes 8 output
+ *    rows j in turn, and for each its lanes stride over the inputs 8 at a time: 4 bytes of
+ *    packed E2M1 of W1 and of W3 and their UE8M0 scale straight from the checkpoint layout,
+ *    dequantised in registers (code * scale in fp32, the twin's exact values), multiplied with
+ *    every row of the group (one 16-byte shared load per row: consecutive lanes read
+ *    consecutive 16 bytes, no bank conflict), fp32 accumulators per row. A butterfly sums the
+ *    lanes; lane r rounds g and u of row r to bf16 as the twin's linear does, applies SwiGLU
+ *    with the clamp and the routing weight (dev_swiglu, the twin's double expressions) and
+ *    stores h. Each weight byte is read once per group: the group's rows reuse it from
+ *    registers.
+ *  - h is quantised by (A) in place (cuda_fakequant_rows, as the twin before W2);
+ *  - down: the same tiling over W2 with the group's h rows, storing og = bf16(fp32 sum).
+ * Rows past the group's count are skipped by warp-uniform branches; output rows past the
+ * width end the warp's loop (the width need not be a multiple of the tile); the inputs of a
+ * lane's step lie inside the row because widths are multiples of 32.
+ *
+ * What is exact: the weights, the quantised inputs, SwiGLU given g and u, the bf16 roundings.
+ * What differs: the fp32 sums run in another order than the twin's double sums, so g, u and
+ * og can differ by an ulp of bf16, and an h moved by one FP8 step before W2 (kernels.h's
+ * moe_experts tolerance covers it).
+ *
+ * Cost: the weights of the used experts once (plus the group's rows from L2 per block); the
+ * work per weight is one dequantisation and one FMA per row, so a group of many rows is
+ * compute-bound on the CUDA cores, which is why the path is for small groups only.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/moe_dev.cuh"
+#include "kernels/cuda/numfmt_dev.cuh"
+
+#define GRP_WARPS 8                              /* warps per block */
+#define GRP_WARP_ROWS 8                          /* output rows per warp */
+#define GRP_TILE (GRP_WARPS * GRP_WARP_ROWS)     /* output rows per block */
+#define GRP_STEP 256                             /* inputs a warp covers per step (8 a lane) */
+#define GRP_DEFAULT_SMEM (48 * 1024)             /* dynamic shared memory without opting in */
+
+/* ---- device helpers ---- */
+
+/* 4 bytes of packed E2M1 (8 values) at p: one load when aligned, else byte by byte */
+__device__ __forceinline__ uint32_t load_w4(const uint8_t *p, bool aligned)
+{
+    if (aligned)
+        return __ldg(reinterpret_cast<const unsigned int *>(p));
+    return (uint32_t)__ldg(p) | (uint32_t)__ldg(p + 1) << 8 | (uint32_t)__ldg(p + 2) << 16 |
+           (uint32_t)__ldg(p + 3) << 24;
+}
+
+/* The 8 weights of a 4-byte word (value i in nibble i: element 2j in the low nibble of byte
+ * j) times the block scale s. A code's magnitude bits placed at bit 22 of an fp32 make its
+ * value times 2^-126 (code 1 the subnormal 2^-127), so one exact multiply by 2^126 gives the
+ * E2M1 value, the sign bit moved to bit 31; then the twin's fp32 product with the scale. */
+__device__ __forceinline__ void dequant8(uint32_t w, float s, float (&v)[8])
+{
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        uint32_t bits = ((w >> (4 * i + 3)) & 1u) << 31 | ((w >> (4 * i)) & 7u) << 22;
+        v[i] = __uint_as_float(bits) * 0x1p126f * s;
+    }
+}
+
+__device__ __forceinline__ float warp_sum(float v)
+{
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2)
+        v += __shfl_xor_sync(0xffffffffu, v, off);
+    return v;
+}
+
+/* acc[r] += w . x_r over the 8 inputs of this step, for the first n rows staged at xs + k0
+ * (row stride K); n is the same for the whole warp. */
+template <int R>
+__device__ __forceinline__ void rows_fma(const uint16_t *xs, uint32_t K, uint32_t k0, uint32_t n,
+                                         const float (&w)[8], float (&acc)[R])
+{
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        if ((uint32_t)r >= n)
+            break;
+        uint4 q = *reinterpret_cast<const uint4 *>(xs + (size_t)r * K + k0);
+        uint32_t h[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            acc[r] = fmaf(w[2 * i], __uint_as_float(h[i] << 16), acc[r]);
+            acc[r] = fmaf(w[2 * i + 1], __uint_as_float(h[i] & 0xffff0000u), acc[r]);
+        }
+    }
+}
+
+/* ---- the kernel: UP = W1 and W3 with SwiGLU, else W2; R >= every group's n ---- */
+
+template <int R, bool UP>
+__global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_grouped a)
+{
+    extern __shared__ __align__(16) uint16_t grp_xs[]; /* [n, K] the group's input rows */
+    const uint32_t K = UP ? a.dim : a.inter, N = UP ? a.inter : a.dim;
+    const uint32_t tiles = (N + GRP_TILE - 1) / GRP_TILE;
+    const cuda_moe_group gr = a.groups[blockIdx.x / tiles];
+    const uint32_t tile = blockIdx.x % tiles, n = gr.n;
+    const uint32_t vecs = K / 8; /* 16-byte pieces of a row */
+    for (uint32_t i = threadIdx.x; i < n * vecs; i += blockDim.x) {
+        uint32_t r = i / vecs, v = i % vecs;
+        const uint16_t *src = UP ? a.xq + (size_t)(a.pair[gr.start + r] / (int32_t)a.top_k) * K
+                                 : a.h + (size_t)(gr.start + r) * K;
+        reinterpret_cast<uint4 *>(grp_xs + (size_t)r * K)[v] =
+            reinterpret_cast<const uint4 *>(src)[v];
+    }
+    __syncthreads();
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+    const uint8_t *wa = UP ? gr.w1 : gr.w2, *sa = UP ? gr.s1 : gr.s2;
+    const bool aligned = a.aligned != 0;
+    for (uint32_t q = 0; q < GRP_WARP_ROWS; q++) {
+        const uint32_t j = tile * GRP_TILE + warp * GRP_WARP_ROWS + q;
+        if (j >= N) /* the same j on every lane */
+            break;
+        float acc_a[R], acc_b[R];
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            acc_a[r] = 0.0f, acc_b[r] = 0.0f;
+        const uint8_t *ra = wa + (size_t)j * (K / 2), *rsa = sa + (size_t)j * (K / 32);
+        const uint8_t *rb = UP ? gr.w3 + (size_t)j * (K / 2) : NULL;
+        const uint8_t *rsb = UP ? gr.s3 + (size_t)j * (K / 32) : NULL;
+#pragma unroll 2
+        for (uint32_t k0 = lane * 8; k0 < K; k0 += GRP_STEP) {
+            float w[8];
+            dequant8(load_w4(ra + k0 / 2, aligned), dev_ue8m0_decode(__ldg(rsa + k0 / 32)), w);
+            rows_fma<R>(grp_xs, K, k0, n, w, acc_a);
+            if (UP) {
+                dequant8(load_w4(rb + k0 / 2, aligned), dev_ue8m0_decode(__ldg(rsb + k0 / 32)),
+                         w);
+                rows_fma<R>(grp_xs, K, k0, n, w, acc_b);
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if ((uint32_t)r >= n)
+                break;
+            acc_a[r] = warp_sum(acc_a[r]);
+            if (UP)
+                acc_b[r] = warp_sum(acc_b[r]);
+        }
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if ((uint32_t)r >= n || lane != (uint32_t)r)
+                continue;
+            const size_t row = (size_t)gr.start + r;
+            if (UP) {
+                float g = dev_bf16_to_f32(dev_f32_to_bf16(acc_a[r]));
+                float u = dev_bf16_to_f32(dev_f32_to_bf16(acc_b[r]));
+                a.h[row * N + j] = dev_swiglu(g, u, a.limit, true, a.weights[a.pair[row]]);
+            } else {
+                a.og[row * N + j] = dev_f32_to_bf16(acc_a[r]);
+            }
+        }
+    }
+}
+
+/* ---- launchers ---- */
+
+static size_t smem_bytes(uint32_t rows, uint32_t width)
+{
+    return (size_t)rows * width * sizeof(uint16_t);
+}
+
+static int smem_limit(cuda_ctx *c)
+{
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device) !=
+        cudaSuccess) {
+        cudaGetLastError();
+        return GRP_DEFAULT_SMEM;
+    }
+    return v;
+}
+
+int cuda_moe_grouped_fits(cuda_ctx *c, uint32_t rows, uint32_t dim, uint32_t inter)
+{
+    size_t need = smem_bytes(rows, dim > inter ? dim : inter);
+    return need <= (size_t)smem_limit(c);
+}
+
+template <int R, bool UP>
+static di_status launch_one(cuda_ctx *c, const cuda_moe_grouped *g)
+{
+    const uint32_t N = UP ? g->inter : g->dim, K = UP ? g->dim : g->inter;
+    const uint64_t blocks = (uint64_t)g->n_groups * ((N + GRP_TILE - 1) / GRP_TILE);
+    const char *name = UP ? "moe_grouped_kernel<up>" : "moe_grouped_kernel<down>";
+    if (blocks > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "%s: %u groups x %u outputs in one launch", name,
+                         g->n_groups, N);
+    size_t smem = smem_bytes(g->max_rows, K);
+    if (smem > GRP_DEFAULT_SMEM) {
+        di_status st = cuda_check(c, cudaFuncSetAttribute((const void *)moe_grouped_kernel<R, UP>,
+                                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                          (int)smem),
+                                  "cudaFuncSetAttribute(moe_grouped_kernel)");
+        if (st != DI_OK)
+            return st;
+    }
+    moe_grouped_kernel<R, UP><<<(unsigned)blocks, GRP_WARPS * 32, smem, c->stream>>>(*g);
+    return cuda_launched(c, name);
+}
+
+/* The smallest instantiated row count that holds max_rows. */
+template <bool UP>
+static di_status launch_rows(cuda_ctx *c, const cuda_moe_grouped *g)
+{
+    if (g->max_rows <= 1)
+        return launch_one<1, UP>(c, g);
+    if (g->max_rows <= 2)
+        return launch_one<2, UP>(c, g);
+    if (g->max_rows <= 4)
+        return launch_one<4, UP>(c, g);
+    if (g->max_rows <= 8)
+        return launch_one<8, UP>(c, g);
+    return launch_one<16, UP>(c, g);
+}
+
+di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g)
+{
+    static_assert(CUDA_MOE_GROUP_ROWS <= 16, "launch_rows instantiates up to 16 rows");
+    if (g->n_groups == 0)
+        return DI_OK;
+    if (g->max_rows < 1 || g->max_rows > CUDA_MOE_GROUP_ROWS || g->dim % 32 || g->inter % 32)
+        return cuda_fail(c, DI_EINVAL, "moe grouped: %u rows per group, dim %u, inter %u",
+                         g->max_rows, g->dim, g->inter);
+    if (!cuda_moe_grouped_fits(c, g->max_rows, g->dim, g->inter))
+        return cuda_fail(c, DI_EINVAL, "moe grouped: %u rows of %u inputs exceed the shared "
+                         "memory of a block", g->max_rows, g->dim > g->inter ? g->dim : g->inter);
+    di_status st = launch_rows<true>(c, g);
+    if (st == DI_OK)
+        st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, g->h, g->inter, g->h, g->inter, g->n_pairs,
+                                 g->inter);
+    if (st == DI_OK)
+        st = launch_rows<false>(c, g);
+    return st;
+}
