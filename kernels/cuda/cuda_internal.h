@@ -66,6 +66,9 @@ typedef struct cuda_ctx {
     int simple_gemm;            /* 1: GEMMs bypass cuBLASLt (kern_cuda_config) */
     int moe_grouped_rows;       /* largest expert group of moe_experts' grouped path; 0 =
                                  * never (kern_cuda_config.moe_grouped_rows resolved) */
+    int smem_optin;             /* the device's opt-in shared memory per block (bytes); 0
+                                 * until moe_grouped.cu first queries it */
+    int sm_count;               /* the device's SMs; 0 until moe_grouped.cu first queries it */
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
     uint32_t plan_next;         /* slot the next new plan replaces */
     kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */

@@ -4,9 +4,10 @@
  * The (row, slot) pairs are bucketed by expert (moe.cu, the twin's order); a group is one
  * expert's bucket, or a piece of CUDA_MOE_GROUP_ROWS rows of a larger one. Two launches cover
  * every group:
- *  - up: block (group, tile of 64 outputs of W1 and W3). The group's input rows (x quantised
- *    by (A) beforehand, exact in bf16) are staged in shared memory; each warp takes 8 output
- *    rows j in turn, and for each its lanes stride over the inputs 8 at a time: 4 bytes of
+ *  - up: block (group, tile of 8 x warp_rows outputs of W1 and W3; warp_rows is 8, or fewer
+ *    when the launch would have under 4 blocks per SM). The group's input rows (x quantised
+ *    by (A) beforehand, exact in bf16) are staged in shared memory; each warp takes warp_rows
+ *    output rows j in turn, and for each its lanes stride over the inputs 8 at a time: 4 bytes of
  *    packed E2M1 of W1 and of W3 and their UE8M0 scale straight from the checkpoint layout,
  *    dequantised in registers (code * scale in fp32, the twin's exact values), multiplied with
  *    every row of the group (one 16-byte shared load per row: consecutive lanes read
@@ -39,10 +40,12 @@
 #include "kernels/cuda/numfmt_dev.cuh"
 
 #define GRP_WARPS 8                              /* warps per block */
-#define GRP_WARP_ROWS 8                          /* output rows per warp */
-#define GRP_TILE (GRP_WARPS * GRP_WARP_ROWS)     /* output rows per block */
+#define GRP_WARP_ROWS 8                          /* output rows per warp, at most */
 #define GRP_STEP 256                             /* inputs a warp covers per step (8 a lane) */
 #define GRP_DEFAULT_SMEM (48 * 1024)             /* dynamic shared memory without opting in */
+#define GRP_BLOCKS_PER_SM 4                      /* fewer output rows per warp (more blocks)
+                                                  * until a launch has this many blocks per
+                                                  * SM, to keep enough loads in flight */
 
 /* ---- device helpers ---- */
 
@@ -99,11 +102,12 @@ __device__ __forceinline__ void rows_fma(const uint16_t *xs, uint32_t K, uint32_
 /* ---- the kernel: UP = W1 and W3 with SwiGLU, else W2; R >= every group's n ---- */
 
 template <int R, bool UP>
-__global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_grouped a)
+__global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_grouped a,
+                                                                     uint32_t warp_rows)
 {
     extern __shared__ __align__(16) uint16_t grp_xs[]; /* [n, K] the group's input rows */
     const uint32_t K = UP ? a.dim : a.inter, N = UP ? a.inter : a.dim;
-    const uint32_t tiles = (N + GRP_TILE - 1) / GRP_TILE;
+    const uint32_t tile_rows = GRP_WARPS * warp_rows, tiles = (N + tile_rows - 1) / tile_rows;
     const cuda_moe_group gr = a.groups[blockIdx.x / tiles];
     const uint32_t tile = blockIdx.x % tiles, n = gr.n;
     const uint32_t vecs = K / 8; /* 16-byte pieces of a row */
@@ -118,8 +122,8 @@ __global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_gr
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint8_t *wa = UP ? gr.w1 : gr.w2, *sa = UP ? gr.s1 : gr.s2;
     const bool aligned = a.aligned != 0;
-    for (uint32_t q = 0; q < GRP_WARP_ROWS; q++) {
-        const uint32_t j = tile * GRP_TILE + warp * GRP_WARP_ROWS + q;
+    for (uint32_t q = 0; q < warp_rows; q++) {
+        const uint32_t j = tile * tile_rows + warp * warp_rows + q;
         if (j >= N) /* the same j on every lane */
             break;
         float acc_a[R], acc_b[R];
@@ -129,7 +133,7 @@ __global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_gr
         const uint8_t *ra = wa + (size_t)j * (K / 2), *rsa = sa + (size_t)j * (K / 32);
         const uint8_t *rb = UP ? gr.w3 + (size_t)j * (K / 2) : NULL;
         const uint8_t *rsb = UP ? gr.s3 + (size_t)j * (K / 32) : NULL;
-#pragma unroll 2
+#pragma unroll 4
         for (uint32_t k0 = lane * 8; k0 < K; k0 += GRP_STEP) {
             float w[8];
             dequant8(load_w4(ra + k0 / 2, aligned), dev_ue8m0_decode(__ldg(rsa + k0 / 32)), w);
@@ -171,15 +175,37 @@ static size_t smem_bytes(uint32_t rows, uint32_t width)
     return (size_t)rows * width * sizeof(uint16_t);
 }
 
+/* A device attribute, queried once into *cache (0 = not yet); fallback when the query fails. */
+static int device_attr(cuda_ctx *c, cudaDeviceAttr attr, int *cache, int fallback)
+{
+    if (*cache > 0)
+        return *cache;
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, attr, c->device) != cudaSuccess || v <= 0) {
+        cudaGetLastError();
+        return fallback;
+    }
+    *cache = v;
+    return v;
+}
+
 static int smem_limit(cuda_ctx *c)
 {
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, c->device) !=
-        cudaSuccess) {
-        cudaGetLastError();
-        return GRP_DEFAULT_SMEM;
-    }
-    return v;
+    return device_attr(c, cudaDevAttrMaxSharedMemoryPerBlockOptin, &c->smem_optin,
+                       GRP_DEFAULT_SMEM);
+}
+
+/* Output rows per warp: GRP_WARP_ROWS, halved while the launch would have fewer than
+ * GRP_BLOCKS_PER_SM blocks per SM (a step of one or a few rows has few groups). */
+static uint32_t warp_rows_for(cuda_ctx *c, uint32_t n_groups, uint32_t outputs)
+{
+    uint64_t want = (uint64_t)GRP_BLOCKS_PER_SM *
+                    device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
+    uint32_t wr = GRP_WARP_ROWS;
+    while (wr > 1 &&
+           (uint64_t)n_groups * ((outputs + GRP_WARPS * wr - 1) / (GRP_WARPS * wr)) < want)
+        wr /= 2;
+    return wr;
 }
 
 int cuda_moe_grouped_fits(cuda_ctx *c, uint32_t rows, uint32_t dim, uint32_t inter)
@@ -192,7 +218,8 @@ template <int R, bool UP>
 static di_status launch_one(cuda_ctx *c, const cuda_moe_grouped *g)
 {
     const uint32_t N = UP ? g->inter : g->dim, K = UP ? g->dim : g->inter;
-    const uint64_t blocks = (uint64_t)g->n_groups * ((N + GRP_TILE - 1) / GRP_TILE);
+    const uint32_t wr = warp_rows_for(c, g->n_groups, N), tile_rows = GRP_WARPS * wr;
+    const uint64_t blocks = (uint64_t)g->n_groups * ((N + tile_rows - 1) / tile_rows);
     const char *name = UP ? "moe_grouped_kernel<up>" : "moe_grouped_kernel<down>";
     if (blocks > 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "%s: %u groups x %u outputs in one launch", name,
@@ -206,7 +233,7 @@ static di_status launch_one(cuda_ctx *c, const cuda_moe_grouped *g)
         if (st != DI_OK)
             return st;
     }
-    moe_grouped_kernel<R, UP><<<(unsigned)blocks, GRP_WARPS * 32, smem, c->stream>>>(*g);
+    moe_grouped_kernel<R, UP><<<(unsigned)blocks, GRP_WARPS * 32, smem, c->stream>>>(*g, wr);
     return cuda_launched(c, name);
 }
 
