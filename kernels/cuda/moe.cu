@@ -11,12 +11,17 @@
  *    weights abs 1e-6).
  *  - swiglu: element-wise, the twin's double expressions: bit-identical.
  *  - moe_experts: the (row, slot) pairs are bucketed by expert on the host (the ids are read
- *    back: one synchronisation per call), the rows gathered into the work buffer in the twin's
- *    order, each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8
- *    activations by (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM), SwiGLU with the
- *    routing weight runs once over every pair, the shared expert on every row, and one kernel
- *    sums each row's expert outputs in double in the twin's order (ascending expert, then the
- *    shared expert) and rounds once. Tolerance: as kern_linear.
+ *    back: one synchronisation per call). When the largest bucket has at most
+ *    cuda_ctx.moe_grouped_rows pairs (default 16) and fits a block's shared memory, the routed
+ *    experts take the grouped path (moe_grouped.cu: one launch for W1 and W3 with SwiGLU and
+ *    the routing weight over every bucket, one for W2, the FP4 weights dequantised in
+ *    registers). Otherwise the rows are gathered into the work buffer in the twin's order,
+ *    each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8 activations by
+ *    (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM) and SwiGLU with the routing
+ *    weight runs once over every pair. The shared expert runs the linear path on every row,
+ *    and one kernel sums each row's expert outputs in double in the twin's order (ascending
+ *    expert, then the shared expert) and rounds once. Tolerance: kernels.h's moe_experts bound
+ *    on either path.
  */
 #include <cuda_runtime.h>
 #include <assert.h>
