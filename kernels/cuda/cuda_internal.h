@@ -217,11 +217,14 @@ di_status cuda_linear_run(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt);
 /* Rows of one group in a launch (a larger expert group is split into several). */
 #define CUDA_MOE_GROUP_ROWS 16
 
-/* One group: rows [start, start + n) of the call's bucket order, all routed to one expert. */
+/* One group: rows [start, start + n) of the call's bucket order, all routed to one expert
+ * (or rows of x for the shared expert). */
 typedef struct cuda_moe_group {
-    const uint8_t *w1, *s1;     /* [inter, dim/2] packed E2M1 and [inter, dim/32] UE8M0 */
+    const uint8_t *w1, *s1;     /* [inter, dim/2] packed E2M1 and [inter, dim/32] UE8M0 (FP8:
+                                 * [inter, dim] E4M3 and [ceil(inter/32), dim/32]) */
     const uint8_t *w3, *s3;     /* the same for W3 */
-    const uint8_t *w2, *s2;     /* [dim, inter/2] and [dim, inter/32] */
+    const uint8_t *w2, *s2;     /* [dim, inter/2] and [dim, inter/32] (FP8: [dim, inter] and
+                                 * [dim/32, inter/32]) */
     uint32_t start;             /* first pair of the group in bucket order */
     uint32_t n;                 /* rows, 1..CUDA_MOE_GROUP_ROWS */
 } cuda_moe_group;
@@ -231,12 +234,14 @@ typedef struct cuda_moe_grouped {
     uint32_t n_groups;
     const cuda_moe_group *groups; /* [n_groups] */
     uint32_t max_rows;          /* largest n of the groups */
-    int aligned;                /* every w1, w3, w2 is 4-byte aligned */
+    int fp8;                    /* 0: routed FP4 weights; 1: the shared expert's FP8 weights */
+    int aligned;                /* every w1, w3, w2 is 4-byte (FP8: 8-byte) aligned */
     uint32_t dim, inter, top_k;
     uint32_t n_pairs;           /* rows of h and og */
     const uint16_t *xq;         /* [n_rows, dim] x quantised by (A) */
-    const int32_t *pair;        /* [n_pairs] row * top_k + slot, bucket order */
-    const float *weights;       /* [n_rows, top_k] routing weights */
+    const int32_t *pair;        /* [n_pairs] row * top_k + slot, bucket order; NULL: row i of
+                                 * h and og is row i of x, with no routing weight */
+    const float *weights;       /* [n_rows, top_k] routing weights (with pair) */
     float limit;                /* swiglu_limit */
     uint16_t *h;                /* [n_pairs, inter] hidden activations (written, then
                                  * quantised by (A) in place) */

@@ -18,10 +18,11 @@
  *    registers). Otherwise the rows are gathered into the work buffer in the twin's order,
  *    each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8 activations by
  *    (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM) and SwiGLU with the routing
- *    weight runs once over every pair. The shared expert runs the linear path on every row,
- *    and one kernel sums each row's expert outputs in double in the twin's order (ascending
- *    expert, then the shared expert) and rounds once. Tolerance: kernels.h's moe_experts bound
- *    on either path.
+ *    weight runs once over every pair. The shared expert takes the grouped path as well (FP8
+ *    weights, one group) when the routed experts do and the call has at most 16 rows, else
+ *    the linear path on every row. One kernel sums each row's expert outputs in double in the
+ *    twin's order (ascending expert, then the shared expert) and rounds once. Tolerance:
+ *    kernels.h's moe_experts bound on either path.
  */
 #include <cuda_runtime.h>
 #include <assert.h>
@@ -257,7 +258,10 @@ typedef struct moe_plan {
     cuda_moe_group *groups;     /* [n_groups] the grouped path's groups (host); NULL otherwise */
     uint32_t n_groups;
     int aligned;                /* every used expert's w1, w3, w2 is 4-byte aligned */
-    size_t off_pair, off_pos, off_groups; /* metadata offsets */
+    int shared_grouped;         /* 1: the shared expert takes the grouped path too (grouped,
+                                 * at most CUDA_MOE_GROUP_ROWS rows) */
+    cuda_moe_group shared;      /* its one group: every row of x */
+    size_t off_pair, off_pos, off_groups, off_shared; /* metadata offsets */
     size_t xq, xg, wg, g, u, h, og, gs, us, hs, os, total; /* work offsets after the metadata */
 } moe_plan;
 
@@ -361,6 +365,16 @@ static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t
         di_status st = plan_groups(c, p, pl);
         if (st != DI_OK)
             return st;
+    }
+    /* the shared expert reads its FP8 weight once per group of rows: grouped only when all
+     * rows make one group */
+    pl->shared_grouped = pl->grouped && p->shared_inter && T <= CUDA_MOE_GROUP_ROWS &&
+                         cuda_moe_grouped_fits(c, T, p->dim, p->shared_inter);
+    if (pl->shared_grouped) {
+        const kern_expert *sh = &p->shared;
+        cuda_moe_group g = {sh->w1, sh->w1_scale, sh->w3, sh->w3_scale, sh->w2, sh->w2_scale,
+                            0, T};
+        pl->shared = g;
     }
     /* the grouped path reads x quantised once per row; the cuBLASLt path gathers the rows and
      * keeps g and u */
@@ -478,6 +492,24 @@ static di_status run_routed_grouped(cuda_ctx *c, const kern_moe_experts *p, cons
     return cuda_moe_grouped_run(c, &g);
 }
 
+/* The shared expert on the grouped path (FP8 weights, no routing weight): its one group reads
+ * the rows of x that run_routed_grouped quantised. group: its device copy. */
+static di_status run_shared_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
+                                    const cuda_moe_group *group, uint8_t *w)
+{
+    const kern_expert *sh = &p->shared;
+    cuda_moe_grouped g;
+    memset(&g, 0, sizeof(g));
+    g.n_groups = 1, g.groups = group, g.max_rows = p->n_rows, g.fp8 = 1;
+    g.aligned = (uintptr_t)sh->w1 % 8 == 0 && (uintptr_t)sh->w3 % 8 == 0 &&
+                (uintptr_t)sh->w2 % 8 == 0;
+    g.dim = p->dim, g.inter = p->shared_inter, g.top_k = p->top_k, g.n_pairs = p->n_rows;
+    g.xq = (const uint16_t *)(w + pl->xq), g.pair = NULL, g.weights = NULL;
+    g.limit = p->swiglu_limit;
+    g.h = (uint16_t *)(w + pl->hs), g.og = (uint16_t *)(w + pl->os);
+    return cuda_moe_grouped_run(c, &g);
+}
+
 static di_status run_shared(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl, uint8_t *w)
 {
     uint16_t *gs = (uint16_t *)(w + pl->gs), *us = (uint16_t *)(w + pl->us);
@@ -523,6 +555,8 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
     if (st == DI_OK && pl.grouped)
         st = cuda_meta_push(c, pl.groups, (size_t)pl.n_groups * sizeof(cuda_moe_group),
                             &pl.off_groups);
+    if (st == DI_OK && pl.shared_grouped)
+        st = cuda_meta_push(c, &pl.shared, sizeof(cuda_moe_group), &pl.off_shared);
     if (st == DI_OK)
         st = cuda_meta_upload(c, 1, pl.total, &dev, &w);
     if (st == DI_OK)
@@ -534,7 +568,9 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
         c->stats.moe_grouped++;
     else if (st == DI_OK)
         c->stats.moe_gemm++;
-    if (st == DI_OK && p->shared_inter)
+    if (st == DI_OK && pl.shared_grouped)
+        st = run_shared_grouped(c, p, &pl, (const cuda_moe_group *)(dev + pl.off_shared), w);
+    else if (st == DI_OK && p->shared_inter)
         st = run_shared(c, p, &pl, w);
     if (st == DI_OK)
         st = launch_combine(c, p, (const uint16_t *)(w + pl.og), (const int32_t *)(dev + pl.off_pos),

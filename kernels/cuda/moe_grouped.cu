@@ -18,6 +18,9 @@
  *    registers.
  *  - h is quantised by (A) in place (cuda_fakequant_rows, as the twin before W2);
  *  - down: the same tiling over W2 with the group's h rows, storing og = bf16(fp32 sum).
+ * The shared expert of a call of at most 16 rows runs the same kernels as one group (FP8:
+ * 8 bytes of E4M3 per lane and step, the scale of the row's 32-row block; rows straight from
+ * x, no routing weight).
  * Rows past the group's count are skipped by warp-uniform branches; output rows past the
  * width end the warp's loop (the width need not be a multiple of the tile); the inputs of a
  * lane's step lie inside the row because widths are multiples of 32.
@@ -71,6 +74,36 @@ __device__ __forceinline__ void dequant8(uint32_t w, float s, float (&v)[8])
     }
 }
 
+/* 8 bytes of E4M3 (8 values) at p: one load when aligned, else byte by byte */
+__device__ __forceinline__ uint2 load_w8(const uint8_t *p, bool aligned)
+{
+    if (aligned)
+        return __ldg(reinterpret_cast<const uint2 *>(p));
+    return make_uint2(load_w4(p, false), load_w4(p + 4, false));
+}
+
+/* The 8 weights of 8 E4M3 codes times the block scale s (the twin's fp32 products). */
+__device__ __forceinline__ void dequant8_fp8(uint2 q, float s, float (&v)[8])
+{
+#pragma unroll
+    for (int i = 0; i < 8; i++)
+        v[i] = dev_e4m3_decode((uint8_t)(((i < 4 ? q.x : q.y) >> (8 * (i & 3))) & 0xffu)) * s;
+}
+
+/* The 8 weights of one lane's step at inputs [k0, k0 + 8) of a weight row: FP4 rows are
+ * packed E2M1 (k/2 bytes) with a UE8M0 scale per 32 inputs (row scale pointer rs); FP8 rows
+ * are E4M3 (k bytes) with the scale row of their 32-row block (rs). */
+template <bool FP8>
+__device__ __forceinline__ void load_step(const uint8_t *row, const uint8_t *rs, uint32_t k0,
+                                          bool aligned, float (&v)[8])
+{
+    float s = dev_ue8m0_decode(__ldg(rs + k0 / 32));
+    if (FP8)
+        dequant8_fp8(load_w8(row + k0, aligned), s, v);
+    else
+        dequant8(load_w4(row + k0 / 2, aligned), s, v);
+}
+
 __device__ __forceinline__ float warp_sum(float v)
 {
 #pragma unroll
@@ -99,9 +132,10 @@ __device__ __forceinline__ void rows_fma(const uint16_t *xs, uint32_t K, uint32_
     }
 }
 
-/* ---- the kernel: UP = W1 and W3 with SwiGLU, else W2; R >= every group's n ---- */
+/* ---- the kernel: UP = W1 and W3 with SwiGLU, else W2; R >= every group's n; FP8: E4M3
+ * weights with 32x32 scales (the shared expert), else packed E2M1 with 1x32 scales ---- */
 
-template <int R, bool UP>
+template <int R, bool UP, bool FP8>
 __global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_grouped a,
                                                                      uint32_t warp_rows)
 {
@@ -113,8 +147,9 @@ __global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_gr
     const uint32_t vecs = K / 8; /* 16-byte pieces of a row */
     for (uint32_t i = threadIdx.x; i < n * vecs; i += blockDim.x) {
         uint32_t r = i / vecs, v = i % vecs;
-        const uint16_t *src = UP ? a.xq + (size_t)(a.pair[gr.start + r] / (int32_t)a.top_k) * K
-                                 : a.h + (size_t)(gr.start + r) * K;
+        size_t xrow = a.pair ? (size_t)(a.pair[gr.start + r] / (int32_t)a.top_k)
+                             : (size_t)gr.start + r;
+        const uint16_t *src = UP ? a.xq + xrow * K : a.h + (size_t)(gr.start + r) * K;
         reinterpret_cast<uint4 *>(grp_xs + (size_t)r * K)[v] =
             reinterpret_cast<const uint4 *>(src)[v];
     }
@@ -130,17 +165,17 @@ __global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_gr
 #pragma unroll
         for (int r = 0; r < R; r++)
             acc_a[r] = 0.0f, acc_b[r] = 0.0f;
-        const uint8_t *ra = wa + (size_t)j * (K / 2), *rsa = sa + (size_t)j * (K / 32);
-        const uint8_t *rb = UP ? gr.w3 + (size_t)j * (K / 2) : NULL;
-        const uint8_t *rsb = UP ? gr.s3 + (size_t)j * (K / 32) : NULL;
-#pragma unroll 4
+        const size_t w_off = FP8 ? (size_t)j * K : (size_t)j * (K / 2);
+        const size_t s_off = FP8 ? (size_t)(j / 32) * (K / 32) : (size_t)j * (K / 32);
+        const uint8_t *ra = wa + w_off, *rsa = sa + s_off;
+        const uint8_t *rb = UP ? gr.w3 + w_off : NULL, *rsb = UP ? gr.s3 + s_off : NULL;
+#pragma unroll 2
         for (uint32_t k0 = lane * 8; k0 < K; k0 += GRP_STEP) {
             float w[8];
-            dequant8(load_w4(ra + k0 / 2, aligned), dev_ue8m0_decode(__ldg(rsa + k0 / 32)), w);
+            load_step<FP8>(ra, rsa, k0, aligned, w);
             rows_fma<R>(grp_xs, K, k0, n, w, acc_a);
             if (UP) {
-                dequant8(load_w4(rb + k0 / 2, aligned), dev_ue8m0_decode(__ldg(rsb + k0 / 32)),
-                         w);
+                load_step<FP8>(rb, rsb, k0, aligned, w);
                 rows_fma<R>(grp_xs, K, k0, n, w, acc_b);
             }
         }
@@ -160,7 +195,8 @@ __global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_gr
             if (UP) {
                 float g = dev_bf16_to_f32(dev_f32_to_bf16(acc_a[r]));
                 float u = dev_bf16_to_f32(dev_f32_to_bf16(acc_b[r]));
-                a.h[row * N + j] = dev_swiglu(g, u, a.limit, true, a.weights[a.pair[row]]);
+                a.h[row * N + j] = dev_swiglu(g, u, a.limit, a.pair != NULL,
+                                              a.pair ? a.weights[a.pair[row]] : 1.0f);
             } else {
                 a.og[row * N + j] = dev_f32_to_bf16(acc_a[r]);
             }
@@ -214,7 +250,7 @@ int cuda_moe_grouped_fits(cuda_ctx *c, uint32_t rows, uint32_t dim, uint32_t int
     return need <= (size_t)smem_limit(c);
 }
 
-template <int R, bool UP>
+template <int R, bool UP, bool FP8>
 static di_status launch_one(cuda_ctx *c, const cuda_moe_grouped *g)
 {
     const uint32_t N = UP ? g->inter : g->dim, K = UP ? g->dim : g->inter;
@@ -226,30 +262,36 @@ static di_status launch_one(cuda_ctx *c, const cuda_moe_grouped *g)
                          g->n_groups, N);
     size_t smem = smem_bytes(g->max_rows, K);
     if (smem > GRP_DEFAULT_SMEM) {
-        di_status st = cuda_check(c, cudaFuncSetAttribute((const void *)moe_grouped_kernel<R, UP>,
-                                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                          (int)smem),
-                                  "cudaFuncSetAttribute(moe_grouped_kernel)");
+        const void *fn = (const void *)moe_grouped_kernel<R, UP, FP8>;
+        cudaError_t e = cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             (int)smem);
+        di_status st = cuda_check(c, e, "cudaFuncSetAttribute(moe_grouped_kernel)");
         if (st != DI_OK)
             return st;
     }
-    moe_grouped_kernel<R, UP><<<(unsigned)blocks, GRP_WARPS * 32, smem, c->stream>>>(*g, wr);
+    moe_grouped_kernel<R, UP, FP8><<<(unsigned)blocks, GRP_WARPS * 32, smem, c->stream>>>(*g, wr);
     return cuda_launched(c, name);
 }
 
 /* The smallest instantiated row count that holds max_rows. */
-template <bool UP>
+template <bool UP, bool FP8>
 static di_status launch_rows(cuda_ctx *c, const cuda_moe_grouped *g)
 {
     if (g->max_rows <= 1)
-        return launch_one<1, UP>(c, g);
+        return launch_one<1, UP, FP8>(c, g);
     if (g->max_rows <= 2)
-        return launch_one<2, UP>(c, g);
+        return launch_one<2, UP, FP8>(c, g);
     if (g->max_rows <= 4)
-        return launch_one<4, UP>(c, g);
+        return launch_one<4, UP, FP8>(c, g);
     if (g->max_rows <= 8)
-        return launch_one<8, UP>(c, g);
-    return launch_one<16, UP>(c, g);
+        return launch_one<8, UP, FP8>(c, g);
+    return launch_one<16, UP, FP8>(c, g);
+}
+
+template <bool UP>
+static di_status launch_fmt(cuda_ctx *c, const cuda_moe_grouped *g)
+{
+    return g->fp8 ? launch_rows<UP, true>(c, g) : launch_rows<UP, false>(c, g);
 }
 
 di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g)
@@ -263,11 +305,11 @@ di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g)
     if (!cuda_moe_grouped_fits(c, g->max_rows, g->dim, g->inter))
         return cuda_fail(c, DI_EINVAL, "moe grouped: %u rows of %u inputs exceed the shared "
                          "memory of a block", g->max_rows, g->dim > g->inter ? g->dim : g->inter);
-    di_status st = launch_rows<true>(c, g);
+    di_status st = launch_fmt<true>(c, g);
     if (st == DI_OK)
         st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, g->h, g->inter, g->h, g->inter, g->n_pairs,
                                  g->inter);
     if (st == DI_OK)
-        st = launch_rows<false>(c, g);
+        st = launch_fmt<false>(c, g);
     return st;
 }

@@ -11,7 +11,7 @@
  * small models' shapes and wider ones, rows 1, 3, 63, 127, repeated experts in a row, every
  * expert of a set routed or only a few, with and without the shared expert.
  * Both paths of moe_experts: the default backend (grouped path when the largest expert group
- * has at most 16 rows; cases on either side of it, groups of 0, 1 and many rows, widths off the
+ * has at most 16 rows, with the shared expert when the call has at most 16 rows; cases on either side of it, groups of 0, 1 and many rows, widths off the
  * kernel's tiles, weights off alignment), a backend that always takes the grouped path (groups
  * past 16 rows split) and one that never does; each case checks the path taken (the backend's
  * counters) as well as the result.
