@@ -427,6 +427,9 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
         return di_fail(err, DI_ENOMEM, "CUDA backend state");
     c->device = cfg->device;
     c->simple_gemm = cfg->simple_gemm != 0;
+    c->moe_grouped_rows = cfg->moe_grouped_rows < 0 ? 0 : (cfg->moe_grouped_rows == 0
+                                                               ? CUDA_MOE_GROUPED_ROWS
+                                                               : cfg->moe_grouped_rows);
     c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;
     di_status st = ctx_init(c, err);
     if (st != DI_OK) {

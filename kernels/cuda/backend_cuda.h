@@ -52,6 +52,10 @@ typedef struct kern_cuda_config {
     size_t workspace_bytes;     /* cuBLASLt workspace in bytes; 0 = 32 MiB */
     int simple_gemm;            /* 1: every GEMM runs the plain CUDA-core kernel instead of
                                  * cuBLASLt (how the checks exercise that path) */
+    int moe_grouped_rows;       /* moe_experts' grouped path (docs/cuda.md) runs when the
+                                 * largest expert group of a call has at most this many rows:
+                                 * 0 = the default (16), negative = never (cuBLASLt path
+                                 * only); above 16, groups are split into chunks of 16 rows */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
@@ -60,6 +64,10 @@ typedef struct kern_cuda_stats {
     uint64_t gemm_simple;       /* GEMMs run by the plain kernel: simple_gemm set, or cuBLASLt
                                  * had no algorithm for the shape and alignment */
     uint64_t plans_built;       /* cuBLASLt plans built (descriptors + heuristic query) */
+    uint64_t moe_grouped;       /* moe_experts calls whose routed experts took the grouped
+                                 * path */
+    uint64_t moe_gemm;          /* moe_experts calls whose routed experts took the per-expert
+                                 * cuBLASLt path */
     size_t scratch_bytes;       /* current size of the device scratch */
 } kern_cuda_stats;
 

@@ -64,6 +64,11 @@ typedef struct cuda_ctx {
     uint8_t *meta;              /* host assembly of one op's metadata (cuda_meta_*) */
     size_t meta_len, meta_cap;
     int simple_gemm;            /* 1: GEMMs bypass cuBLASLt (kern_cuda_config) */
+    int moe_grouped_rows;       /* largest expert group of moe_experts' grouped path; 0 =
+                                 * never (kern_cuda_config.moe_grouped_rows resolved) */
+    int smem_optin;             /* the device's opt-in shared memory per block (bytes); 0
+                                 * until moe_grouped.cu first queries it */
+    int sm_count;               /* the device's SMs; 0 until moe_grouped.cu first queries it */
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
     uint32_t plan_next;         /* slot the next new plan replaces */
     kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */
@@ -201,6 +206,54 @@ void cuda_gemm_release(cuda_ctx *c);
 /* linear.cu: a linear layer for ops built on linear layers (moe_experts): the checks and the
  * path of the linear_* entries without the entry's bookkeeping. */
 di_status cuda_linear_run(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt);
+
+/* moe_grouped.cu: moe_experts' routed experts for decode-sized batches, one launch for W1 and
+ * W3 (with SwiGLU and the routing weight) over every (expert, rows) group and one for W2 (see
+ * the file's comment). */
+
+/* Default of kern_cuda_config.moe_grouped_rows: the grouped path runs when the largest expert
+ * group has at most this many rows. */
+#define CUDA_MOE_GROUPED_ROWS 16
+/* Rows of one group in a launch (a larger expert group is split into several). */
+#define CUDA_MOE_GROUP_ROWS 16
+
+/* One group: rows [start, start + n) of the call's bucket order, all routed to one expert
+ * (or rows of x for the shared expert). */
+typedef struct cuda_moe_group {
+    const uint8_t *w1, *s1;     /* [inter, dim/2] packed E2M1 and [inter, dim/32] UE8M0 (FP8:
+                                 * [inter, dim] E4M3 and [ceil(inter/32), dim/32]) */
+    const uint8_t *w3, *s3;     /* the same for W3 */
+    const uint8_t *w2, *s2;     /* [dim, inter/2] and [dim, inter/32] (FP8: [dim, inter] and
+                                 * [dim/32, inter/32]) */
+    uint32_t start;             /* first pair of the group in bucket order */
+    uint32_t n;                 /* rows, 1..CUDA_MOE_GROUP_ROWS */
+} cuda_moe_group;
+
+/* One call of the grouped path; every pointer is device memory. */
+typedef struct cuda_moe_grouped {
+    uint32_t n_groups;
+    const cuda_moe_group *groups; /* [n_groups] */
+    uint32_t max_rows;          /* largest n of the groups */
+    int fp8;                    /* 0: routed FP4 weights; 1: the shared expert's FP8 weights */
+    int aligned;                /* every w1, w3, w2 is 4-byte (FP8: 8-byte) aligned */
+    uint32_t dim, inter, top_k;
+    uint32_t n_pairs;           /* rows of h and og */
+    const uint16_t *xq;         /* [n_rows, dim] x quantised by (A) */
+    const int32_t *pair;        /* [n_pairs] row * top_k + slot, bucket order; NULL: row i of
+                                 * h and og is row i of x, with no routing weight */
+    const float *weights;       /* [n_rows, top_k] routing weights (with pair) */
+    float limit;                /* swiglu_limit */
+    uint16_t *h;                /* [n_pairs, inter] hidden activations (written, then
+                                 * quantised by (A) in place) */
+    uint16_t *og;               /* [n_pairs, dim] expert outputs, bucket order */
+} cuda_moe_grouped;
+
+/* 1 when groups of `rows` rows at these widths fit the device's shared memory per block. */
+int cuda_moe_grouped_fits(cuda_ctx *c, uint32_t rows, uint32_t dim, uint32_t inter);
+
+/* Queues the up launch, the (A) quantisation of h and the down launch. DI_OK; DI_EINVAL (a
+ * launch too large); a CUDA failure. */
+di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g);
 
 /* ---- table entries (one op file each) ---- */
 

@@ -11,14 +11,21 @@
  *    weights abs 1e-6).
  *  - swiglu: element-wise, the twin's double expressions: bit-identical.
  *  - moe_experts: the (row, slot) pairs are bucketed by expert on the host (the ids are read
- *    back: one synchronisation per call), the rows gathered into the work buffer in the twin's
- *    order, each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8
- *    activations by (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM), SwiGLU with the
- *    routing weight runs once over every pair, the shared expert on every row, and one kernel
- *    sums each row's expert outputs in double in the twin's order (ascending expert, then the
- *    shared expert) and rounds once. Tolerance: as kern_linear.
+ *    back: one synchronisation per call). When the largest bucket has at most
+ *    cuda_ctx.moe_grouped_rows pairs (default 16) and fits a block's shared memory, the routed
+ *    experts take the grouped path (moe_grouped.cu: one launch for W1 and W3 with SwiGLU and
+ *    the routing weight over every bucket, one for W2, the FP4 weights dequantised in
+ *    registers). Otherwise the rows are gathered into the work buffer in the twin's order,
+ *    each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8 activations by
+ *    (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM) and SwiGLU with the routing
+ *    weight runs once over every pair. The shared expert takes the grouped path as well (FP8
+ *    weights, one group) when the routed experts do and the call has at most 16 rows, else
+ *    the linear path on every row. One kernel sums each row's expert outputs in double in the
+ *    twin's order (ascending expert, then the shared expert) and rounds once. Tolerance:
+ *    kernels.h's moe_experts bound on either path.
  */
 #include <cuda_runtime.h>
+#include <assert.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -26,6 +33,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/moe_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
 
 #define GATE_MAX_EXPERTS 4096         /* the twin's limit */
@@ -125,15 +133,7 @@ __global__ void swiglu_kernel(kern_swiglu p)
         return;
     size_t r = i / p.n, c = i % p.n;
     float gv = dev_bf16_to_f32(p.g[r * p.stride + c]), uv = dev_bf16_to_f32(p.u[r * p.stride + c]);
-    if (p.limit > 0.0f) {
-        uv = uv < -p.limit ? -p.limit : (uv > p.limit ? p.limit : uv);
-        gv = gv > p.limit ? p.limit : gv;
-    }
-    float silu = (float)((double)gv * (1.0 / (1.0 + exp(-(double)gv))));
-    float act = (float)((double)silu * (double)uv);
-    if (p.w)
-        act = (float)((double)act * (double)p.w[r]);
-    p.h[r * p.n + c] = dev_f32_to_bf16(act);
+    p.h[r * p.n + c] = dev_swiglu(gv, uv, p.limit, p.w != NULL, p.w ? p.w[r] : 1.0f);
 }
 
 /* Gathers the pairs' rows and routing weights in bucket order: xg[i] = x[pair[i] / top_k],
@@ -253,8 +253,16 @@ typedef struct moe_plan {
     uint32_t *count, *start;    /* [n_experts + 1] pairs per expert and their first index */
     int32_t *pair;              /* [n_pairs] (row * top_k + slot) in bucket order (host) */
     int32_t *pos;               /* [n_rows, top_k] index of each row's outputs, ascending expert */
-    size_t off_pair, off_pos;   /* metadata offsets */
-    size_t xg, wg, g, u, h, og, gs, us, hs, os, total; /* work offsets after the metadata */
+    uint32_t max_count;         /* pairs of the largest bucket */
+    int grouped;                /* 1: the routed experts take the grouped path */
+    cuda_moe_group *groups;     /* [n_groups] the grouped path's groups (host); NULL otherwise */
+    uint32_t n_groups;
+    int aligned;                /* every used expert's w1, w3, w2 is 4-byte aligned */
+    int shared_grouped;         /* 1: the shared expert takes the grouped path too (grouped,
+                                 * at most CUDA_MOE_GROUP_ROWS rows) */
+    cuda_moe_group shared;      /* its one group: every row of x */
+    size_t off_pair, off_pos, off_groups, off_shared; /* metadata offsets */
+    size_t xq, xg, wg, g, u, h, og, gs, us, hs, os, total; /* work offsets after the metadata */
 } moe_plan;
 
 static void plan_free(moe_plan *pl)
@@ -263,6 +271,45 @@ static void plan_free(moe_plan *pl)
     free(pl->start);
     free(pl->pair);
     free(pl->pos);
+    free(pl->groups);
+}
+
+/* The grouped path's groups: each used expert's bucket in pieces of at most
+ * CUDA_MOE_GROUP_ROWS pairs, ascending expert. */
+static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *pl)
+{
+    uint32_t n = 0;
+    for (uint32_t e = 0; e < p->n_experts; e++)
+        n += (pl->count[e] + CUDA_MOE_GROUP_ROWS - 1) / CUDA_MOE_GROUP_ROWS;
+    pl->groups = (cuda_moe_group *)calloc(n ? n : 1, sizeof(cuda_moe_group));
+    if (!pl->groups)
+        return cuda_fail(c, DI_ENOMEM, "moe_experts: %u groups", n);
+    pl->aligned = 1;
+    for (uint32_t e = 0; e < p->n_experts; e++) {
+        const kern_expert *ex = &p->experts[e];
+        for (uint32_t at = 0; at < pl->count[e]; at += CUDA_MOE_GROUP_ROWS) {
+            uint32_t left = pl->count[e] - at;
+            cuda_moe_group *g = &pl->groups[pl->n_groups++];
+            g->w1 = ex->w1, g->s1 = ex->w1_scale, g->w3 = ex->w3, g->s3 = ex->w3_scale;
+            g->w2 = ex->w2, g->s2 = ex->w2_scale;
+            g->start = pl->start[e] + at;
+            g->n = left < CUDA_MOE_GROUP_ROWS ? left : CUDA_MOE_GROUP_ROWS;
+        }
+        if (pl->count[e] && ((uintptr_t)ex->w1 % 4 || (uintptr_t)ex->w3 % 4 ||
+                             (uintptr_t)ex->w2 % 4))
+            pl->aligned = 0;
+    }
+    assert(pl->n_groups == n);
+    return DI_OK;
+}
+
+/* The grouped path when the largest bucket is within the backend's threshold and its groups
+ * fit a block's shared memory. */
+static int plan_use_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl)
+{
+    uint32_t rows = pl->max_count < CUDA_MOE_GROUP_ROWS ? pl->max_count : CUDA_MOE_GROUP_ROWS;
+    return c->moe_grouped_rows > 0 && pl->max_count <= (uint32_t)c->moe_grouped_rows &&
+           cuda_moe_grouped_fits(c, rows, p->dim, p->inter);
 }
 
 /* Buckets the pairs by expert exactly as the twin (pairs ascending inside a bucket) and lays
@@ -293,6 +340,8 @@ static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t
     }
     for (uint32_t e = 1; e <= E; e++)
         pl->start[e] = pl->start[e - 1] + pl->count[e - 1];
+    for (uint32_t e = 0; e < E; e++)
+        pl->max_count = pl->count[e] > pl->max_count ? pl->count[e] : pl->max_count;
     uint32_t *fill = (uint32_t *)calloc(E, sizeof(uint32_t));
     if (!fill)
         return cuda_fail(c, DI_ENOMEM, "moe_experts: host plan");
@@ -311,12 +360,32 @@ static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t
         pl->pos[(size_t)row * K + seen[row]++] = (int32_t)i;
     }
     free(seen);
+    pl->grouped = plan_use_grouped(c, p, pl);
+    if (pl->grouped) {
+        di_status st = plan_groups(c, p, pl);
+        if (st != DI_OK)
+            return st;
+    }
+    /* the shared expert reads its FP8 weight once per group of rows: grouped only when all
+     * rows make one group */
+    pl->shared_grouped = pl->grouped && p->shared_inter && T <= CUDA_MOE_GROUP_ROWS &&
+                         cuda_moe_grouped_fits(c, T, p->dim, p->shared_inter);
+    if (pl->shared_grouped) {
+        const kern_expert *sh = &p->shared;
+        cuda_moe_group g = {sh->w1, sh->w1_scale, sh->w3, sh->w3_scale, sh->w2, sh->w2_scale,
+                            0, T};
+        pl->shared = g;
+    }
+    /* the grouped path reads x quantised once per row; the cuBLASLt path gathers the rows and
+     * keeps g and u */
     size_t D = p->dim, I = p->inter, S = p->shared_inter, P = pl->n_pairs, at = 0;
+    size_t G = pl->grouped ? 1 : 0, L = 1 - G;
 #define MOE_BUF(field, bytes) (pl->field = at, at += cuda_align_up(bytes))
-    MOE_BUF(xg, P * D * 2);
-    MOE_BUF(wg, P * 4);
-    MOE_BUF(g, P * I * 2);
-    MOE_BUF(u, P * I * 2);
+    MOE_BUF(xq, G * T * D * 2);
+    MOE_BUF(xg, L * P * D * 2);
+    MOE_BUF(wg, L * P * 4);
+    MOE_BUF(g, L * P * I * 2);
+    MOE_BUF(u, L * P * I * 2);
     MOE_BUF(h, P * I * 2);
     MOE_BUF(og, P * D * 2);
     MOE_BUF(gs, (size_t)T * S * 2);
@@ -371,12 +440,13 @@ static di_status experts_check(cuda_ctx *c, const kern_moe_experts *p)
     return DI_OK;
 }
 
-/* The routed experts over the plan's buckets: up projections, one SwiGLU over every pair,
- * down projections. */
+/* The routed experts over the plan's buckets (cuBLASLt path): the rows gathered, up
+ * projections, one SwiGLU over every pair, down projections. */
 static di_status run_routed(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
-                            uint8_t *w)
+                            const uint8_t *dev, uint8_t *w)
 {
-    di_status st = DI_OK;
+    di_status st = launch_gather(c, p, (const int32_t *)(dev + pl->off_pair), pl->n_pairs,
+                                 (uint16_t *)(w + pl->xg), (float *)(w + pl->wg), c->stream);
     uint16_t *xg = (uint16_t *)(w + pl->xg), *g = (uint16_t *)(w + pl->g);
     uint16_t *u = (uint16_t *)(w + pl->u), *h = (uint16_t *)(w + pl->h);
     uint16_t *og = (uint16_t *)(w + pl->og);
@@ -400,6 +470,44 @@ static di_status run_routed(cuda_ctx *c, const kern_moe_experts *p, const moe_pl
                           og + at * D);
     }
     return st;
+}
+
+/* The routed experts on the grouped path: x quantised by (A) once per row, then
+ * cuda_moe_grouped_run over the plan's groups. groups: their device copy. */
+static di_status run_routed_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
+                                    const cuda_moe_group *groups, const int32_t *pair, uint8_t *w)
+{
+    uint16_t *xq = (uint16_t *)(w + pl->xq);
+    di_status st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, p->x, p->dim, xq, p->dim, p->n_rows,
+                                       p->dim);
+    if (st != DI_OK)
+        return st;
+    cuda_moe_grouped g;
+    memset(&g, 0, sizeof(g));
+    g.n_groups = pl->n_groups, g.groups = groups, g.aligned = pl->aligned;
+    g.max_rows = pl->max_count < CUDA_MOE_GROUP_ROWS ? pl->max_count : CUDA_MOE_GROUP_ROWS;
+    g.dim = p->dim, g.inter = p->inter, g.top_k = p->top_k, g.n_pairs = pl->n_pairs;
+    g.xq = xq, g.pair = pair, g.weights = p->weights, g.limit = p->swiglu_limit;
+    g.h = (uint16_t *)(w + pl->h), g.og = (uint16_t *)(w + pl->og);
+    return cuda_moe_grouped_run(c, &g);
+}
+
+/* The shared expert on the grouped path (FP8 weights, no routing weight): its one group reads
+ * the rows of x that run_routed_grouped quantised. group: its device copy. */
+static di_status run_shared_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
+                                    const cuda_moe_group *group, uint8_t *w)
+{
+    const kern_expert *sh = &p->shared;
+    cuda_moe_grouped g;
+    memset(&g, 0, sizeof(g));
+    g.n_groups = 1, g.groups = group, g.max_rows = p->n_rows, g.fp8 = 1;
+    g.aligned = (uintptr_t)sh->w1 % 8 == 0 && (uintptr_t)sh->w3 % 8 == 0 &&
+                (uintptr_t)sh->w2 % 8 == 0;
+    g.dim = p->dim, g.inter = p->shared_inter, g.top_k = p->top_k, g.n_pairs = p->n_rows;
+    g.xq = (const uint16_t *)(w + pl->xq), g.pair = NULL, g.weights = NULL;
+    g.limit = p->swiglu_limit;
+    g.h = (uint16_t *)(w + pl->hs), g.og = (uint16_t *)(w + pl->os);
+    return cuda_moe_grouped_run(c, &g);
 }
 
 static di_status run_shared(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl, uint8_t *w)
@@ -444,14 +552,25 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
         st = cuda_meta_push(c, pl.pair, n_pairs * sizeof(int32_t), &pl.off_pair);
     if (st == DI_OK)
         st = cuda_meta_push(c, pl.pos, n_pairs * sizeof(int32_t), &pl.off_pos);
+    if (st == DI_OK && pl.grouped)
+        st = cuda_meta_push(c, pl.groups, (size_t)pl.n_groups * sizeof(cuda_moe_group),
+                            &pl.off_groups);
+    if (st == DI_OK && pl.shared_grouped)
+        st = cuda_meta_push(c, &pl.shared, sizeof(cuda_moe_group), &pl.off_shared);
     if (st == DI_OK)
         st = cuda_meta_upload(c, 1, pl.total, &dev, &w);
     if (st == DI_OK)
-        st = launch_gather(c, p, (const int32_t *)(dev + pl.off_pair), pl.n_pairs,
-                           (uint16_t *)(w + pl.xg), (float *)(w + pl.wg), c->stream);
-    if (st == DI_OK)
-        st = run_routed(c, p, &pl, w);
-    if (st == DI_OK && p->shared_inter)
+        st = pl.grouped ? run_routed_grouped(c, p, &pl,
+                                             (const cuda_moe_group *)(dev + pl.off_groups),
+                                             (const int32_t *)(dev + pl.off_pair), w)
+                        : run_routed(c, p, &pl, dev, w);
+    if (st == DI_OK && pl.grouped)
+        c->stats.moe_grouped++;
+    else if (st == DI_OK)
+        c->stats.moe_gemm++;
+    if (st == DI_OK && pl.shared_grouped)
+        st = run_shared_grouped(c, p, &pl, (const cuda_moe_group *)(dev + pl.off_shared), w);
+    else if (st == DI_OK && p->shared_inter)
         st = run_shared(c, p, &pl, w);
     if (st == DI_OK)
         st = launch_combine(c, p, (const uint16_t *)(w + pl.og), (const int32_t *)(dev + pl.off_pos),

@@ -10,9 +10,15 @@
  * very negative logits, with and without bias, top-k from 1 to all experts. Experts: the tiny and
  * small models' shapes and wider ones, rows 1, 3, 63, 127, repeated experts in a row, every
  * expert of a set routed or only a few, with and without the shared expert.
+ * Both paths of moe_experts: the default backend (grouped path when the largest expert group
+ * has at most 16 rows, with the shared expert when the call has at most 16 rows; cases on either side of it, groups of 0, 1 and many rows, widths off the
+ * kernel's tiles, weights off alignment), a backend that always takes the grouped path (groups
+ * past 16 rows split) and one that never does; each case checks the path taken (the backend's
+ * counters) as well as the result.
  * With --bench: moe_experts at V4.1-Flash shapes (384 experts top-6, 5120 x 2304, the shared
- * expert; all 384 experts of one layer fit one H200: 7.2 GB) for 64 and 384 rows, and the gate,
- * next to the copy bandwidth and the BF16 GEMM ceiling of the same run.
+ * expert; all 384 experts of one layer fit one H200: 7.2 GB) for 1, 8, 64 and 384 rows on
+ * each path, and the gate, next to the copy bandwidth and the BF16 GEMM ceiling of the same
+ * run; GB/s counts the weights of the experts used (and the shared one) once.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error. */
 #include <inttypes.h>
 #include <math.h>
@@ -150,6 +156,8 @@ static void check_swiglu(chk_env *env, uint32_t rows, uint32_t n, uint32_t pad, 
 
 typedef struct expert_set {
     uint32_t n, dim, inter, shared_inter;
+    uint32_t skew;              /* device weights and scales start this many bytes past an
+                                 * allocation's (aligned) start */
     kern_expert *h, *d;         /* [n] host and device weight pointers */
     kern_expert sh, sd;         /* shared expert */
     void **owned_h, **owned_d;  /* for freeing */
@@ -173,9 +181,12 @@ static void make_weight(chk_env *env, expert_set *s, int fp8, uint32_t rows, uin
     for (size_t i = 0; i < sb; i++)
         sc[i] = (uint8_t)(base + (int)di_rng_below(rng, 3));
     *w_h = w, *sc_h = sc;
-    *w_d = chk_dev_copy(env, w, wb), *sc_d = chk_dev_copy(env, sc, sb);
-    s->owned_h[s->n_owned] = w, s->owned_d[s->n_owned++] = (void *)*w_d;
-    s->owned_h[s->n_owned] = sc, s->owned_d[s->n_owned++] = (void *)*sc_d;
+    uint8_t *wd = chk_dev_alloc(env, wb + s->skew), *sd = chk_dev_alloc(env, sb + s->skew);
+    chk_put(env, wd + s->skew, w, wb);
+    chk_put(env, sd + s->skew, sc, sb);
+    *w_d = wd + s->skew, *sc_d = sd + s->skew;
+    s->owned_h[s->n_owned] = w, s->owned_d[s->n_owned++] = wd;
+    s->owned_h[s->n_owned] = sc, s->owned_d[s->n_owned++] = sd;
 }
 
 static void make_expert(chk_env *env, expert_set *s, int fp8, uint32_t inter, kern_expert *h,
@@ -187,10 +198,10 @@ static void make_expert(chk_env *env, expert_set *s, int fp8, uint32_t inter, ke
 }
 
 static void experts_make(chk_env *env, expert_set *s, uint32_t n, uint32_t dim, uint32_t inter,
-                         uint32_t shared_inter, di_rng *rng)
+                         uint32_t shared_inter, uint32_t skew, di_rng *rng)
 {
     memset(s, 0, sizeof(*s));
-    s->n = n, s->dim = dim, s->inter = inter, s->shared_inter = shared_inter;
+    s->n = n, s->dim = dim, s->inter = inter, s->shared_inter = shared_inter, s->skew = skew;
     s->h = chk_malloc(n * sizeof(kern_expert));
     s->d = chk_malloc(n * sizeof(kern_expert));
     s->owned_h = chk_malloc((n + 1) * 6 * sizeof(void *));
@@ -215,7 +226,38 @@ typedef struct experts_case {
     uint32_t used;              /* ids drawn from the first `used` experts (0: all) */
     int repeat;                 /* a row may name the same expert twice */
     int xmode;
+    uint32_t hot;               /* > 0: slot 0 of rows [0, hot) names expert 0 and no other
+                                 * pick does, so expert 0's group has exactly `hot` rows */
+    uint32_t skew;              /* expert_set.skew (1: weights off 4-byte alignment) */
 } experts_case;
+
+/* The backends moe_experts runs on besides env->gpu (which has the default threshold):
+ * grouped path only (threshold past any group, groups above 16 rows split) and cuBLASLt path
+ * only. Made in main. */
+typedef struct moe_backends {
+    kern_backend grouped;
+    kern_backend gemm;
+} moe_backends;
+
+static moe_backends g_be;
+
+/* The path a backend must take: grouped when the largest group is within its threshold. */
+static int expect_grouped(const int32_t *ids, size_t n, uint32_t experts, int threshold)
+{
+    uint32_t *count = calloc(experts, sizeof(uint32_t)), max = 0;
+    if (!count)
+        return -1;
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= 0 && (uint32_t)ids[i] < experts && ++count[ids[i]] > max)
+            max = count[ids[i]];
+    free(count);
+    return threshold > 0 && max <= (uint32_t)threshold;
+}
+
+/* Threshold of each backend of the checks (kern_cuda_config.moe_grouped_rows resolved). */
+#define THR_DEFAULT 16
+#define THR_ALWAYS (1 << 30)
+#define THR_NEVER 0
 
 /* moe_experts' tolerance (kernels.h): per element |y - y_cpu| <= 1e-2 * max(1, |y_cpu|, rms of
  * the row of y_cpu), per row cosine >= 0.9999. Returns mismatches; keeps the worst ratio of an
@@ -254,12 +296,13 @@ static size_t cmp_expert_rows(const char *what, const uint16_t *c, const uint16_
     return bad;
 }
 
-static void check_experts(chk_env *env, const experts_case *ec, double *worst)
+static void check_experts(chk_env *env, kern_backend *be, int threshold, const experts_case *ec,
+                          double *worst)
 {
     di_rng rng;
     uint64_t seed = chk_case_rng(env, &rng);
     expert_set es;
-    experts_make(env, &es, ec->n_experts, ec->dim, ec->inter, ec->shared_inter, &rng);
+    experts_make(env, &es, ec->n_experts, ec->dim, ec->inter, ec->shared_inter, ec->skew, &rng);
     size_t xn = (size_t)ec->rows * ec->dim, nk = (size_t)ec->rows * ec->top_k;
     uint16_t *x = chk_malloc(xn * 2), *y = chk_malloc(xn * 2), *gy = chk_malloc(xn * 2);
     chk_fill_bf16(x, xn, ec->xmode, &rng);
@@ -272,8 +315,10 @@ static void check_experts(chk_env *env, const experts_case *ec, double *worst)
         for (uint32_t k = 0; k < ec->top_k; k++) {
             int32_t e;
             int again;
+            int hot = ec->hot && t < ec->hot && k == 0;
             do { /* distinct within a row unless repeats are asked for */
-                e = (int32_t)di_rng_below(&rng, pool);
+                e = hot ? 0 : (int32_t)(ec->hot ? 1 + di_rng_below(&rng, pool - 1)
+                                                : di_rng_below(&rng, pool));
                 again = 0;
                 for (uint32_t j = 0; j < k && !repeat; j++)
                     again |= ids[t * ec->top_k + j] == e;
@@ -281,11 +326,13 @@ static void check_experts(chk_env *env, const experts_case *ec, double *worst)
             ids[t * ec->top_k + k] = e;
             w[t * ec->top_k + k] = (float)(0.2 + di_rng_uniform(&rng));
         }
-    char what[256];
+    int want_grouped = expect_grouped(ids, nk, ec->n_experts, threshold);
+    char what[320];
     snprintf(what, sizeof(what), "moe_experts rows=%u experts=%u top_k=%u dim=%u inter=%u "
-             "shared_inter=%u used=%u repeat=%d x=%s seed=%" PRIu64, ec->rows, ec->n_experts,
-             ec->top_k, ec->dim, ec->inter, ec->shared_inter, pool, ec->repeat,
-             chk_mode_name[ec->xmode], seed);
+             "shared_inter=%u used=%u repeat=%d hot=%u skew=%u x=%s path=%s seed=%" PRIu64,
+             ec->rows, ec->n_experts, ec->top_k, ec->dim, ec->inter, ec->shared_inter, pool,
+             ec->repeat, ec->hot, ec->skew, chk_mode_name[ec->xmode],
+             want_grouped ? "grouped" : "cublaslt", seed);
     uint16_t *dx = chk_dev_copy(env, x, xn * 2), *dy = chk_dev_copy(env, y, xn * 2);
     int32_t *dids = chk_dev_copy(env, ids, nk * 4);
     float *dw = chk_dev_copy(env, w, nk * 4);
@@ -293,7 +340,24 @@ static void check_experts(chk_env *env, const experts_case *ec, double *worst)
                           .shared_inter = ec->shared_inter, .n_experts = ec->n_experts,
                           .top_k = ec->top_k, .x = dx, .ids = dids, .weights = dw,
                           .experts = es.d, .shared = es.sd, .swiglu_limit = 10.0f, .y = dy};
-    size_t bad = chk_gpu_status(env, env->gpu.ops.moe_experts(env->gpu.ctx, &p), what);
+    kern_cuda_stats s0, s1;
+    kern_cuda_get_stats(be, &s0);
+    di_status st = be->ops.moe_experts(be->ctx, &p);
+    size_t bad = st != DI_OK;
+    if (st != DI_OK)
+        fprintf(stderr, "FAIL %s: CUDA op returned %s: %s\n", what, di_status_name(st),
+                kern_cuda_last_error(be));
+    di_error err;
+    if (kern_cuda_sync(be, &err) != DI_OK && bad++ < SHOW)
+        fprintf(stderr, "MISMATCH %s: %s\n", what, err.msg);
+    kern_cuda_get_stats(be, &s1);
+    uint64_t got_grouped = s1.moe_grouped - s0.moe_grouped, got_gemm = s1.moe_gemm - s0.moe_gemm;
+    if (!bad && (got_grouped != (uint64_t)(want_grouped == 1) ||
+                 got_gemm != (uint64_t)(want_grouped == 0))) {
+        fprintf(stderr, "MISMATCH %s: took %" PRIu64 " grouped, %" PRIu64 " cuBLASLt calls\n", what,
+                got_grouped, got_gemm);
+        bad++;
+    }
     chk_get(env, gy, dy, xn * 2);
     p.x = x, p.ids = ids, p.weights = w, p.experts = es.h, p.shared = es.sh, p.y = y;
     chk_cpu_status(env->cpu.ops.moe_experts(env->cpu.ctx, &p), what);
@@ -369,17 +433,48 @@ static void sweep(chk_env *env)
     printf("swiglu: %d cases\n", env->checks - c0);
     c0 = env->checks;
     static const experts_case ecs[] = {
-        {1, 8, 2, 128, 64, 64, 0, 0, CHK_NORMAL},     {3, 8, 2, 128, 64, 64, 0, 1, CHK_EDGES},
-        {63, 16, 4, 256, 128, 128, 0, 0, CHK_NORMAL}, {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE},
-        {5, 64, 6, 1024, 512, 512, 0, 0, CHK_NORMAL}, {63, 64, 6, 1024, 512, 512, 0, 0, CHK_LARGE},
-        {17, 32, 6, 512, 256, 0, 7, 0, CHK_NORMAL},   {2, 4, 3, 96, 32, 32, 0, 1, CHK_ZEROS},
-        {9, 16, 4, 256, 128, 128, 0, 0, CHK_TINY},
+        {1, 8, 2, 128, 64, 64, 0, 0, CHK_NORMAL, 0, 0},
+        {3, 8, 2, 128, 64, 64, 0, 1, CHK_EDGES, 0, 0},
+        {63, 16, 4, 256, 128, 128, 0, 0, CHK_NORMAL, 0, 0},
+        {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE, 0, 0},
+        {5, 64, 6, 1024, 512, 512, 0, 0, CHK_NORMAL, 0, 0},
+        {63, 64, 6, 1024, 512, 512, 0, 0, CHK_LARGE, 0, 0},
+        {17, 32, 6, 512, 256, 0, 7, 0, CHK_NORMAL, 0, 0},
+        {2, 4, 3, 96, 32, 32, 0, 1, CHK_ZEROS, 0, 0},
+        {9, 16, 4, 256, 128, 128, 0, 0, CHK_TINY, 0, 0},
+        /* the default threshold (16 rows in the largest group) from both sides */
+        {16, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 16, 0},
+        {17, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 17, 0},
+        /* one row over many experts (most with no rows); widths off the 64-output tile and
+         * the 256-input step; weights off 4-byte alignment; V4.1-Flash widths */
+        {1, 384, 6, 128, 64, 64, 0, 0, CHK_NORMAL, 0, 0},
+        {3, 16, 4, 160, 96, 64, 0, 0, CHK_EDGES, 0, 0},
+        {8, 32, 4, 96, 32, 32, 0, 0, CHK_NORMAL, 0, 1},
+        {4, 8, 2, 5120, 2304, 0, 0, 0, CHK_NORMAL, 0, 0},
+    };
+    /* grouped path forced: groups past 16 rows split into several */
+    static const experts_case grouped[] = {
+        {63, 16, 4, 256, 128, 128, 4, 0, CHK_NORMAL, 0, 0},
+        {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE, 0, 0},
+        {40, 8, 2, 96, 32, 32, 0, 1, CHK_LARGE, 0, 1},
+        {32, 64, 6, 256, 128, 0, 0, 0, CHK_NORMAL, 32, 0},
+        {5, 8, 2, 128, 64, 0, 0, 0, CHK_SPECIALS, 0, 0},
+    };
+    /* cuBLASLt path forced on small groups */
+    static const experts_case gemm[] = {
+        {3, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 0, 0},
+        {1, 8, 2, 128, 64, 64, 0, 0, CHK_EDGES, 0, 0},
     };
     double worst[3] = {0, 1, 0}; /* |err|/tolerance, row cosine, row relative error */
     for (size_t i = 0; i < sizeof(ecs) / sizeof(ecs[0]); i++)
-        check_experts(env, &ecs[i], worst);
-    printf("moe_experts: %d cases; worst |err|/tolerance %.3g, worst row cosine %.7f, worst row "
-           "|y - y_cpu| / |y_cpu| %.3g\n", env->checks - c0, worst[0], worst[1], worst[2]);
+        check_experts(env, &env->gpu, THR_DEFAULT, &ecs[i], worst);
+    for (size_t i = 0; i < sizeof(grouped) / sizeof(grouped[0]); i++)
+        check_experts(env, &g_be.grouped, THR_ALWAYS, &grouped[i], worst);
+    for (size_t i = 0; i < sizeof(gemm) / sizeof(gemm[0]); i++)
+        check_experts(env, &g_be.gemm, THR_NEVER, &gemm[i], worst);
+    printf("moe_experts: %d cases (both paths); worst |err|/tolerance %.3g, worst row cosine "
+           "%.7f, worst row |y - y_cpu| / |y_cpu| %.3g\n", env->checks - c0, worst[0], worst[1],
+           worst[2]);
     check_refusals(env);
 }
 
@@ -398,7 +493,7 @@ static di_status bench_call(void *arg, int i)
 {
     bench_arg *b = arg;
     kern_backend *g = &b->env->gpu;
-    return b->op == 0 ? g->ops.moe_experts(g->ctx, &b->p) : g->ops.moe_gate(g->ctx, &b->g);
+    return b->op < 2 ? g->ops.moe_experts(g->ctx, &b->p) : g->ops.moe_gate(g->ctx, &b->g);
 }
 
 static void bench(chk_env *env)
@@ -443,16 +538,19 @@ static void bench(chk_env *env)
            "ceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s; bytes = the "
            "weights of the experts used, read once\n", (double)(per * B_E + 3 * (sh8 + shs)) / 1e9,
            copy, peak);
-    printf("%-20s %5s %7s %10s %9s %7s %7s %7s\n", "op", "rows", "experts", "us", "TFLOP/s",
-           "GB/s", "of GEMM", "of copy");
-    static const uint32_t rows_list[] = {64, 384};
-    for (int r = 0; r < 2; r++) {
+    printf("moe_experts grouped / cublaslt: the routed experts forced onto one path (the "
+           "default takes the grouped one when the largest group has at most %d rows)\n",
+           THR_DEFAULT);
+    printf("%-22s %5s %7s %9s %10s %9s %7s %7s %7s\n", "op", "rows", "experts", "max group", "us",
+           "TFLOP/s", "GB/s", "of GEMM", "of copy");
+    static const uint32_t rows_list[] = {1, 8, 64, 384};
+    for (int r = 0; r < 4; r++) {
         uint32_t T = rows_list[r];
         size_t nk = (size_t)T * B_K;
         int32_t *ids = chk_malloc(nk * 4);
         float *w = chk_malloc(nk * 4);
         uint8_t used[B_E] = {0};
-        uint32_t n_used = 0;
+        uint32_t n_used = 0, group[B_E] = {0}, max_group = 0;
         for (uint32_t t = 0; t < T; t++)
             for (uint32_t k = 0; k < B_K; k++) {
                 int32_t e;
@@ -467,6 +565,7 @@ static void bench(chk_env *env)
                 w[t * B_K + k] = 1.0f / B_K;
                 n_used += !used[e];
                 used[e] = 1;
+                max_group = ++group[e] > max_group ? group[e] : max_group;
             }
         uint16_t *hx = chk_malloc((size_t)T * B_D * 2);
         chk_fill_bf16_fast(hx, (size_t)T * B_D, 1.0f, &rng);
@@ -484,20 +583,26 @@ static void bench(chk_env *env)
                               .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
                               .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
                               .weights = chk_dev_alloc(env, nk * 4)};
-        for (int op = 0; op < 2; op++) {
+        static const char *const names[3] = {"moe_experts grouped", "moe_experts cublaslt",
+                                             "moe_gate"};
+        for (int op = 0; op < 3; op++) {
             b.op = op;
-            double ms = chk_time_ms(env, bench_call, &b, 2, op == 0 ? 7 : 30);
-            double flops = op == 0 ? 2.0 * 3 * B_D * (double)B_I * (nk + T) : 0;
-            double bytes = op == 0 ? n_used * (double)per + 3.0 * (sh8 + shs) + 4.0 * T * B_D
-                                   : T * (B_E * 4.0 + B_K * 8.0);
-            const char *name = op == 0 ? "moe_experts" : "moe_gate";
+            /* the forced backends run on their own streams: time them as env->gpu */
+            kern_backend keep = env->gpu;
+            if (op < 2)
+                env->gpu = op == 0 ? g_be.grouped : g_be.gemm;
+            double ms = chk_time_ms(env, bench_call, &b, 2, op < 2 ? 7 : 30);
+            env->gpu = keep;
+            double flops = op < 2 ? 2.0 * 3 * B_D * (double)B_I * (nk + T) : 0;
+            double bytes = op < 2 ? n_used * (double)per + 3.0 * (sh8 + shs) + 4.0 * T * B_D
+                                  : T * (B_E * 4.0 + B_K * 8.0);
             if (ms <= 0) {
-                printf("%-20s %5u failed (message above)\n", name, T);
+                printf("%-22s %5u failed (message above)\n", names[op], T);
                 continue;
             }
             double tf = flops / (ms * 1e-3) / 1e12, gb = bytes / (ms * 1e-3) / 1e9;
-            printf("%-20s %5u %7u %10.1f %9.2f %7.0f %6.1f%% %6.1f%%\n", name, T, n_used, ms * 1e3,
-                   tf, gb, 100 * tf / peak, 100 * gb / copy);
+            printf("%-22s %5u %7u %9u %10.1f %9.2f %7.0f %6.1f%% %6.1f%%\n", names[op], T, n_used,
+                   max_group, ms * 1e3, tf, gb, 100 * tf / peak, 100 * gb / copy);
         }
         chk_dev_free(env, (void *)b.p.x), chk_dev_free(env, (void *)b.p.ids);
         chk_dev_free(env, (void *)b.p.weights), chk_dev_free(env, b.p.y);
@@ -512,6 +617,16 @@ int main(int argc, char **argv)
 {
     chk_env env;
     int want_bench = chk_init(&env, argc, argv, usage);
+    kern_cuda_config always = {.moe_grouped_rows = THR_ALWAYS}, never = {.moe_grouped_rows = -1};
+    di_error e;
+    if (kern_cuda_create(&always, &g_be.grouped, &e) != DI_OK ||
+        kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK) {
+        fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
+        return 2;
+    }
     sweep(&env);
-    return chk_finish(&env, "check_moe", want_bench, bench);
+    int rc = chk_finish(&env, "check_moe", want_bench, bench);
+    kern_cuda_destroy(&g_be.grouped);
+    kern_cuda_destroy(&g_be.gemm);
+    return rc;
 }
