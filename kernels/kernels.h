@@ -314,7 +314,8 @@ typedef struct kern_sparse_attn {
 } kern_sparse_attn;
 
 /* Indexer scores (MODEL.md §2.7): for row t and entry j < n_visible[t],
- * I = bf16( sum_h fp32(w[t,h] * w_scale) * max(0, fp32(q[t,h] . k_j)) ) with k_j the key of entry
+ * I = bf16( sum_h e_h ) (fp32 sum), e_h = bf16( bf16(w[t,h] * w_scale) * max(0, bf16(q[t,h] . k_j)) )
+ * (the dot in fp32, each rounding as the reference's BF16 tensors do) with k_j the key of entry
  * j of the row's sequence (paged blocks); entries j >= n_visible[t] and entries outside the
  * candidate mask (when given) get -inf. q is already FP4 fake-quantised; w is the bf16
  * weights_proj output; w_scale = index_head_dim^-0.5 * index_n_heads^-0.5 exactly (double).

@@ -1064,11 +1064,15 @@ class Model:
         keys = shared[("keys", kvsrc)].astype(F64)                               # [n, idim]
         q = rope(linear_q(qr, w["i_wq_b"]).reshape(T, ih, idim), np.arange(T), self.freqs[r])
         q = quant_b(q).astype(F64)                                               # [T, ih, idim]
-        hw = linear_bf16(x, w["i_wproj"]) * F32(F64(idim) ** -0.5 * F64(ih) ** -0.5)  # fp32
-        dots = f32(np.einsum("thd,nd->thn", q, keys))                             # [T, ih, n]
-        score = bf16(f32(np.einsum("th,thn->tn", hw.astype(F64),
-                                   np.maximum(dots, 0.0).astype(F64))))           # [T, n]
-        score = score.astype(F64)
+        # the reference computes on BF16 tensors: each head's dot, the head weight and each
+        # weighted product are rounded to BF16; the head sum runs in fp32 (head order)
+        hw = bf16(linear_bf16(x, w["i_wproj"]) * F32(F64(idim) ** -0.5 * F64(ih) ** -0.5))
+        dots = bf16(np.einsum("thd,nd->thn", q, keys))                            # [T, ih, n]
+        prod = bf16(hw[:, :, None] * np.maximum(dots, F32(0.0)))                  # fp32 product
+        acc = np.zeros((T, keys.shape[0]), dtype=F32)
+        for h in range(ih):
+            acc = acc + prod[:, h]                                                # fp32 adds
+        score = bf16(acc).astype(F64)                                             # [T, n]
         topk = np.full((T, cfg.index_topk), -1, dtype=np.int64)
         masks = shared.get(("cand", kvsrc)) if l not in cfg.kv_sources else None
         cand = []
