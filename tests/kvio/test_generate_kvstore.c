@@ -273,9 +273,10 @@ static void baseline(gen_res *r, const ids *p)
 
 /* ---- the central case ---- */
 
-/* Cold (empty store) and warm runs of one prompt on a config: logits and tokens bit-identical
- * to a run without a store, at temperature 0 and sampled with a fixed seed; the warm prefill
- * computes only the tail after the cached blocks. */
+/* Cold (empty store) and warm runs of one prompt on a config's checkpoint (the one the store
+ * was started on): logits and tokens bit-identical to a run without a store, at temperature 0
+ * and sampled with a fixed seed; the warm prefill computes only the tail after the cached
+ * blocks. */
 static void cold_then_warm(const char *config, uint32_t vocab, uint32_t len, uint32_t hit)
 {
     th_store s;
@@ -286,14 +287,14 @@ static void cold_then_warm(const char *config, uint32_t vocab, uint32_t len, uin
     static const char *modes[] = {"--temperature 0", "--temperature 0.9 --top-p 0.95 --seed 7"};
     for (int m = 0; m < 2; m++) {
         gen_res base, cold, warm;
-        gen(&base, ps, 1, "--config %s --max-tokens 4 %s --yoco compact --dump-logits %s/base.jsonl",
-            config, modes[m], g_dir);
+        gen(&base, ps, 1, "--model %s/ckpt-%s --max-tokens 4 %s --yoco compact --dump-logits "
+            "%s/base.jsonl", g_dir, config, modes[m], g_dir);
         gen_ok(&base);
-        gen(&cold, ps, 1, "--config %s --max-tokens 4 %s --kvstore %s --dump-logits %s/cold.jsonl",
-            config, modes[m], s.target, g_dir);
+        gen(&cold, ps, 1, "--model %s/ckpt-%s --max-tokens 4 %s --kvstore %s --dump-logits "
+            "%s/cold.jsonl", g_dir, config, modes[m], s.target, g_dir);
         gen_ok(&cold);
-        gen(&warm, ps, 1, "--config %s --max-tokens 4 %s --kvstore %s --dump-logits %s/warm.jsonl",
-            config, modes[m], s.target, g_dir);
+        gen(&warm, ps, 1, "--model %s/ckpt-%s --max-tokens 4 %s --kvstore %s --dump-logits "
+            "%s/warm.jsonl", g_dir, config, modes[m], s.target, g_dir);
         gen_ok(&warm);
         cr_assert_str_eq(cold.err, "", "no warning expected: %s", cold.err);
         cr_assert_str_eq(warm.err, "", "no warning expected: %s", warm.err);
