@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/model/config.h"
+#include "common/model/shard_sums.h"
 #include "common/net/rpc.h"
 #include "common/net/ucx_xport.h"
 #include "kvstore/cli.h"
@@ -27,6 +28,8 @@ typedef struct options {
     double handoff_share;        /* DRAM fraction for handoffs */
     const char *geometry;        /* named geometry */
     const char *model_config;    /* model config file (not in this build) */
+    const char *model_dir;       /* checkpoint: config.json and checksum manifest */
+    const char *yoco;            /* YOCO mode of the engines (part of the KV id) */
     uint64_t nextn;              /* drafts per step: sets the ring size of window states */
     uint64_t block_bytes;        /* override; 0 = from the geometry */
     uint64_t window_bytes;       /* override; 0 = from the geometry */
@@ -71,7 +74,13 @@ static const kvcli_opt option_rows[] = {
     {"geometry", KVCLI_STRING, O(geometry), "v41-flash", 0, 0, "NAME",
      "KV geometry and model id of a shipped model config (v41-flash, tiny, ...)"},
     {"model-config", KVCLI_STRING, O(model_config), NULL, 0, 0, "FILE",
-     "take the KV geometry and model id from this config.json (or its directory)"},
+     "take the KV geometry and a config-only model id from this config.json (or its directory)"},
+    {"model", KVCLI_STRING, O(model_dir), NULL, 0, 0, "DIR",
+     "the checkpoint the engines load: KV geometry and model id (config and weights) from its "
+     "config.json and checksum manifest (no shard is read); engines connect only to a store "
+     "started this way, as --geometry and --model-config ids cover no weights"},
+    {"yoco", KVCLI_STRING, O(yoco), "compact", 0, 0, "MODE",
+     "YOCO mode of the engines, part of the KV id: compact (every engine's default) or mask"},
     {"nextn", KVCLI_UINT, O(nextn), "5", 0, 16, "N", "drafts per step (ring size of windows)"},
     {"block-bytes", KVCLI_SIZE, O(block_bytes), NULL, 0, 0, "N",
      "override the block object size (small test configs)"},
@@ -168,16 +177,38 @@ static int loopback(const char *listen)
 
 static di_status load_geometry(app *a, di_error *err)
 {
-    /* A model config file wins over a shipped name; both go through the config parser, so the
-     * model id (the KV fingerprint) is the one the engines compute. */
-    const char *src = a->o.model_config ? a->o.model_config : a->o.geometry;
+    /* A checkpoint wins over a config file, which wins over a shipped name; all go through the
+     * config parser. Only a checkpoint's manifest gives the model id the engines compute (it
+     * covers the weights); the other two give a config-only id, for benchmarks. */
+    uint32_t yoco = KV_YOCO_DEFAULT;
+    while (yoco <= KV_YOCO_MASK && strcmp(kv_yoco_name(yoco), a->o.yoco) != 0)
+        yoco++;
+    if (yoco == KV_YOCO_OFF || yoco > KV_YOCO_MASK)
+        return di_fail(err, DI_EINVAL, "--yoco '%s': expected compact or mask (a store hit is "
+                       "exact only with a truncated prefill)", a->o.yoco);
+    if (a->o.model_dir && a->o.model_config)
+        return di_fail(err, DI_EINVAL, "--model and --model-config exclude each other");
+    const char *src = a->o.model_dir      ? a->o.model_dir
+                      : a->o.model_config ? a->o.model_config
+                                          : a->o.geometry;
+    const char *what = a->o.model_dir ? "--model" : a->o.model_config ? "--model-config"
+                                                                      : "--geometry";
     model_config cfg;
+    uint8_t weights[DI_SHA256_BYTES];
     di_status st = model_config_resolve(src, &cfg, err);
+    if (st == DI_OK && a->o.model_dir) {
+        st = shard_sums_read_fingerprint(a->o.model_dir, weights, err);
+        if (st == DI_ENOENT)
+            di_error_prefix(err, "no checksum manifest (write one with di-mkmodel --manifest "
+                            "DIR): ");
+        if (st == DI_OK)
+            cfg.model_id = model_config_id_with_weights(&cfg, weights);
+    }
     if (st != DI_OK) {
-        di_error_prefix(err, "%s %s: ", a->o.model_config ? "--model-config" : "--geometry", src);
+        di_error_prefix(err, "%s %s: ", what, src);
         return st;
     }
-    model_config_kv_geometry(&cfg, (uint32_t)a->o.nextn, &a->geometry);
+    model_config_kv_geometry_yoco(&cfg, (uint32_t)a->o.nextn, yoco, &a->geometry);
     a->object_bytes[KVKEY_BLOCK] =
         a->o.block_bytes ? a->o.block_bytes : kv_block_bytes(&a->geometry);
     a->object_bytes[KVKEY_WINDOW] =

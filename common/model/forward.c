@@ -382,7 +382,7 @@ di_status fwd_model_create(const model_weights *w, const kern_backend *be,
     m->be = be;
     m->opt = *opt;
     m->opt.token_map = NULL;
-    model_config_kv_geometry(m->cfg, opt->nextn, &m->geom);
+    model_config_kv_geometry_yoco(m->cfg, opt->nextn, (uint32_t)opt->yoco, &m->geom);
     m->index_w_scale = pow((double)m->cfg->index_head_dim, -0.5) *
                        pow((double)m->cfg->index_n_heads, -0.5);
     m->layers = calloc(m->cfg->n_layers + m->cfg->n_mtp, sizeof(fwd_layer_w));

@@ -41,10 +41,12 @@
 #include "kernels/kernels.h"
 
 typedef enum fwd_yoco {
-    FWD_YOCO_OFF = 0,
-    FWD_YOCO_COMPACT = 1,
-    FWD_YOCO_MASK = 2,
+    FWD_YOCO_OFF = KV_YOCO_OFF,
+    FWD_YOCO_COMPACT = KV_YOCO_COMPACT,
+    FWD_YOCO_MASK = KV_YOCO_MASK,
 } fwd_yoco;
+/* The mode every engine runs unless told otherwise (kv_layout.h says why). */
+#define FWD_YOCO_DEFAULT ((fwd_yoco)KV_YOCO_DEFAULT)
 
 /* Element types of dumped tensors. */
 typedef enum fwd_dtype {

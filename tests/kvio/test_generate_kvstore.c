@@ -6,7 +6,7 @@
  * with the same output and one warning line. The blocks written are found by di-kvctl inspect.
  *
  * The reference of every comparison is di-generate without a store and with the same YOCO
- * truncation (--kvstore implies compact). */
+ * truncation (compact, every engine's default). */
 #include <criterion/criterion.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -25,6 +25,7 @@
 #include "common/model/config.h"
 #include "common/util/clock.h"
 #include "common/net/kv_client.h"
+#include "common/model/shard_sums.h"
 #include "kvstore/disk.h"
 #include "tests/kvstore/harness.h"
 #include "tests/kvstore/helpers.h"
@@ -212,11 +213,19 @@ static int count_lines(const char *s)
 
 /* ---- the store ---- */
 
+/* The store for the engines' model: `--config NAME` in di-generate builds di-mkmodel's
+ * checkpoint of NAME at seed 0, so the store is started with --model on that checkpoint (its
+ * model id covers the weights; a config-only id would match no engine). */
 static void store_start(th_store *s, const char *geometry, const char *const *extra)
 {
-    static char dir[300];
+    static char dir[300], ckpt[300];
     snprintf(dir, sizeof dir, "%s/kv", g_dir);
-    const char *args[24] = {"--geometry", geometry, "--dram-bytes", "64MiB", "--disk-bytes",
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-%s", g_dir, geometry);
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "test -d %s || %s/tools/mkmodel/di-mkmodel --quiet %s %s > /dev/null",
+             ckpt, build_root(), geometry, ckpt);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    const char *args[24] = {"--model", ckpt, "--dram-bytes", "64MiB", "--disk-bytes",
                             "1GiB", "--log-level", "warn"};
     int n = 8;
     for (int i = 0; extra && extra[i] && n < 23; i++)
@@ -225,11 +234,18 @@ static void store_start(th_store *s, const char *geometry, const char *const *ex
     th_store_start(s, dir, args);
 }
 
+/* The engines' KV geometry for the checkpoint store_start made: the model id from the config
+ * and the manifest's weights fingerprint, the default YOCO mode. */
 static kv_geometry geometry_of(const char *config)
 {
     model_config c;
     di_error e;
+    char ckpt[300];
+    uint8_t weights[DI_SHA256_BYTES];
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-%s", g_dir, config);
     cr_assert_eq(model_config_builtin(config, &c, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(shard_sums_read_fingerprint(ckpt, weights, &e), DI_OK, "%s", e.msg);
+    c.model_id = model_config_id_with_weights(&c, weights);
     kv_geometry g;
     model_config_kv_geometry(&c, 5, &g);
     return g;
@@ -257,9 +273,10 @@ static void baseline(gen_res *r, const ids *p)
 
 /* ---- the central case ---- */
 
-/* Cold (empty store) and warm runs of one prompt on a config: logits and tokens bit-identical
- * to a run without a store, at temperature 0 and sampled with a fixed seed; the warm prefill
- * computes only the tail after the cached blocks. */
+/* Cold (empty store) and warm runs of one prompt on a config's checkpoint (the one the store
+ * was started on): logits and tokens bit-identical to a run without a store, at temperature 0
+ * and sampled with a fixed seed; the warm prefill computes only the tail after the cached
+ * blocks. */
 static void cold_then_warm(const char *config, uint32_t vocab, uint32_t len, uint32_t hit)
 {
     th_store s;
@@ -270,14 +287,14 @@ static void cold_then_warm(const char *config, uint32_t vocab, uint32_t len, uin
     static const char *modes[] = {"--temperature 0", "--temperature 0.9 --top-p 0.95 --seed 7"};
     for (int m = 0; m < 2; m++) {
         gen_res base, cold, warm;
-        gen(&base, ps, 1, "--config %s --max-tokens 4 %s --yoco compact --dump-logits %s/base.jsonl",
-            config, modes[m], g_dir);
+        gen(&base, ps, 1, "--model %s/ckpt-%s --max-tokens 4 %s --yoco compact --dump-logits "
+            "%s/base.jsonl", g_dir, config, modes[m], g_dir);
         gen_ok(&base);
-        gen(&cold, ps, 1, "--config %s --max-tokens 4 %s --kvstore %s --dump-logits %s/cold.jsonl",
-            config, modes[m], s.target, g_dir);
+        gen(&cold, ps, 1, "--model %s/ckpt-%s --max-tokens 4 %s --kvstore %s --dump-logits "
+            "%s/cold.jsonl", g_dir, config, modes[m], s.target, g_dir);
         gen_ok(&cold);
-        gen(&warm, ps, 1, "--config %s --max-tokens 4 %s --kvstore %s --dump-logits %s/warm.jsonl",
-            config, modes[m], s.target, g_dir);
+        gen(&warm, ps, 1, "--model %s/ckpt-%s --max-tokens 4 %s --kvstore %s --dump-logits "
+            "%s/warm.jsonl", g_dir, config, modes[m], s.target, g_dir);
         gen_ok(&warm);
         cr_assert_str_eq(cold.err, "", "no warning expected: %s", cold.err);
         cr_assert_str_eq(warm.err, "", "no warning expected: %s", warm.err);
@@ -783,4 +800,78 @@ Test(generate_kvstore, bad_store_options_are_refused_with_one_line)
         cr_assert(strstr(r.err, cases[i].msg), "%s: %s", cases[i].args, r.err);
         gen_free(&r);
     }
+}
+
+/* The model in dir with `flags`, run with and without the store: the store refuses it (its KV
+ * id is not the store's), so it gets no KV, warns once and computes the same logits. */
+static void refused_by_the_store(const ids *const *pp, const char *dir, const char *flags,
+                                 const char *target, const char *what)
+{
+    gen_res base, with;
+    gen(&base, pp, 1, "--model %s %s --max-tokens 4 --temperature 0 --dump-logits %s/base.jsonl",
+        dir, flags, g_dir);
+    gen_ok(&base);
+    gen(&with, pp, 1, "--model %s %s --max-tokens 4 --temperature 0 --kvstore %s --dump-logits "
+        "%s/with.jsonl", dir, flags, target, g_dir);
+    gen_ok(&with);
+    cr_assert_eq(kv_stat(&with, "hit_tokens"), 0, "%s must not get the KV", what);
+    cr_assert_eq(stat_of(&with, "prefill_tokens"), pp[0]->n, "%s", what);
+    cr_assert_eq(count_lines(with.err), 1, "%s: one warning: %s", what, with.err);
+    cr_assert(strstr(with.err, "holds KV of model"), "%s: %s", what, with.err);
+    same_dump("base.jsonl", "with.jsonl", what);
+    gen_free(&base);
+    gen_free(&with);
+}
+
+/* The KV key covers the weights and the YOCO mode: after a model filled the store, a copy of
+ * its checkpoint with one weight byte changed (a fine-tune, manifest rewritten) and the same
+ * model under --yoco mask each get none of it (the store holds another model's KV: one warning,
+ * everything computed, the same logits as without a store); the original still hits. A store
+ * given a checkpoint without a checksum manifest refuses to start. */
+Test(generate_kvstore, another_checkpoint_or_yoco_mode_never_gets_the_stored_kv)
+{
+    th_store s;
+    store_start(&s, "tiny", NULL);
+    char a[400], b[400], cmd[2048];
+    snprintf(a, sizeof a, "%s/ckpt-tiny", g_dir);
+    snprintf(b, sizeof b, "%s/ckpt-tuned", g_dir);
+    /* one byte in the middle of the shard: tensor data (di-mkmodel writes no gaps) */
+    snprintf(cmd, sizeof cmd, "cp -r %s %s && f=%s/model-00001-of-00001.safetensors && "
+             "n=$(stat -c %%s $f) && printf '\\125' | dd of=$f bs=1 seek=$((n / 2)) conv=notrunc "
+             "status=none && %s/tools/mkmodel/di-mkmodel --manifest %s > /dev/null", a, b, b,
+             build_root(), b);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    ids p;
+    ids_make(&p, 300, 11, 4096);
+    const ids *pp[] = {&p};
+    gen_res fill, hit;
+    gen(&fill, pp, 1, "--model %s --max-tokens 4 --temperature 0 --kvstore %s", a, s.target);
+    gen_ok(&fill);
+    cr_assert_eq(kv_stat(&fill, "blocks_stored"), 2);
+    gen(&hit, pp, 1, "--model %s --max-tokens 4 --temperature 0 --kvstore %s", a, s.target);
+    gen_ok(&hit);
+    cr_assert_gt(kv_stat(&hit, "hit_tokens"), 0, "the filling model hits: %s", hit.err);
+
+    refused_by_the_store(pp, b, "", s.target, "a fine-tune");
+    refused_by_the_store(pp, a, "--yoco mask", s.target, "another YOCO mode");
+    th_store_stop(&s);
+
+    gen_res off;
+    gen(&off, pp, 1, "--model %s --yoco off --kvstore %s", a, s.target);
+    cr_assert_eq(off.rc, 2, "--kvstore with --yoco off is refused before loading");
+    cr_assert(strstr(off.err, "--kvstore needs --yoco compact or mask"), "%s", off.err);
+
+    snprintf(cmd, sizeof cmd, "rm %s/model.safetensors.sha256.json && %s/kvstore/di-kvstore "
+             "--model %s --dir %s/kv2 --listen 127.0.0.1:0 > %s/out 2>&1", b, build_root(), b,
+             g_dir, g_dir);
+    int rc = system(cmd);
+    cr_assert(WIFEXITED(rc) && WEXITSTATUS(rc) != 0, "a store without a manifest must not start");
+    snprintf(cmd, sizeof cmd, "%s/out", g_dir);
+    char *out = slurp(cmd);
+    cr_assert(strstr(out, "no checksum manifest") && strstr(out, "di-mkmodel --manifest"), "%s",
+              out);
+    free(out);
+    gen_free(&fill);
+    gen_free(&hit);
+    gen_free(&off);
 }
