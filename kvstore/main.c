@@ -12,6 +12,9 @@
 #include "common/model/config.h"
 #include "common/net/rpc.h"
 #include "common/net/ucx_xport.h"
+#include "common/util/hostport.h"
+#include "common/util/machine.h"
+#include "common/util/outclose.h"
 #include "kvstore/cli.h"
 #include "kvstore/service.h"
 #include "kvstore/store.h"
@@ -55,15 +58,16 @@ typedef struct options {
 #define O(f) offsetof(options, f)
 /* name, kind, offset, default, min, max, metavar, help */
 static const kvcli_opt option_rows[] = {
-    {"listen", KVCLI_STRING, O(listen), "127.0.0.1:9470", 0, 0, "ADDR",
-     "gRPC address (port 0 picks a free one; see --port-file)"},
+    {"listen", KVCLI_LISTEN, O(listen), "127.0.0.1:9470", 0, 0, "HOST:PORT",
+     "gRPC address, port 1..65535 (0 picks a free one; see --port-file)"},
     {"dir", KVCLI_STRING, O(dir), "./kvstore-data", 0, 0, "PATH", "RocksDB directory"},
     {"durability", KVCLI_STRING, O(durability), "wal", 0, 0, "LEVEL",
      "none | wal | fsync: when a commit is acknowledged (below)"},
     {"dram-bytes", KVCLI_SIZE, O(dram_bytes), "1GiB", 1 << 20, 0, "SIZE",
-     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it)"},
+     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it); at most "
+     "the physical memory, with the memtables and the index"},
     {"disk-bytes", KVCLI_SIZE, O(disk_bytes), "64GiB", 4096, 0, "SIZE",
-     "disk tier capacity in object bytes"},
+     "disk tier capacity in object bytes (a warning when above the free space of --dir)"},
     {"dram-window-share", KVCLI_DOUBLE, O(window_share), "0.25", 0.001, 0.9, "F",
      "fraction of the DRAM tier for window states"},
     {"dram-handoff-share", KVCLI_DOUBLE, O(handoff_share), "0.05", 0.001, 0.9, "F",
@@ -123,7 +127,8 @@ static void usage(FILE *f)
             "handoffs keyed by hash chain, in a UCX-mapped DRAM tier (clients move bytes with\n"
             "one-sided UCX gets and puts) over a RocksDB tier on disk. Control API over gRPC\n"
             "(di.kvstore.KvStore); administration with di-kvctl. Stops cleanly on SIGTERM or\n"
-            "SIGINT.\n\noptions:\n");
+            "SIGINT (also SIGHUP and SIGQUIT). Exit status: 0 stopped cleanly, 1 failed, 2 bad\n"
+            "usage or a size this machine cannot hold.\n\noptions:\n");
     kvcli_print_options(f, option_rows, N_OPTIONS);
     fprintf(f,
             "\ndurability (when a put is acknowledged, and what survives):\n"
@@ -162,8 +167,44 @@ typedef struct app {
 
 static int loopback(const char *listen)
 {
-    return strncmp(listen, "127.", 4) == 0 || strncmp(listen, "localhost:", 10) == 0 ||
-           strncmp(listen, "[::1]:", 6) == 0;
+    di_hostport hp;
+    return di_hostport_parse(listen, true, &hp, NULL) == DI_OK && di_hostport_is_loopback(&hp);
+}
+
+/* Bytes of memory the options commit: the arena, a memtable per class, and the index
+ * (about 200 bytes per object). */
+static uint64_t memory_needed(const options *o)
+{
+    return o->dram_bytes + KVKEY_CLASS_COUNT * o->memtable_bytes + o->max_objects * 200;
+}
+
+/* Sizes against this machine, before anything is allocated: the DRAM tier and what goes with
+ * it must fit in physical memory (a store past it is killed by the kernel mid-run); a disk tier
+ * above the free space of --dir works until the disk is full, so it is only a warning. */
+static di_status check_machine(app *a, di_error *err)
+{
+    di_status st = di_machine_check_memory("--dram-bytes", a->o.dram_bytes, err);
+    if (st == DI_OK)
+        st = di_machine_check_memory("--memtable-bytes", a->o.memtable_bytes, err);
+    if (st == DI_OK) /* each term is bounded now: the sum cannot overflow */
+        st = di_machine_check_memory("--dram-bytes with the memtables (--memtable-bytes) and "
+                                     "the index (--max-objects)",
+                                     memory_needed(&a->o), err);
+    if (st != DI_OK)
+        return st;
+    uint64_t free_bytes;
+    di_error e;
+    if (di_machine_free_bytes(a->o.dir, &free_bytes, &e) == DI_OK &&
+        free_bytes < a->o.disk_bytes) {
+        char want[32], have[32];
+        di_machine_format_bytes(a->o.disk_bytes, want, sizeof(want));
+        di_machine_format_bytes(free_bytes, have, sizeof(have));
+        di_log(&a->log, DI_LOG_WARN,
+               "--disk-bytes %s is above the %s free on %s: writes will fail once the disk is "
+               "full (ignoring)",
+               want, have, a->o.dir);
+    }
+    return DI_OK;
 }
 
 static di_status load_geometry(app *a, di_error *err)
@@ -343,6 +384,8 @@ int main(int argc, char **argv)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGHUP);
+    sigaddset(&sigs, SIGQUIT);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
@@ -357,7 +400,7 @@ int main(int argc, char **argv)
     }
     if (help) {
         usage(stdout);
-        return 0;
+        return di_close_stdout("di-kvstore", 0);
     }
     if (next < argc) {
         fprintf(stderr, "di-kvstore: unexpected argument \"%s\" (see --help)\n", argv[next]);
@@ -372,6 +415,10 @@ int main(int argc, char **argv)
         return 2;
     }
     a.log = di_logger_stderr((di_log_level)level, "kvstore");
+    if (check_machine(&a, &e) != DI_OK) {
+        fprintf(stderr, "di-kvstore: %s\n", e.msg);
+        return 2;
+    }
     if (load_geometry(&a, &e) != DI_OK)
         return fail(&a, "geometry", &e);
     if (load_secrets(&a, &e) != DI_OK)

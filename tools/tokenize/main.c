@@ -16,6 +16,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/util/outclose.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/util/json_read.h"
 
@@ -271,7 +272,7 @@ int main(int argc, char **argv)
         return 2;
     if (o.help) {
         usage(stdout);
-        return 0;
+        return di_close_stdout("di-tokenize", 0);
     }
     const char *path = tokenizer_path(&o);
     if (!path)
@@ -293,7 +294,5 @@ int main(int argc, char **argv)
                       : run_encode(t, &o, in, n);
     free(in);
     tok_free(t);
-    if (!rc && fflush(stdout))
-        rc = fail("%s", "writing stdout failed");
-    return rc;
+    return di_close_stdout("di-tokenize", rc);
 }
