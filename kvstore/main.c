@@ -370,11 +370,13 @@ static void shutdown_app(app *a)
     free(a->tls_ca);
 }
 
-static int fail(app *a, const char *what, const di_error *e)
+/* Every exit after the options are read goes through here: one line, then the shutdown of
+ * whatever was started. Status 2 for bad flags (DI_EINVAL), 1 for the rest. */
+static int fail(app *a, const char *what, di_status st, const di_error *e)
 {
     fprintf(stderr, "di-kvstore: %s: %s\n", what, e->msg);
     shutdown_app(a);
-    return 1;
+    return st == DI_EINVAL ? 2 : 1;
 }
 
 int main(int argc, char **argv)
@@ -419,20 +421,21 @@ int main(int argc, char **argv)
         fprintf(stderr, "di-kvstore: %s\n", e.msg);
         return 2;
     }
-    if (load_geometry(&a, &e) != DI_OK)
-        return fail(&a, "geometry", &e);
-    if (load_secrets(&a, &e) != DI_OK)
-        return fail(&a, "auth", &e);
-    if (open_store(&a, durability, &e) != DI_OK)
-        return fail(&a, "opening the store", &e);
+    di_status st;
+    if ((st = load_geometry(&a, &e)) != DI_OK)
+        return fail(&a, "geometry", st, &e);
+    if ((st = load_secrets(&a, &e)) != DI_OK)
+        return fail(&a, "auth", st, &e);
+    if ((st = open_store(&a, durability, &e)) != DI_OK)
+        return fail(&a, "opening the store", st, &e);
     uint64_t store_id = 0;
     if (getrandom(&store_id, sizeof(store_id), 0) != (ssize_t)sizeof(store_id))
         store_id = (uint64_t)getpid() ^ kvs_now_ms(a.store);
     int port = 0;
-    if (start_service(&a, durability, store_id, &port, &e) != DI_OK)
-        return fail(&a, "starting the service", &e);
-    if (announce(&a, port, &e) != DI_OK)
-        return fail(&a, "announcing the port", &e);
+    if ((st = start_service(&a, durability, store_id, &port, &e)) != DI_OK)
+        return fail(&a, "starting the service", st, &e);
+    if ((st = announce(&a, port, &e)) != DI_OK)
+        return fail(&a, "announcing the port", st, &e);
     char dram[32], disk[32];
     kvcli_format_size(a.o.dram_bytes, dram, sizeof(dram));
     kvcli_format_size(a.o.disk_bytes, disk, sizeof(disk));

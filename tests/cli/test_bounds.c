@@ -224,6 +224,11 @@ Test(bounds, store_sizes_beyond_the_machine_are_refused_at_once, .timeout = 60)
          "--memtable-bytes 2.00 TiB exceeds the"},
         {"kvstore/kvbench", "--blocks 10000000 --bytes 16MiB", NULL, 2, "physical memory"},
         {"kvstore/kvdemo", "--tokens 100 --shared 200", NULL, 2, "--shared 200 is more than"},
+        /* bad flag combinations found after parsing are usage errors too */
+        {"kvstore/di-kvstore", "--listen 0.0.0.0:0 --dir /nonexistent/x", NULL, 2,
+         "without --token-file"},
+        {"kvstore/di-kvstore", "--tls-cert x.pem --dir /nonexistent/x", NULL, 2,
+         "--tls-cert and --tls-key go together"},
     };
     run_rows(rows, sizeof(rows) / sizeof(rows[0]));
     cli_run r = run("kvstore/di-kvstore", "--dram-bytes 1TiB", NULL);
