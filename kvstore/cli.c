@@ -88,9 +88,13 @@ void kvcli_format_duration(uint64_t ms, char *buf, size_t n)
 
 static di_status check_bounds(const kvcli_opt *o, double v, di_error *err)
 {
+    const char *unit = o->kind == KVCLI_DURATION ? " ms" : o->kind == KVCLI_SIZE ? " bytes" : "";
+    if (o->max <= 0 && v < o->min)
+        return di_fail(err, DI_ERANGE, "--%s: %.15g%s is below the least, %.15g%s", o->name, v,
+                       unit, o->min, unit);
     if (v < o->min || (o->max > 0 && v > o->max))
-        return di_fail(err, DI_ERANGE, "--%s: %g is outside [%g, %g]", o->name, v, o->min,
-                       o->max);
+        return di_fail(err, DI_ERANGE, "--%s: %.15g%s is outside [%.15g, %.15g]", o->name, v,
+                       unit, o->min, o->max);
     return DI_OK;
 }
 

@@ -72,7 +72,8 @@ static const kvcli_opt global_rows[] = {
     {"tls-ca", KVCLI_STRING, G(tls_ca), NULL, 0, 0, "FILE", "CA of the store's certificate"},
     {"tls-name", KVCLI_STRING, G(tls_name), NULL, 0, 0, "NAME", "name on the store's certificate"},
     {"json", KVCLI_FLAG, G(json), NULL, 0, 0, NULL, "print JSON instead of tables"},
-    {"deadline", KVCLI_DURATION, G(deadline_ms), "10s", 1, 0, "DUR", "deadline of each call"},
+    {"deadline", KVCLI_DURATION, G(deadline_ms), "10s", 1, 86400000, "DUR",
+     "deadline of each call (at most 1d)"},
 };
 #define S(f) offsetof(sopts, f)
 static const kvcli_opt sub_rows[] = {

@@ -193,13 +193,17 @@ Test(bounds, a_random_checkpoint_above_the_limit_is_refused_before_a_byte_is_wri
     rmdir(tmp);
 }
 
-Test(bounds, lengths_past_the_limit_are_errors_or_warned_cuts, .timeout = 60)
+Test(bounds, lengths_and_counts_past_the_limit_are_errors_or_warned_cuts, .timeout = 60)
 {
     static const bad_row rows[] = {
         {"tools/sim/di-sim", "--prompt-len 200000", NULL, 2, "at most 131068"},
         {"tools/sim/di-sim", "--prompt-len uniform:128:131069", NULL, 2, "at most 131068"},
         {"tools/sim/di-sim", "--max-model-len 4096 --prompt-len 4093", NULL, 2,
          "at most 4092 (--max-model-len 4096 less 4"},
+#ifdef DI_HAVE_TOKENIZER
+        {"tools/tokenize/di-tokenize", "--engram-map - --vocab-size 2000000000", NULL, 2,
+         "above the largest vocabulary handled, 16777216"},
+#endif
     };
     run_rows(rows, sizeof(rows) / sizeof(rows[0]));
     /* At the limit it runs, and the outputs it must cut are announced. */
@@ -229,6 +233,10 @@ Test(bounds, store_sizes_beyond_the_machine_are_refused_at_once, .timeout = 60)
          "without --token-file"},
         {"kvstore/di-kvstore", "--tls-cert x.pem --dir /nonexistent/x", NULL, 2,
          "--tls-cert and --tls-key go together"},
+        {"kvstore/di-kvstore", "--lease-max 50d", NULL, 2,
+         "--lease-max: 4320000000 ms is outside [1, 86400000]"},
+        {"kvstore/di-kvstore", "--dram-bytes 1KiB", NULL, 2,
+         "--dram-bytes: 1024 bytes is below the least, 1048576 bytes"},
     };
     run_rows(rows, sizeof(rows) / sizeof(rows[0]));
     cli_run r = run("kvstore/di-kvstore", "--dram-bytes 1TiB", NULL);
@@ -270,6 +278,7 @@ Test(bounds, kvctl_usage_errors_exit_2_without_a_store, .timeout = 60)
         {"kvstore/di-kvctl", "--target 127.0.0.1:1 capacity set ram 5", NULL, 2, "usage"},
         {"kvstore/di-kvctl", "--target 127.0.0.1:1 inspect --ids 1,x", NULL, 2, "not an id"},
         {"kvstore/di-kvctl", "--target 127.0.0.1:1 evict --all --class nope", NULL, 2, "usage"},
+        {"kvstore/di-kvctl", "--deadline 60d stats", NULL, 2, "--deadline: 5184000000 ms is outside [1, 86400000]"},
     };
     run_rows(rows, sizeof(rows) / sizeof(rows[0]));
     /* A good command against nothing is a failure (1), not a usage error. */

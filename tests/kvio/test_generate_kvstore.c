@@ -41,7 +41,9 @@ static void teardown(void)
     th_rmtree(g_dir);
 }
 
-TestSuite(generate_kvstore, .init = setup, .fini = teardown, .timeout = 120);
+/* Timeouts: the cases take 2 to 18 s one at a time on an idle 2-core machine; 240 s (360 s for
+ * the demo model) leaves room for a loaded one. */
+TestSuite(generate_kvstore, .init = setup, .fini = teardown, .timeout = 240);
 
 /* ---- prompts ---- */
 
@@ -324,8 +326,7 @@ Test(generate_kvstore, a_cached_prompt_gives_the_same_logits_and_prefills_only_i
 }
 
 /* The demo model (Engram, the real vocabulary) at temperature 0 only: the sampled pass adds
- * nothing model-specific to the tiny case above, and halves the heaviest test here. Its
- * timeout leaves room for a loaded 2-core machine (about 14 s on an idle one). */
+ * nothing model-specific to the tiny case above, and halves the heaviest test here. */
 Test(generate_kvstore, a_cached_prompt_gives_the_same_logits_and_prefills_only_its_tail_demo,
      .timeout = 360)
 {
