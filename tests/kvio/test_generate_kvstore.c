@@ -41,8 +41,8 @@ static void teardown(void)
     th_rmtree(g_dir);
 }
 
-/* Timeouts: the cases take 2 to 18 s one at a time on an idle 2-core machine; 240 s (360 s for
- * the demo model) leaves room for a loaded one. */
+/* Timeouts: the cases take 2 to 18 s each (two at a time) on a lightly loaded 2-core machine;
+ * 240 s (360 s for the demo model) leaves room for a loaded one. */
 TestSuite(generate_kvstore, .init = setup, .fini = teardown, .timeout = 240);
 
 /* ---- prompts ---- */
