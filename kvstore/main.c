@@ -13,6 +13,9 @@
 #include "common/model/shard_sums.h"
 #include "common/net/rpc.h"
 #include "common/net/ucx_xport.h"
+#include "common/util/hostport.h"
+#include "common/util/machine.h"
+#include "common/util/outclose.h"
 #include "kvstore/cli.h"
 #include "kvstore/service.h"
 #include "kvstore/store.h"
@@ -58,15 +61,16 @@ typedef struct options {
 #define O(f) offsetof(options, f)
 /* name, kind, offset, default, min, max, metavar, help */
 static const kvcli_opt option_rows[] = {
-    {"listen", KVCLI_STRING, O(listen), "127.0.0.1:9470", 0, 0, "ADDR",
-     "gRPC address (port 0 picks a free one; see --port-file)"},
+    {"listen", KVCLI_LISTEN, O(listen), "127.0.0.1:9470", 0, 0, "HOST:PORT",
+     "gRPC address, port 1..65535 (0 picks a free one; see --port-file)"},
     {"dir", KVCLI_STRING, O(dir), "./kvstore-data", 0, 0, "PATH", "RocksDB directory"},
     {"durability", KVCLI_STRING, O(durability), "wal", 0, 0, "LEVEL",
      "none | wal | fsync: when a commit is acknowledged (below)"},
     {"dram-bytes", KVCLI_SIZE, O(dram_bytes), "1GiB", 1 << 20, 0, "SIZE",
-     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it)"},
+     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it); at most "
+     "the physical memory, with the memtables and the index"},
     {"disk-bytes", KVCLI_SIZE, O(disk_bytes), "64GiB", 4096, 0, "SIZE",
-     "disk tier capacity in object bytes"},
+     "disk tier capacity in object bytes (a warning when above the free space of --dir)"},
     {"dram-window-share", KVCLI_DOUBLE, O(window_share), "0.25", 0.001, 0.9, "F",
      "fraction of the DRAM tier for window states"},
     {"dram-handoff-share", KVCLI_DOUBLE, O(handoff_share), "0.05", 0.001, 0.9, "F",
@@ -93,10 +97,10 @@ static const kvcli_opt option_rows[] = {
     {"ttl-window", KVCLI_DURATION, O(ttl_window_ms), "3d", 0, 0, "DUR",
      "cache TTL of window states"},
     {"ttl-handoff", KVCLI_DURATION, O(ttl_handoff_ms), "60s", 0, 0, "DUR", "TTL of handoffs"},
-    {"lease", KVCLI_DURATION, O(lease_ms), "10s", 1, 0, "DUR",
-     "lease given when a client asks for none"},
-    {"lease-max", KVCLI_DURATION, O(lease_max_ms), "60s", 1, 0, "DUR",
-     "longest lease; a lease whose client died ends after it"},
+    {"lease", KVCLI_DURATION, O(lease_ms), "10s", 1, 86400000, "DUR",
+     "lease given when a client asks for none (at most 1d)"},
+    {"lease-max", KVCLI_DURATION, O(lease_max_ms), "60s", 1, 86400000, "DUR",
+     "longest lease (at most 1d); a lease whose client died ends after it"},
     {"alloc-timeout", KVCLI_DURATION, O(alloc_timeout_ms), "30s", 1, 0, "DUR",
      "an allocation not committed by then is reclaimed"},
     {"max-leases", KVCLI_UINT, O(max_leases), "65536", 16, 16777216, "N", "lease records"},
@@ -132,7 +136,8 @@ static void usage(FILE *f)
             "handoffs keyed by hash chain, in a UCX-mapped DRAM tier (clients move bytes with\n"
             "one-sided UCX gets and puts) over a RocksDB tier on disk. Control API over gRPC\n"
             "(di.kvstore.KvStore); administration with di-kvctl. Stops cleanly on SIGTERM or\n"
-            "SIGINT.\n\noptions:\n");
+            "SIGINT (also SIGHUP and SIGQUIT). Exit status: 0 stopped cleanly, 1 failed, 2 bad\n"
+            "usage or a size this machine cannot hold.\n\noptions:\n");
     kvcli_print_options(f, option_rows, N_OPTIONS);
     fprintf(f,
             "\ndurability (when a put is acknowledged, and what survives):\n"
@@ -171,8 +176,44 @@ typedef struct app {
 
 static int loopback(const char *listen)
 {
-    return strncmp(listen, "127.", 4) == 0 || strncmp(listen, "localhost:", 10) == 0 ||
-           strncmp(listen, "[::1]:", 6) == 0;
+    di_hostport hp;
+    return di_hostport_parse(listen, true, &hp, NULL) == DI_OK && di_hostport_is_loopback(&hp);
+}
+
+/* Bytes of memory the options commit: the arena, a memtable per class, and the index
+ * (about 200 bytes per object). */
+static uint64_t memory_needed(const options *o)
+{
+    return o->dram_bytes + KVKEY_CLASS_COUNT * o->memtable_bytes + o->max_objects * 200;
+}
+
+/* Sizes against this machine, before anything is allocated: the DRAM tier and what goes with
+ * it must fit in physical memory (a store past it is killed by the kernel mid-run); a disk tier
+ * above the free space of --dir works until the disk is full, so it is only a warning. */
+static di_status check_machine(app *a, di_error *err)
+{
+    di_status st = di_machine_check_memory("--dram-bytes", a->o.dram_bytes, err);
+    if (st == DI_OK)
+        st = di_machine_check_memory("--memtable-bytes", a->o.memtable_bytes, err);
+    if (st == DI_OK) /* each term is bounded now: the sum cannot overflow */
+        st = di_machine_check_memory("--dram-bytes with the memtables (--memtable-bytes) and "
+                                     "the index (--max-objects)",
+                                     memory_needed(&a->o), err);
+    if (st != DI_OK)
+        return st;
+    uint64_t free_bytes;
+    di_error e;
+    if (di_machine_free_bytes(a->o.dir, &free_bytes, &e) == DI_OK &&
+        free_bytes < a->o.disk_bytes) {
+        char want[32], have[32];
+        di_machine_format_bytes(a->o.disk_bytes, want, sizeof(want));
+        di_machine_format_bytes(free_bytes, have, sizeof(have));
+        di_log(&a->log, DI_LOG_WARN,
+               "--disk-bytes %s is above the %s free on %s: writes will fail once the disk is "
+               "full (ignoring)",
+               want, have, a->o.dir);
+    }
+    return DI_OK;
 }
 
 static di_status load_geometry(app *a, di_error *err)
@@ -360,11 +401,13 @@ static void shutdown_app(app *a)
     free(a->tls_ca);
 }
 
-static int fail(app *a, const char *what, const di_error *e)
+/* Every exit after the options are read goes through here: one line, then the shutdown of
+ * whatever was started. Status 2 for bad flags (DI_EINVAL), 1 for the rest. */
+static int fail(app *a, const char *what, di_status st, const di_error *e)
 {
     fprintf(stderr, "di-kvstore: %s: %s\n", what, e->msg);
     shutdown_app(a);
-    return 1;
+    return st == DI_EINVAL ? 2 : 1;
 }
 
 int main(int argc, char **argv)
@@ -374,6 +417,8 @@ int main(int argc, char **argv)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGHUP);
+    sigaddset(&sigs, SIGQUIT);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
@@ -388,7 +433,7 @@ int main(int argc, char **argv)
     }
     if (help) {
         usage(stdout);
-        return 0;
+        return di_close_stdout("di-kvstore", 0);
     }
     if (next < argc) {
         fprintf(stderr, "di-kvstore: unexpected argument \"%s\" (see --help)\n", argv[next]);
@@ -403,20 +448,25 @@ int main(int argc, char **argv)
         return 2;
     }
     a.log = di_logger_stderr((di_log_level)level, "kvstore");
-    if (load_geometry(&a, &e) != DI_OK)
-        return fail(&a, "geometry", &e);
-    if (load_secrets(&a, &e) != DI_OK)
-        return fail(&a, "auth", &e);
-    if (open_store(&a, durability, &e) != DI_OK)
-        return fail(&a, "opening the store", &e);
+    if (check_machine(&a, &e) != DI_OK) {
+        fprintf(stderr, "di-kvstore: %s\n", e.msg);
+        return 2;
+    }
+    di_status st;
+    if ((st = load_geometry(&a, &e)) != DI_OK)
+        return fail(&a, "geometry", st, &e);
+    if ((st = load_secrets(&a, &e)) != DI_OK)
+        return fail(&a, "auth", st, &e);
+    if ((st = open_store(&a, durability, &e)) != DI_OK)
+        return fail(&a, "opening the store", st, &e);
     uint64_t store_id = 0;
     if (getrandom(&store_id, sizeof(store_id), 0) != (ssize_t)sizeof(store_id))
         store_id = (uint64_t)getpid() ^ kvs_now_ms(a.store);
     int port = 0;
-    if (start_service(&a, durability, store_id, &port, &e) != DI_OK)
-        return fail(&a, "starting the service", &e);
-    if (announce(&a, port, &e) != DI_OK)
-        return fail(&a, "announcing the port", &e);
+    if ((st = start_service(&a, durability, store_id, &port, &e)) != DI_OK)
+        return fail(&a, "starting the service", st, &e);
+    if ((st = announce(&a, port, &e)) != DI_OK)
+        return fail(&a, "announcing the port", st, &e);
     char dram[32], disk[32];
     kvcli_format_size(a.o.dram_bytes, dram, sizeof(dram));
     kvcli_format_size(a.o.disk_bytes, disk, sizeof(disk));

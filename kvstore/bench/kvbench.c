@@ -17,6 +17,8 @@
 
 #include "common/net/kv_client.h"
 #include "common/util/clock.h"
+#include "common/util/machine.h"
+#include "common/util/outclose.h"
 #include "kvstore/cli.h"
 #include "kvstore/synth.h"
 
@@ -32,8 +34,8 @@ typedef struct bopts {
 
 #define B(f) offsetof(bopts, f)
 static const kvcli_opt rows[] = {
-    {"store", KVCLI_STRING, B(store), "127.0.0.1:9470", 0, 0, "HOST:PORT", "di-kvstore"},
-    {"redis", KVCLI_STRING, B(redis), NULL, 0, 0, "HOST:PORT", "redis-server (none: skip)"},
+    {"store", KVCLI_ADDR, B(store), "127.0.0.1:9470", 0, 0, "HOST:PORT", "di-kvstore"},
+    {"redis", KVCLI_ADDR, B(redis), NULL, 0, 0, "HOST:PORT", "redis-server (none: skip)"},
     {"blocks", KVCLI_UINT, B(blocks), "10000", 1, 1e7, "N", "objects written and read"},
     {"bytes", KVCLI_SIZE, B(bytes), "114048", 256, 1 << 24, "SIZE", "object size"},
     {"batch", KVCLI_UINT, B(batch), "256", 1, 1024, "N", "objects per batch / pipeline"},
@@ -403,9 +405,15 @@ int main(int argc, char **argv)
         return 2;
     }
     if (help || next < argc) {
-        printf("usage: kvbench [options] (normally started by kvstore/bench/bench.sh)\n");
-        kvcli_print_options(stdout, rows, sizeof(rows) / sizeof(rows[0]));
-        return help ? 0 : 2;
+        FILE *f = help ? stdout : stderr;
+        fprintf(f, "usage: kvbench [options] (normally started by kvstore/bench/bench.sh)\n");
+        kvcli_print_options(f, rows, sizeof(rows) / sizeof(rows[0]));
+        return help ? di_close_stdout("kvbench", 0) : 2;
+    }
+    /* Two copies of every object (source and destination) are held in memory. */
+    if (di_machine_check_memory("--blocks x --bytes x 2", 2 * o.blocks * o.bytes, &e) != DI_OK) {
+        fprintf(stderr, "kvbench: %s\n", e.msg);
+        return 2;
     }
     kv_geometry g;
     kv_geometry_v41_flash(5, &g);
@@ -455,5 +463,5 @@ int main(int argc, char **argv)
     free(src);
     free(dst);
     free(keys);
-    return 0;
+    return di_close_stdout("kvbench", 0);
 }

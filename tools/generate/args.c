@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/util/hostport.h"
 #include "tools/generate/gen.h"
 
 typedef di_status (*opt_fn)(gen_args *a, const char *val, di_error *err);
@@ -210,8 +211,11 @@ static di_status o_yoco(gen_args *a, const char *v, di_error *err)
 
 static di_status o_kvstore(gen_args *a, const char *v, di_error *err)
 {
-    if (!*v || !strchr(v, ':'))
-        return di_fail(err, DI_EINVAL, "--kvstore: '%s' is not HOST:PORT", v);
+    di_status st = di_hostport_parse(v, false, NULL, err);
+    if (st != DI_OK) {
+        di_error_prefix(err, "--kvstore: ");
+        return st;
+    }
     a->kvstore = v;
     return DI_OK;
 }

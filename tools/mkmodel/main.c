@@ -18,6 +18,8 @@
 #include "common/model/mkmodel.h"
 #include "common/model/shard_sums.h"
 #include "common/util/clock.h"
+#include "common/util/machine.h"
+#include "common/util/outclose.h"
 
 typedef struct cli {
     mkmodel_options opt;
@@ -178,16 +180,6 @@ static void print_plan(const char *config, const mkmodel_plan *p, bool written)
 
 /* ---- main --------------------------------------------------------------------------------- */
 
-/* Exit status once everything is printed: rc, or 1 with a line on stderr when stdout could
- * not be written (disk full, reader gone): lost output is never a success. */
-static int finish_stdout(int rc)
-{
-    if (fflush(stdout) == 0 && !ferror(stdout))
-        return rc;
-    fprintf(stderr, "di-mkmodel: writing to stdout failed\n");
-    return 1;
-}
-
 static int parse_args(int argc, char **argv, cli *c, const char **config, const char **out)
 {
     struct option lopts[N_OPTS + 1];
@@ -255,7 +247,7 @@ int main(int argc, char **argv)
     const char *config = NULL, *out = NULL;
     int rc = parse_args(argc, argv, &c, &config, &out);
     if (rc >= 0)
-        return rc == 0 ? finish_stdout(0) : rc;
+        return rc == 0 ? di_close_stdout("di-mkmodel", 0) : rc;
     if (c.manifest) {
         di_error e = {0};
         uint64_t id = 0;
@@ -266,7 +258,7 @@ int main(int argc, char **argv)
         }
         printf("%s/%s written in %.2f s; model id %016" PRIx64 "\n", c.manifest, SHARD_SUMS_FILE,
                (di_mono_ns() - t0) / 1e9, id);
-        return finish_stdout(0);
+        return di_close_stdout("di-mkmodel", 0);
     }
     c.opt.progress = on_progress;
     c.opt.progress_userdata = &c;
@@ -282,8 +274,14 @@ int main(int argc, char **argv)
         st = mkmodel_plan_for(cfg, &c.opt, plan, &e);
         over = st == DI_OK && !force && c.opt.max_bytes && plan->bytes > c.opt.max_bytes;
     }
-    else if (st == DI_OK)
-        st = mkmodel_write(cfg, out, &c.opt, plan, &e);
+    else if (st == DI_OK) {
+        /* Refuse before writing: the checkpoint must fit the free space where it goes. */
+        st = mkmodel_plan_for(cfg, &c.opt, plan, &e);
+        if (st == DI_OK)
+            st = di_machine_check_disk("the checkpoint", out, plan->bytes, &e);
+        if (st == DI_OK)
+            st = mkmodel_write(cfg, out, &c.opt, plan, &e);
+    }
     if (st == DI_OK)
         print_plan(config, plan, !c.dry_run);
     if (over)
@@ -292,5 +290,5 @@ int main(int argc, char **argv)
         fprintf(stderr, "di-mkmodel: %s\n", e.msg);
     free(cfg);
     free(plan);
-    return finish_stdout(st == DI_OK ? 0 : 1);
+    return di_close_stdout("di-mkmodel", st == DI_OK ? 0 : 1);
 }
