@@ -171,6 +171,8 @@ static void make_options(kvdisk *d, const kvdisk_config *cfg)
     rocksdb_options_set_write_buffer_size(
         d->opts, cfg->write_buffer_bytes ? cfg->write_buffer_bytes : 64ull << 20);
     rocksdb_options_set_max_total_wal_size(d->opts, 512ull << 20);
+    /* No blob files for the large values: RocksDB 7.8's repairer (kvdisk_repair) drops them,
+     * so one unreadable SST would cost every object stored in a blob file. */
     rocksdb_options_set_paranoid_checks(d->opts, 1);
     rocksdb_options_set_wal_recovery_mode(d->opts, 2 /* point in time */);
     rocksdb_options_set_keep_log_file_num(d->opts, 4);

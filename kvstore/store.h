@@ -13,7 +13,14 @@
  *
  * Read path: kvs_lease pins the object and returns its slot; an object not in DRAM is read
  * from RocksDB into a slot first and verified; a corrupt disk copy is dropped (deleted) and
- * reported as a miss with DI_ENOENT and a message saying so. kvs_release unpins.
+ * reported as a miss with DI_ENOENT and a message saying so. kvs_release unpins. A DRAM copy
+ * that rots after it was verified is caught by the reader's own verification; the reader
+ * reports it (kvs_report_corrupt), the store verifies it again and drops it from DRAM, and the
+ * next lease loads the disk copy.
+ *
+ * Start: a RocksDB file that cannot be read (a flipped byte in an SST's footer, index or meta
+ * block) is set aside by kvdisk_repair; the store starts with the rest and reports the count
+ * (kvs_stats.disk.files_lost) and the reason in its log.
  *
  * Every function is thread-safe. Outputs are written only on success.
  */

@@ -499,6 +499,7 @@ Test(store, a_flipped_byte_in_an_sst_index_block_loses_that_file_only, .timeout 
     f.s = NULL;
     kvkey k1 = th_key(1);
     char sst[600];
+    /* The SST of the block family: the one holding block 1's bytes. */
     cr_assert(find_sst_with(f.dir, k1.b, sizeof(k1.b), sst, sizeof(sst)), "no SST holds block 1");
     flip_index_block(sst);
     open_store(&f); /* starts */
