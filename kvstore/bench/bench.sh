@@ -40,5 +40,5 @@ echo "bench.sh: di-kvstore on port $(cat "$work/port"), redis-server $redis_vers
 "$bench_bin" --store "127.0.0.1:$(cat "$work/port")" --redis "127.0.0.1:$redis_port" \
   --core-dir "$work/core" --core-durability "${DI_KVBENCH_DURABILITY:-wal}" \
   --store-conf "di-kvstore ${store_args[*]} (RocksDB WAL without fsync: acknowledged puts survive kill -9)" \
-  --redis-conf "redis-server $redis_version ${redis_args[*]} (AOF written before the reply, fsync every second)" \
+  --redis-conf "redis-server $redis_version $(printf "%q " "${redis_args[@]}")(AOF written before the reply, fsync every second)" \
   "$@"
