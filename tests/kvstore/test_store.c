@@ -474,10 +474,20 @@ static void flip_index_block(const char *path)
     close(fd);
 }
 
+/* Keeps the last warning the store logged. */
+static void keep_warning(void *ud, di_log_level level, const char *line)
+{
+    if (level <= DI_LOG_WARN)
+        snprintf(ud, 512, "%s", line);
+}
+
 Test(store, a_flipped_byte_in_an_sst_index_block_loses_that_file_only, .timeout = 60)
 {
     fx f;
     setup(&f, KVDISK_WAL);
+    char warning[512] = "";
+    di_logger lg = {.fn = keep_warning, .userdata = warning, .level = DI_LOG_WARN};
+    f.cfg.log = &lg;
     /* Blocks 1-8 end up in one SST of the block family; windows 1-3 in another family's SST;
      * blocks 11-14 only in the WAL when the store stops. */
     for (uint64_t i = 1; i <= 8; i++) {
@@ -509,6 +519,8 @@ Test(store, a_flipped_byte_in_an_sst_index_block_loses_that_file_only, .timeout 
     cr_assert_eq(s.disk.files_lost, 1, "one file set aside, not %llu (%s)",
                  (unsigned long long)s.disk.files_lost, s.disk.repair_note);
     cr_assert(strstr(s.disk.repair_note, "orruption"), "%s", s.disk.repair_note);
+    cr_assert(strstr(warning, "1 unreadable RocksDB files set aside") && strstr(warning, ".sst"),
+              "log: %s", warning);
     for (uint64_t i = 1; i <= 8; i++) {
         kvkey k = th_key(i);
         cr_assert_eq(check(&f, KVKEY_BLOCK, &k, BLOCK, 0, &e), DI_ENOENT, "block %llu",
