@@ -201,6 +201,8 @@ static json_t *stats_json(const Di__Kvstore__StatsReply *r)
                              "durability", r->durability, "store_id", id, "model_id", mid);
     json_object_update(j, rest);
     json_decref(rest);
+    json_object_set_new(j, "disk_files_lost", json_integer((json_int_t)r->disk_files_lost));
+    json_object_set_new(j, "disk_meta_bad", json_integer((json_int_t)r->disk_meta_bad));
     return j;
 }
 
@@ -242,6 +244,10 @@ static void stats_table(const Di__Kvstore__StatsReply *r)
            count_str(r->dram_evictions, a), count_str(r->disk_evictions, b),
            count_str(r->expirations, c), count_str(r->corrupt_dropped, d),
            count_str(r->deletes, e));
+    if (r->disk_files_lost || r->disk_meta_bad)
+        printf("unreadable   RocksDB files set aside at start %s (in the data directory's lost/)"
+               "   meta records dropped %s\n",
+               count_str(r->disk_files_lost, a), count_str(r->disk_meta_bad, b));
     printf("writes       commits %s   failed %s   allocations reclaimed %s   disk reads %s\n",
            count_str(r->commits, a), count_str(r->commit_failures, b),
            count_str(r->alloc_reclaimed, c), count_str(r->promotions, d));

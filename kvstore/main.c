@@ -12,6 +12,7 @@
 #include "common/model/config.h"
 #include "common/model/shard_sums.h"
 #include "common/net/rpc.h"
+#include "common/util/clock.h"
 #include "common/net/ucx_xport.h"
 #include "common/util/hostport.h"
 #include "common/util/machine.h"
@@ -172,6 +173,7 @@ typedef struct app {
     rpc_server *server;
     void *worker_addr, *rkey;
     size_t worker_addr_len, rkey_len;
+    di_log_limit rpc_warn, rpc_error; /* failed calls: 5 lines per 10 s at each level */
 } app;
 
 static int loopback(const char *listen)
@@ -327,12 +329,16 @@ static di_status open_store(app *a, int durability, di_error *err)
 static void log_rpc_error(void *ud, const char *method, const char *peer, di_status st,
                           const char *msg)
 {
-    const di_logger *lg = ud;
-    di_log_level lv = st == DI_ENOENT || st == DI_EEXIST ? DI_LOG_DEBUG
-                      : st == DI_EINTERNAL || st == DI_EIO || st == DI_ENOMEM ? DI_LOG_ERROR
-                                                                               : DI_LOG_WARN;
-    if (di_log_enabled(lg, lv))
-        di_log(lg, lv, "%s from %s failed: %s (%s)", method, peer, msg, di_status_name(st));
+    app *a = ud;
+    if (st == DI_ENOENT || st == DI_EEXIST) {
+        di_log(&a->log, DI_LOG_DEBUG, "%s from %s failed: %s (%s)", method, peer, msg,
+               di_status_name(st));
+        return;
+    }
+    di_log_limit *l =
+        st == DI_EINTERNAL || st == DI_EIO || st == DI_ENOMEM ? &a->rpc_error : &a->rpc_warn;
+    di_log_limited(&a->log, l, di_mono_ns(), "%s from %s failed: %s (%s)", method, peer, msg,
+                   di_status_name(st));
 }
 
 static di_status start_service(app *a, int durability, uint64_t store_id, int *port,
@@ -356,7 +362,7 @@ static di_status start_service(app *a, int durability, uint64_t store_id, int *p
                             .engine_token = a->engine_token, .admin_token = a->admin_token,
                             .tls_cert_pem = a->tls_cert, .tls_key_pem = a->tls_key,
                             .tls_client_ca_pem = a->tls_ca, .on_error = log_rpc_error,
-                            .on_error_ud = &a->log};
+                            .on_error_ud = a};
     st = rpc_server_start(&rc, &a->server, port, err);
     if (st == DI_OK)
         st = ucxt_progress_start(a->ucx, err);
@@ -448,6 +454,8 @@ int main(int argc, char **argv)
         return 2;
     }
     a.log = di_logger_stderr((di_log_level)level, "kvstore");
+    di_log_limit_init(&a.rpc_warn, "calls failed", DI_LOG_WARN, 5, 10000);
+    di_log_limit_init(&a.rpc_error, "calls failed", DI_LOG_ERROR, 5, 10000);
     if (check_machine(&a, &e) != DI_OK) {
         fprintf(stderr, "di-kvstore: %s\n", e.msg);
         return 2;
@@ -477,10 +485,18 @@ int main(int argc, char **argv)
            (unsigned long long)a.object_bytes[KVKEY_BLOCK],
            (unsigned long long)a.object_bytes[KVKEY_WINDOW],
            a.engine_token || a.admin_token ? "tokens" : "none", a.tls_cert ? "on" : "off");
-    int sig = 0;
-    sigwait(&sigs, &sig);
+    int sig = -1;
+    const struct timespec second = {.tv_sec = 1};
+    while (sig < 0) { /* once a second: counts of rate-limited log lines */
+        sig = sigtimedwait(&sigs, NULL, &second);
+        kvsvc_tick(a.svc);
+        di_log_limit_flush(&a.log, &a.rpc_warn, di_mono_ns(), 0);
+        di_log_limit_flush(&a.log, &a.rpc_error, di_mono_ns(), 0);
+    }
     di_log(&a.log, DI_LOG_INFO, "signal %d: stopping (finishing calls in flight)", sig);
     shutdown_app(&a);
+    di_log_limit_flush(&a.log, &a.rpc_warn, di_mono_ns(), 1);
+    di_log_limit_flush(&a.log, &a.rpc_error, di_mono_ns(), 1);
     di_log(&a.log, DI_LOG_INFO, "stopped");
     return 0;
 }
