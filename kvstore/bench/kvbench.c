@@ -26,6 +26,7 @@
 
 #include "common/net/kv_client.h"
 #include "common/util/clock.h"
+#include "common/util/hostport.h"
 #include "common/util/machine.h"
 #include "common/util/outclose.h"
 #include "kvstore/cli.h"
@@ -436,6 +437,14 @@ int main(int argc, char **argv)
         o.store = NULL;
     if (o.redis && strcmp(o.redis, "none") == 0)
         o.redis = NULL;
+    const char *addrs[2][2] = {{"--store", o.store}, {"--redis", o.redis}};
+    for (int i = 0; i < 2; i++) {
+        di_hostport hp;
+        if (addrs[i][1] && di_hostport_parse(addrs[i][1], false, &hp, &e) != DI_OK) {
+            fprintf(stderr, "kvbench: %s: %s\n", addrs[i][0], e.msg);
+            return 2;
+        }
+    }
     if (help || next < argc) {
         FILE *f = help ? stdout : stderr;
         fprintf(f, "usage: kvbench [options] (normally started by kvstore/bench/bench.sh)\n");

@@ -226,7 +226,7 @@ Test(bounds, store_sizes_beyond_the_machine_are_refused_at_once, .timeout = 60)
          "--dram-bytes 1.00 TiB exceeds the"},
         {"kvstore/di-kvstore", "--memtable-bytes 2TiB --dir /nonexistent/x", NULL, 2,
          "--memtable-bytes 2.00 TiB exceeds the"},
-        {"kvstore/kvbench", "--blocks 10000000 --bytes 16MiB", NULL, 2, "physical memory"},
+        {"kvstore/kvbench", "--objects 1000000 --bytes 16MiB", NULL, 2, "physical memory"},
         {"kvstore/kvdemo", "--tokens 100 --shared 200", NULL, 2, "--shared 200 is more than"},
         /* bad flag combinations found after parsing are usage errors too */
         {"kvstore/di-kvstore", "--listen 0.0.0.0:0 --dir /nonexistent/x", NULL, 2,
