@@ -27,7 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 #include "common/util/status.h"
 
 #define MODEL_MAX_LAYERS 128u        /* backbone layers */
@@ -252,6 +252,10 @@ json_t *model_config_to_json(const model_config *cfg);
  * block_tokens 128, head/index widths, owners = KV sources with their ratios, yoco_boundary,
  * n_draft_stages = n_mtp, model_id. cfg must be validated. */
 void model_config_kv_geometry(const model_config *cfg, uint32_t nextn, kv_geometry *out);
+
+/* DeepSeek-V4.1-Flash with the given nextn (drafts per step; 5 in production), from the shipped
+ * v41-flash config (model_config_kv_geometry), model id included. */
+void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out);
 
 /* The fingerprint stored in cfg->model_id, recomputed from the parsed keys. */
 uint64_t model_config_fingerprint(const model_config *cfg);

@@ -16,6 +16,7 @@
 #include <arpa/inet.h>
 
 #include "common/net/kv_client.h"
+#include "common/model/config.h"
 #include "common/util/clock.h"
 #include "kvstore/cli.h"
 #include "kvstore/synth.h"

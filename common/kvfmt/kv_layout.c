@@ -1,8 +1,7 @@
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 
 #include <string.h>
 
-#include "common/model/config.h"
 #include "common/util/hash64.h"
 
 #include <assert.h>
@@ -13,17 +12,6 @@ uint32_t kv_ring_positions_for(uint32_t window, uint32_t nextn, uint32_t backtra
     if (backtracking > spare)
         spare = backtracking;
     return window + spare;
-}
-
-void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out)
-{
-    /* The shipped config is the one source of the geometry and of the model id, so blocks
-     * written through either path carry the same fingerprint. */
-    model_config cfg;
-    di_status st = model_config_builtin("v41-flash", &cfg, NULL);
-    assert(st == DI_OK);
-    (void)st;
-    model_config_kv_geometry(&cfg, nextn, out);
 }
 
 di_status kv_geometry_validate(const kv_geometry *g, di_error *err)

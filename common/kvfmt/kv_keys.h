@@ -12,13 +12,13 @@
  *
  * The router, the engines, the store and di-kvctl all compute keys with these functions.
  */
-#ifndef DI_NET_KV_KEYS_H
-#define DI_NET_KV_KEYS_H
+#ifndef DI_KVFMT_KV_KEYS_H
+#define DI_KVFMT_KV_KEYS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 #include "common/util/status.h"
 
 #define KVKEY_BYTES 32u

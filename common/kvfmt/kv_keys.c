@@ -1,4 +1,4 @@
-#include "common/net/kv_keys.h"
+#include "common/kvfmt/kv_keys.h"
 
 #include <openssl/evp.h>
 #include <stdlib.h>
