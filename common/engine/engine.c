@@ -153,7 +153,8 @@ void engine_destroy(engine *e)
     di_alloc_release(e->alloc, e);
 }
 
-di_status engine_add(engine *e, const sched_request *req, void *user, di_error *err)
+di_status engine_add(engine *e, const sched_request *req, const void *exec_args, void *user,
+                     di_error *err)
 {
     if (!e || !req)
         return di_fail(err, DI_EINVAL, "engine add: engine and request are required");
@@ -166,7 +167,7 @@ di_status engine_add(engine *e, const sched_request *req, void *user, di_error *
         return di_fail(err, DI_ENOMEM, "request %llu", (unsigned long long)req->id);
     q->id = req->id;
     q->user = user;
-    di_status st = e->cfg.exec.add ? e->cfg.exec.add(e->cfg.exec.ctx, req, user, err) : DI_OK;
+    di_status st = e->cfg.exec.add ? e->cfg.exec.add(e->cfg.exec.ctx, req, exec_args, err) : DI_OK;
     if (st != DI_OK) {
         di_alloc_release(e->alloc, q);
         return st;

@@ -47,9 +47,10 @@ typedef struct engine engine;
 /* What runs the plans: the model runner, a synthetic runner, a test double. */
 typedef struct engine_executor {
     void *ctx; /* passed to every call */
-    /* Learns a request before its first plan; `user` is the engine_add argument. DI_OK or a
-     * code the engine returns from engine_add (nothing is added then). NULL: nothing to do. */
-    di_status (*add)(void *ctx, const sched_request *req, void *user, di_error *err);
+    /* Learns a request before its first plan; `args` is engine_add's executor argument (the
+     * model runner: a runner_request). DI_OK or a code the engine returns from engine_add
+     * (nothing is added then). NULL: nothing to do. */
+    di_status (*add)(void *ctx, const sched_request *req, const void *args, di_error *err);
     /* Forgets a request: called exactly once for each request add accepted. NULL: nothing. */
     void (*remove)(void *ctx, uint64_t id);
     /* Runs a plan; results[i] for plan->seqs[i] (plan->n_seqs of them; a placeholder plan
@@ -100,10 +101,12 @@ di_status engine_create(const engine_config *cfg, engine **out, di_error *err);
  * scheduler. No output is produced. NULL-safe. */
 void engine_destroy(engine *e);
 
-/* Adds a request: exec.add, then the scheduler. DI_OK; the scheduler's codes (DI_EINVAL,
- * DI_EEXIST, DI_EFULL, DI_ENOMEM) or exec.add's; on failure nothing is left behind (exec.remove
- * is called when exec.add had accepted it). */
-di_status engine_add(engine *e, const sched_request *req, void *user, di_error *err);
+/* Adds a request: exec.add (with exec_args), then the scheduler; `user` comes back with each of
+ * its outputs. DI_OK; the scheduler's codes (DI_EINVAL, DI_EEXIST, DI_EFULL, DI_ENOMEM) or
+ * exec.add's; on failure nothing is left behind (exec.remove is called when exec.add had
+ * accepted it). */
+di_status engine_add(engine *e, const sched_request *req, const void *exec_args, void *user,
+                     di_error *err);
 
 /* Aborts a request from any state (waiting, between chunks, running, in flight, finished and
  * held for handoff): its one final output (finish "abort") goes to on_output, unless it had

@@ -24,7 +24,7 @@ typedef struct probe {
     uint64_t refuse_id;       /* exec.add refuses this id, 0 = none */
 } probe;
 
-static di_status p_add(void *ctx, const sched_request *req, void *user, di_error *err)
+static di_status p_add(void *ctx, const sched_request *req, const void *args, di_error *err)
 {
     probe *p = ctx;
     cr_assert(req->id < MAX_ID);
@@ -120,7 +120,7 @@ static void add(rig *r, uint64_t id, uint32_t len, uint32_t max_tokens, bool hol
     sched_request q = {.id = id, .prompt = tok, .prompt_len = len, .max_tokens = max_tokens,
                        .hold = hold};
     di_error err;
-    cr_assert_eq(engine_add(r->e, &q, (void *)(uintptr_t)id, &err), DI_OK, "%s", err.msg);
+    cr_assert_eq(engine_add(r->e, &q, NULL, (void *)(uintptr_t)id, &err), DI_OK, "%s", err.msg);
 }
 
 static void check(rig *r)
@@ -340,14 +340,14 @@ Test(engine, failures_leave_nothing_behind)
     di_error err;
     int32_t tok[4] = {5, 6, 7, 8};
     sched_request q = {.id = 3, .prompt = tok, .prompt_len = 4, .max_tokens = 2};
-    cr_assert_eq(engine_add(r.e, &q, (void *)3, &err), DI_EINVAL);
+    cr_assert_eq(engine_add(r.e, &q, NULL, (void *)3, &err), DI_EINVAL);
     cr_assert(strstr(err.msg, "refused"), "%s", err.msg);
     add(&r, 1, 10, 3, false);
     q.id = 1;
-    cr_assert_eq(engine_add(r.e, &q, (void *)1, &err), DI_EEXIST);
+    cr_assert_eq(engine_add(r.e, &q, NULL, (void *)1, &err), DI_EEXIST);
     q.id = 4;
     q.prompt_len = 0; /* the scheduler refuses it after the executor took it */
-    cr_assert_eq(engine_add(r.e, &q, (void *)4, &err), DI_EINVAL);
+    cr_assert_eq(engine_add(r.e, &q, NULL, (void *)4, &err), DI_EINVAL);
     cr_assert_eq(r.p->added[4], 1);
     cr_assert_eq(r.p->removed[4], 1, "the executor forgets what the scheduler refused");
     cr_assert_eq(engine_get_stats(r.e)->live, 1);
@@ -356,7 +356,7 @@ Test(engine, failures_leave_nothing_behind)
     cr_assert_eq(engine_step(r.e, NULL, &err), DI_EINTERNAL);
     cr_assert(strstr(err.msg, "step 2 fails"), "%s", err.msg);
     cr_assert_eq(engine_step(r.e, NULL, &err), DI_ESTATE, "a failed engine stays stopped");
-    cr_assert_eq(engine_add(r.e, &q, NULL, &err), DI_ESTATE);
+    cr_assert_eq(engine_add(r.e, &q, NULL, NULL, &err), DI_ESTATE);
     engine_destroy(r.e);
     cr_assert_eq(r.p->removed[1], 1, "destroy forgets every live request once");
     synth_destroy(r.p->y);

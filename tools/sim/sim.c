@@ -153,7 +153,7 @@ static di_status sim_arrivals(sim_rank *r)
     while (r->next < c->requests && r->sh->reqs[r->next].arrival_ns <= r->now) {
         sched_request q;
         sim_request_of(r, r->next, &q);
-        di_status st = engine_add(r->e, &q, NULL, &r->err);
+        di_status st = engine_add(r->e, &q, NULL, NULL, &r->err);
         if (st == DI_EFULL)
             break;
         if (st == DI_EINVAL) { /* e.g. longer than this rank's cache */
