@@ -201,7 +201,8 @@ di_status kv_header_check(const void *object, size_t bytes, uint32_t magic, cons
     if (hdr.model_id != g->model_id)
         return di_fail(err, DI_ECORRUPT, "written by model 0x%016llx, expected 0x%016llx",
                        (unsigned long long)hdr.model_id, (unsigned long long)g->model_id);
-    if (magic == KV_WINDOW_MAGIC && hdr.ring_positions != g->ring_positions)
+    if ((magic == KV_WINDOW_MAGIC || magic == KV_HANDOFF_MAGIC) &&
+        hdr.ring_positions != g->ring_positions)
         return di_fail(err, DI_ECORRUPT, "window state has %u ring positions, expected %u",
                        hdr.ring_positions, g->ring_positions);
     return DI_OK;

@@ -41,6 +41,7 @@
 #define KV_FORMAT_VERSION 2u /* 2: the checksum covers the header too */
 #define KV_BLOCK_MAGIC 0x424b4944u  /* "DIKB" little-endian */
 #define KV_WINDOW_MAGIC 0x574b4944u /* "DIKW" */
+#define KV_HANDOFF_MAGIC 0x484b4944u /* "DIKH": kv_handoff.h */
 
 /* What the KV formats need to know about a model. Filled from a model config
  * (model_config_kv_geometry, or kv_geometry_v41_flash for the shipped v41-flash config, both in
