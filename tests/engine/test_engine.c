@@ -7,6 +7,7 @@
 
 #include "common/engine/engine.h"
 #include "common/engine/synth.h"
+#include "tests/engine/faulty.h"
 
 #define MAX_ID 512
 
@@ -380,37 +381,13 @@ Test(engine, bad_config_is_refused)
 
 /* ---- allocation failures (sqlite's do_faultsim_test) ---- */
 
-typedef struct faulty {
-    uint64_t calls, fail_at, failed;
-    int64_t live;
-} faulty;
-
-static void *f_alloc(void *ud, size_t n)
-{
-    faulty *f = ud;
-    if (++f->calls == f->fail_at) {
-        f->failed++;
-        return NULL;
-    }
-    void *p = malloc(n);
-    f->live += p != NULL;
-    return p;
-}
-
-static void f_free(void *ud, void *p)
-{
-    faulty *f = ud;
-    f->live--;
-    free(p);
-}
-
 /* One run with the Nth allocation failing: every call either succeeds or fails with
  * DI_ENOMEM leaving nothing behind; steps never allocate; at the end nothing has leaked and
  * the executor forgot every request it learnt. False when no fault was injected. */
 static bool fault_run(uint64_t fail_at)
 {
     faulty f = {.fail_at = fail_at};
-    di_alloc a = {f_alloc, f_free, &f};
+    di_alloc a = {faulty_alloc, faulty_free, &f};
     probe *p = calloc(1, sizeof(*p));
     synth_config sc = {.seed = 4, .nextn = 2, .vocab_size = 100, .eos_token = -1,
                        .accept_rate = 0.5};
