@@ -27,7 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 #include "common/util/status.h"
 
 #define MODEL_MAX_LAYERS 128u        /* backbone layers */
@@ -264,6 +264,10 @@ void model_config_kv_geometry_yoco(const model_config *cfg, uint32_t nextn, uint
  * cfg->model_id holds) mixed with the weights fingerprint of shard_sums.h. */
 uint64_t model_config_id_with_weights(const model_config *cfg,
                                       const uint8_t weights_fingerprint[32]);
+
+/* DeepSeek-V4.1-Flash with the given nextn (drafts per step; 5 in production), from the shipped
+ * v41-flash config (model_config_kv_geometry), model id included. */
+void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out);
 
 /* The fingerprint stored in cfg->model_id, recomputed from the parsed keys. */
 uint64_t model_config_fingerprint(const model_config *cfg);

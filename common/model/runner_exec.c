@@ -568,3 +568,29 @@ di_status runner_exec_time_step(runner_exec *ex, uint32_t rows, uint32_t reps, d
         *ms = best;
     return st;
 }
+
+static di_status exec_add(void *ctx, const sched_request *req, const void *args, di_error *err)
+{
+    const runner_request *rq = args;
+    if (!rq || rq->id != req->id || rq->prompt_len != req->prompt_len)
+        return di_fail(err, DI_EINVAL, "request %llu: the runner needs its runner_request",
+                       (unsigned long long)req->id);
+    return runner_exec_add(ctx, rq, err);
+}
+
+static void exec_remove(void *ctx, uint64_t id)
+{
+    runner_exec_remove(ctx, id);
+}
+
+static di_status exec_step(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                           di_error *err)
+{
+    return runner_exec_step(ctx, plan, results, err);
+}
+
+engine_executor runner_exec_executor(runner_exec *ex)
+{
+    return (engine_executor){.ctx = ex, .add = exec_add, .remove = exec_remove,
+                             .step = exec_step};
+}

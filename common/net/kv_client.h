@@ -33,8 +33,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
-#include "common/net/kv_keys.h"
+#include "common/kvfmt/kv_layout.h"
+#include "common/kvfmt/kv_keys.h"
 #include "common/util/log.h"
 #include "common/util/status.h"
 

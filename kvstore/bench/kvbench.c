@@ -25,6 +25,7 @@
 #include <arpa/inet.h>
 
 #include "common/net/kv_client.h"
+#include "common/model/config.h"
 #include "common/util/clock.h"
 #include "common/util/hostport.h"
 #include "common/util/machine.h"

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <string.h>
 
+#include "common/serve/backend.h"
 #include "common/util/hostport.h"
 #include "tools/generate/gen.h"
 
@@ -161,19 +162,14 @@ static di_status o_threads(gen_args *a, const char *v, di_error *err)
 
 static di_status o_backend(gen_args *a, const char *v, di_error *err)
 {
-    if (strcmp(v, "cpu") == 0) {
-        a->cuda = false;
-        return DI_OK;
-    }
-    if (strcmp(v, "cuda") != 0)
-        return di_fail(err, DI_EINVAL, "--backend: '%s' is not cpu or cuda", v);
-#ifdef DI_HAVE_CUDA
-    a->cuda = true;
-    return DI_OK;
-#else
-    return di_fail(err, DI_EUNSUPPORTED, "--backend cuda: this build has no CUDA backend "
-                   "(meson setup -Dcuda=enabled on a machine with nvcc)");
-#endif
+    di_status st = serve_backend_check(v, err);
+    if (st == DI_EINVAL)
+        di_error_prefix(err, "--backend: ");
+    else if (st != DI_OK)
+        di_error_prefix(err, "--backend %s: ", v);
+    else
+        a->backend = v;
+    return st;
 }
 
 static di_status o_device(gen_args *a, const char *v, di_error *err)
@@ -422,6 +418,7 @@ void gen_args_default(gen_args *a)
     a->max_tokens = 16;
     a->nextn = -1;
     a->threads = 2;
+    a->backend = "cpu";
     a->chunk = 2048;
     a->keep_tokens = 140;
     a->yoco = FWD_YOCO_DEFAULT;

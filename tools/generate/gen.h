@@ -35,7 +35,7 @@ typedef struct gen_args {
     bool ignore_eos;             /* --ignore-eos */
     int32_t nextn;               /* --nextn; -1 = the model's draft block size */
     uint32_t threads;            /* --threads */
-    bool cuda;                   /* --backend cuda: the forward on a CUDA device */
+    const char *backend;         /* --backend: "cpu" or "cuda" (serve_backend_open); borrowed */
     int device;                  /* --device: the CUDA device ordinal */
     uint32_t chunk;              /* --chunk: prefill tokens per step */
     uint64_t max_model_len;      /* --max-model-len; 0 = the config's limit */

@@ -1,8 +1,7 @@
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 
 #include <string.h>
 
-#include "common/model/config.h"
 #include "common/util/hash64.h"
 
 #include <assert.h>
@@ -31,17 +30,6 @@ uint32_t kv_ring_positions_for(uint32_t window, uint32_t nextn, uint32_t backtra
     if (backtracking > spare)
         spare = backtracking;
     return window + spare;
-}
-
-void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out)
-{
-    /* The shipped config is the one source of the geometry and of the model id, so blocks
-     * written through either path carry the same fingerprint. */
-    model_config cfg;
-    di_status st = model_config_builtin("v41-flash", &cfg, NULL);
-    assert(st == DI_OK);
-    (void)st;
-    model_config_kv_geometry(&cfg, nextn, out);
 }
 
 di_status kv_geometry_validate(const kv_geometry *g, di_error *err)
@@ -231,7 +219,8 @@ di_status kv_header_check(const void *object, size_t bytes, uint32_t magic, cons
     if (hdr.model_id != g->model_id)
         return di_fail(err, DI_ECORRUPT, "written by model 0x%016llx, expected 0x%016llx",
                        (unsigned long long)hdr.model_id, (unsigned long long)g->model_id);
-    if (magic == KV_WINDOW_MAGIC && hdr.ring_positions != g->ring_positions)
+    if ((magic == KV_WINDOW_MAGIC || magic == KV_HANDOFF_MAGIC) &&
+        hdr.ring_positions != g->ring_positions)
         return di_fail(err, DI_ECORRUPT, "window state has %u ring positions, expected %u",
                        hdr.ring_positions, g->ring_positions);
     return DI_OK;
