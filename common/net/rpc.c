@@ -865,6 +865,14 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
+/* A table row names a method, has its function, a size limit, a deadline and a role. */
+static int row_ok(const char *name, int has_fn, uint32_t max_request, uint32_t deadline_ms,
+                  rpc_role role)
+{
+    return name && name[0] == '/' && has_fn && max_request > 0 && deadline_ms > 0 &&
+           (role == RPC_ROLE_ENGINE || role == RPC_ROLE_ADMIN);
+}
+
 static di_status check_server_config(const rpc_server_config *cfg, di_error *err)
 {
     if (!cfg || !cfg->listen || (!cfg->methods && cfg->n_methods) ||
@@ -877,15 +885,15 @@ static di_status check_server_config(const rpc_server_config *cfg, di_error *err
         return di_fail(err, DI_EINVAL, "a client CA needs a server certificate too");
     for (size_t i = 0; i < cfg->n_methods; i++) {
         const rpc_method *m = &cfg->methods[i];
-        if (!m->name || m->name[0] != '/' || !m->handler || m->max_request_bytes == 0 ||
-            m->default_deadline_ms == 0 || (m->role != RPC_ROLE_ENGINE && m->role != RPC_ROLE_ADMIN))
+        if (!row_ok(m->name, m->handler != NULL, m->max_request_bytes, m->default_deadline_ms,
+                    m->role))
             return di_fail(err, DI_EINVAL, "method row %zu (%s) is incomplete", i,
                            m->name ? m->name : "?");
     }
     for (size_t i = 0; i < cfg->n_async_methods; i++) {
         const rpc_async_method *m = &cfg->async_methods[i];
-        if (!m->name || m->name[0] != '/' || !m->start || m->max_request_bytes == 0 ||
-            m->default_deadline_ms == 0 || (m->role != RPC_ROLE_ENGINE && m->role != RPC_ROLE_ADMIN))
+        if (!row_ok(m->name, m->start != NULL, m->max_request_bytes, m->default_deadline_ms,
+                    m->role))
             return di_fail(err, DI_EINVAL, "asynchronous method row %zu (%s) is incomplete", i,
                            m->name ? m->name : "?");
     }
@@ -925,9 +933,13 @@ static di_status create_server(struct rpc_server *s, const rpc_server_config *cf
     for (size_t i = 0; i < s->n_methods; i++)
         if (s->methods[i].m.max_request_bytes > max)
             max = s->methods[i].m.max_request_bytes;
-    grpc_arg arg = {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-                    .value.integer = (int)max};
-    grpc_channel_args args = {.num_args = 1, .args = &arg};
+    /* No SO_REUSEPORT (gRPC's default on Linux): a second server on a port in use must fail,
+     * not share the port's connections with the first. */
+    grpc_arg arg[2] = {{.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+                        .value.integer = (int)max},
+                       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_ALLOW_REUSEPORT,
+                        .value.integer = 0}};
+    grpc_channel_args args = {.num_args = 2, .args = arg};
     s->server = grpc_server_create(&args, NULL);
     s->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(s->server, s->cq, NULL);
@@ -1430,8 +1442,8 @@ rpc_stream *rpc_stream_close(rpc_stream *s)
         grpc_call_unref(s->call);
     }
     grpc_completion_queue_shutdown(s->cq);
-    while (grpc_completion_queue_pluck(s->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
-           GRPC_QUEUE_SHUTDOWN)
+    while (grpc_completion_queue_pluck(s->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
+               .type != GRPC_QUEUE_SHUTDOWN)
         ;
     grpc_completion_queue_destroy(s->cq);
     grpc_byte_buffer_destroy(s->send);

@@ -16,6 +16,7 @@
 #include <unistd.h>
 
 #include "common/net/rpc.h"
+#include "tests/net/loopback.h"
 #include "common/util/clock.h"
 
 /* What the test service counts (one per test process). */
@@ -212,24 +213,14 @@ static const rpc_async_method methods[] = {
 
 static rpc_server *start_server(const char *token, int *port)
 {
-    rpc_server_config sc = {.listen = "127.0.0.1:0", .async_methods = methods, .n_async_methods = N_METHODS,
+    rpc_server_config sc = {.listen = "127.0.0.1:0", .async_methods = methods,
+                            .n_async_methods = N_METHODS,
                             .methods = sync_methods, .n_methods = 1,
                             .threads = 2, .engine_token = token};
     rpc_server *s = NULL;
     di_error e;
     cr_assert_eq(rpc_server_start(&sc, &s, port, &e), DI_OK, "%s", e.msg);
     return s;
-}
-
-static rpc_client *client(int port, const char *token)
-{
-    char target[64];
-    snprintf(target, sizeof(target), "127.0.0.1:%d", port);
-    rpc_client_config cc = {.target = target, .token = token};
-    rpc_client *c = NULL;
-    di_error e;
-    cr_assert_eq(rpc_client_open(&cc, &c, &e), DI_OK, "%s", e.msg);
-    return c;
 }
 
 static void count_req(uint8_t out[8], uint32_t n, uint32_t delay_us)
@@ -300,15 +291,8 @@ static uint32_t read_all(rpc_stream *st, di_status *final, di_error *e)
 /* Reads the rest of a stream without checking it; returns the final status. */
 static di_status drain(rpc_stream *st, di_error *e)
 {
-    for (;;) {
-        uint8_t *m = NULL;
-        size_t len = 0;
-        int done = 0;
-        di_status r = rpc_stream_read(st, &m, &len, &done, e);
-        free(m);
-        if (done)
-            return r;
-    }
+    uint32_t n = 0;
+    return loopback_read_rest(st, &n, e);
 }
 
 
@@ -318,7 +302,7 @@ Test(rpc_stream, messages_arrive_in_order_then_ok)
 {
     int port;
     rpc_server *s = start_server("tok", &port);
-    rpc_client *c = client(port, "tok");
+    rpc_client *c = loopback_client(port, "tok");
     di_error e;
     rpc_stream *st = open_count(c, "/t.S/Count", 500, 0, 10000);
     di_status fin;
@@ -354,7 +338,7 @@ Test(rpc_stream, failure_after_messages_and_refused_start)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     di_error e;
     rpc_stream *st = open_count(c, "/t.S/Fail", 2, 0, 10000);
     di_status fin;
@@ -374,7 +358,7 @@ Test(rpc_stream, wrong_token_never_reaches_the_handler)
 {
     int port;
     rpc_server *s = start_server("right", &port);
-    rpc_client *c = client(port, "wrong");
+    rpc_client *c = loopback_client(port, "wrong");
     di_error e;
     rpc_stream *st = open_count(c, "/t.S/Count", 3, 0, 10000);
     di_status fin;
@@ -389,7 +373,7 @@ Test(rpc_stream, reply_later_from_another_thread)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     di_error e;
     uint8_t *reply = NULL;
     size_t len = 0;
@@ -427,7 +411,7 @@ Test(rpc_stream, client_cancel_mid_stream_reaches_the_handler_once)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     di_error e;
     rpc_stream *st = open_count(c, "/t.S/Count", 100000, 1000, 30000);
     uint8_t *m = NULL;
@@ -459,7 +443,7 @@ Test(rpc_stream, server_deadline_cancels_the_handler)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     di_error e;
     uint64_t t0 = di_mono_ns();
     /* The row's 300 ms deadline is shorter than the client's 20 s. */
@@ -481,7 +465,7 @@ Test(rpc_stream, client_deadline_ends_the_stream)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     di_error e;
     rpc_stream *st = open_count(c, "/t.S/Hold", 1, 0, 200);
     di_status fin;
@@ -522,7 +506,7 @@ Test(rpc_stream, many_concurrent_streams_on_one_client)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     reader r[N_STREAMS];
     pthread_t t[N_STREAMS];
     for (int i = 0; i < N_STREAMS; i++) {
@@ -594,7 +578,7 @@ Test(rpc_stream, server_stop_cancels_streams_in_flight)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     di_error e;
     rpc_stream *st = open_count(c, "/t.S/Hold", 1, 0, 30000);
     uint8_t *m = NULL;
@@ -619,7 +603,7 @@ Test(rpc_stream, stop_lets_a_stream_finish_within_the_grace_period)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     di_error e;
     rpc_stream *st = open_count(c, "/t.S/Count", 20, 5000, 30000);
     uint8_t *m = NULL;
@@ -638,7 +622,7 @@ Test(rpc_stream, closing_an_unread_stream_cancels_it)
 {
     int port;
     rpc_server *s = start_server(NULL, &port);
-    rpc_client *c = client(port, NULL);
+    rpc_client *c = loopback_client(port, NULL);
     rpc_stream *st = open_count(c, "/t.S/Hold", 1, 0, 30000);
     cr_assert(wait_for(&svc.sent, 1, 5000));
     rpc_stream_close(st);
