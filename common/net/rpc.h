@@ -162,7 +162,8 @@ di_status rpc_call_write(rpc_call *call, const void *msg, size_t len, di_error *
 /* Ends the call: st (DI_OK or a failure with msg as the status text) goes to the client after
  * every queued message; for a unary call, `reply` (len bytes, copied; ignored unless st is
  * DI_OK) is the reply message. After a cancel it only releases the handle. The handle must not
- * be used afterwards. */
+ * be used afterwards. It waits for a cancel function running on another thread: do not call
+ * it while holding a lock that the cancel function takes. */
 void rpc_call_finish(rpc_call *call, di_status st, const void *reply, size_t len,
                      const char *msg);
 

@@ -173,6 +173,37 @@ static di_status s_refuse(void *s, const rpc_request *req, rpc_call *call, di_er
     return di_fail(err, DI_EFULL, "queue full: 8 of 8 requests waiting");
 }
 
+/* Writes 1 KiB messages until a write fails (a client that does not read), then finishes
+ * with that write's status. */
+static atomic_int flood_written, flood_status;
+
+static void *flood(void *arg)
+{
+    rpc_call *call = arg;
+    static const uint8_t kib[1024];
+    di_error e;
+    di_status st = DI_OK;
+    for (int i = 0; i < 1000000 && st == DI_OK; i++) {
+        st = rpc_call_write(call, kib, sizeof(kib), &e);
+        if (st == DI_OK)
+            atomic_fetch_add(&flood_written, 1);
+    }
+    atomic_store(&flood_status, (int)st);
+    rpc_call_finish(call, st, NULL, 0, st == DI_OK ? NULL : e.msg);
+    return NULL;
+}
+
+static di_status s_flood(void *s, const rpc_request *req, rpc_call *call, di_error *err)
+{
+    (void)s;
+    (void)req;
+    pthread_t t;
+    if (pthread_create(&t, NULL, flood, call) != 0)
+        return di_fail(err, DI_ENOMEM, "no thread");
+    pthread_detach(t);
+    return DI_OK;
+}
+
 /* Finishes before returning from start, from inside the worker. */
 static di_status s_now(void *s, const rpc_request *req, rpc_call *call, di_error *err)
 {
@@ -208,6 +239,7 @@ static const rpc_async_method methods[] = {
     {"/t.S/Later", s_later, 0, 20000, 1, 1024, RPC_ROLE_ENGINE},
     {"/t.S/Refuse", s_refuse, 1, 20000, 1, 1024, RPC_ROLE_ENGINE},
     {"/t.S/Now", s_now, 1, 20000, 1, 1024, RPC_ROLE_ENGINE},
+    {"/t.S/Flood", s_flood, 1, 20000, 1, 1024, RPC_ROLE_ENGINE},
 };
 #define N_METHODS (sizeof(methods) / sizeof(methods[0]))
 
@@ -649,4 +681,26 @@ Test(rpc_stream, bad_rows_are_refused)
     sc.async_methods = NULL;
     cr_assert_eq(rpc_server_start(&sc, &s, &port, &e), DI_EINVAL, "a count without a table");
     cr_assert_null(s);
+}
+
+Test(rpc_stream, a_reader_that_falls_behind_gets_efull_not_unbounded_memory)
+{
+    int port;
+    rpc_server *s = start_server(NULL, &port);
+    rpc_client *c = loopback_client(port, NULL);
+    rpc_stream *st = open_count(c, "/t.S/Flood", 0, 0, 20000);
+    uint64_t until = di_mono_ns() + 20000000000ull;
+    while (atomic_load(&flood_status) == DI_OK && di_mono_ns() < until)
+        usleep(5000);
+    cr_assert_eq(atomic_load(&flood_status), DI_EFULL, "the producer was never stopped");
+    /* The queue bound holds: what was accepted is the queue plus what gRPC took. */
+    int written = atomic_load(&flood_written);
+    cr_assert_lt(written, 1000000);
+    uint32_t n = 0;
+    di_error e;
+    cr_assert_eq(loopback_read_rest(st, &n, &e), DI_EFULL, "%s", e.msg);
+    cr_assert(strstr(e.msg, "slow reader"), "%s", e.msg);
+    cr_assert_eq(n, (uint32_t)written, "every accepted message arrives before the status");
+    rpc_stream_close(st);
+    teardown(s, c);
 }
