@@ -410,15 +410,6 @@ void svc_opts_free(const svc_opt *rows, size_t n, void *opts)
         }
 }
 
-int svc_opts_have_secret(const svc_opt *rows, size_t n, const void *opts)
-{
-    for (size_t i = 0; i < n; i++)
-        if (rows[i].kind == SVC_OPT_SECRET &&
-            *(char *const *)((const char *)opts + rows[i].offset))
-            return 1;
-    return 0;
-}
-
 void svc_opts_print(FILE *f, const svc_opt *rows, size_t n)
 {
     for (size_t i = 0; i < n; i++) {

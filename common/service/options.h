@@ -65,9 +65,6 @@ di_status svc_opts_load_secrets(const svc_opt *rows, size_t n, void *opts, di_er
 /* Frees the secrets (wiping them first) and sets them to NULL. */
 void svc_opts_free(const svc_opt *rows, size_t n, void *opts);
 
-/* 1 when any SECRET row holds a value. */
-int svc_opts_have_secret(const svc_opt *rows, size_t n, const void *opts);
-
 /* Prints one block per row: "--name METAVAR  help [default] (bounds, choices, env)". */
 void svc_opts_print(FILE *f, const svc_opt *rows, size_t n);
 

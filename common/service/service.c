@@ -115,12 +115,23 @@ static int usage_error(const svc_spec *sp, const char *msg)
 
 static void print_usage(const svc_spec *sp)
 {
-    printf("usage: %s [options]\n%s\n\nOptions:\n", sp->name, sp->summary ? sp->summary : "");
+    printf("usage: %s [options]\n\n%s\n\noptions:\n", sp->name, sp->summary ? sp->summary : "");
     svc_opts_print(stdout, sp->rows, sp->n_rows);
     printf("  %-30s %s\n", "--help", "print this help and exit");
+    if (sp->epilog)
+        fputs(sp->epilog, stdout);
     printf("\nSecrets come from files or the environment, never from the command line. Without "
            "one, only a loopback --listen is allowed.\nSIGTERM or SIGINT drains (up to --drain) "
            "and exits 0. Exit codes: 0 ok, 1 failure, 2 usage error.\n");
+}
+
+/* 1 when the guard row (the client token) holds a secret. */
+static int guard_set(const svc_spec *sp)
+{
+    for (size_t i = 0; sp->guard && i < sp->n_rows; i++)
+        if (sp->rows[i].kind == SVC_OPT_SECRET && strcmp(sp->rows[i].name, sp->guard) == 0)
+            return *(char *const *)((const char *)sp->opts + sp->rows[i].offset) != NULL;
+    return 0;
 }
 
 /* Parses and checks the options; returns -1 to go on, else the exit code. */
@@ -149,12 +160,11 @@ static int parse_options(const svc_spec *sp, int argc, char **argv)
     }
     if (svc_opts_load_secrets(sp->rows, sp->n_rows, sp->opts, &e) != DI_OK)
         return usage_error(sp, e.msg);
-    if (!svc_opts_have_secret(sp->rows, sp->n_rows, sp->opts) &&
-        !svc_hostport_is_loopback(b->listen)) {
+    if (!guard_set(sp) && !svc_hostport_is_loopback(b->listen)) {
         di_fail(&e, DI_EINVAL,
-                "--listen %s is not a loopback address: without a client token only "
-                "127.0.0.1, ::1 or localhost may be served",
-                b->listen);
+                "--listen %s is not a loopback address: without --%s only 127.0.0.1, ::1 or "
+                "localhost may be served",
+                b->listen, sp->guard ? sp->guard : "a client token");
         return usage_error(sp, e.msg);
     }
     return -1;

@@ -4,7 +4,7 @@
  * ignore SIGPIPE; parse the options table (common/service/options.h) with the rows every
  * service shares (SVC_BASE_ROWS) and the program's own; print --help generated from the rows;
  * read secrets from files or the environment (never argv); refuse a non-loopback --listen
- * when no secret (client token) is configured; build the stderr logger; call the program's
+ * when the client token (the spec's guard row) is not configured; build the stderr logger; call the program's
  * start; announce the bound port (--port-file written atomically, --ready-fd written and
  * closed); wait for SIGINT or SIGTERM; call the program's drain with a deadline (--drain), in
  * a thread so that the deadline holds; call stop; remove the port file.
@@ -25,7 +25,7 @@
 #include "common/util/status.h"
 
 /* The options every service has; embed one in the program's options struct and put
- * SVC_BASE_ROWS(that struct, the member) in its table. */
+ * SVC_BASE_ROWS(that struct, the member, default listen address, default drain) in its table. */
 typedef struct svc_base_opts {
     const char *listen;    /* HOST:PORT to serve on; port 0 picks a free one */
     const char *port_file; /* NULL, or a file that receives "PORT\n" once serving */
@@ -34,8 +34,8 @@ typedef struct svc_base_opts {
     uint64_t drain_ms;     /* after SIGTERM, time allowed to finish work in flight, ms */
 } svc_base_opts;
 
-#define SVC_BASE_ROWS(T, m)                                                                   \
-    {"listen", SVC_OPT_HOSTPORT, offsetof(T, m.listen), "127.0.0.1:0", 0, 0, "HOST:PORT",      \
+#define SVC_BASE_ROWS(T, m, listen_def, drain_def)                                            \
+    {"listen", SVC_OPT_HOSTPORT, offsetof(T, m.listen), listen_def, 0, 0, "HOST:PORT",         \
      "address to serve on; port 0 picks a free one", NULL},                                   \
     {"port-file", SVC_OPT_OUTFILE, offsetof(T, m.port_file), NULL, 0, 0, "FILE",              \
      "write the bound port here (atomically) once serving; removed at exit", NULL},           \
@@ -43,7 +43,7 @@ typedef struct svc_base_opts {
      "write the bound port to this open descriptor once serving, then close it", NULL},       \
     {"log-level", SVC_OPT_CHOICE, offsetof(T, m.log_level), "info", 0, 0, "LEVEL",            \
      "least severe log lines written to stderr", "error|warn|info|debug"},                    \
-    {"drain", SVC_OPT_DURATION, offsetof(T, m.drain_ms), "30s", 0, 3600000, "DURATION",       \
+    {"drain", SVC_OPT_DURATION, offsetof(T, m.drain_ms), drain_def, 0, 3600000, "DURATION",   \
      "on SIGTERM or SIGINT, time to finish or fail the work in flight before exiting", NULL}
 
 /* What the program's callbacks receive. */
@@ -55,7 +55,10 @@ typedef struct svc_ctx {
 
 typedef struct svc_spec {
     const char *name;       /* "di-prefill": message prefix and log prefix */
-    const char *summary;    /* one line for --help */
+    const char *summary;    /* what the program does, for --help (may span lines) */
+    const char *epilog;     /* printed after the options in --help; may be NULL */
+    const char *guard;      /* name of the SECRET row (the client token) without which only a
+                               loopback --listen is allowed; NULL: loopback only */
     const svc_opt *rows;    /* the program's table, SVC_BASE_ROWS included */
     size_t n_rows;
     void *opts;             /* the struct the rows fill */

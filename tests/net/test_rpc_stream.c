@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
@@ -565,6 +566,7 @@ Test(rpc_stream, vanished_client_cancels_the_handler)
     pid_t pid = fork();
     cr_assert_geq(pid, 0);
     if (pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* never outlives a failed test */
         int port = 0;
         if (read(to_child[0], &port, sizeof(port)) != sizeof(port))
             _exit(3);

@@ -23,7 +23,7 @@ typedef struct demo_opts {
 } demo_opts;
 
 static const svc_opt demo_rows[] = {
-    SVC_BASE_ROWS(demo_opts, base),
+    SVC_BASE_ROWS(demo_opts, base, "127.0.0.1:0", "30s"),
     {"token-file", SVC_OPT_SECRET, offsetof(demo_opts, token), NULL, 0, 0, "FILE",
      "client token (the file's first line)", "DI_DEMO_TOKEN"},
     {"threads", SVC_OPT_UINT, offsetof(demo_opts, threads), "2", 1, 64, "N",
@@ -149,6 +149,7 @@ int main(int argc, char **argv)
     demo_app app = {.o = &o};
     svc_spec spec = {.name = "di-svcdemo",
                      .summary = "A streaming demo service on the service skeleton.",
+                     .guard = "token-file",
                      .rows = demo_rows, .n_rows = sizeof(demo_rows) / sizeof(demo_rows[0]),
                      .opts = &o, .base_offset = offsetof(demo_opts, base), .app = &app,
                      .start = demo_start, .drain = demo_drain, .stop = demo_stop};

@@ -11,6 +11,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -53,6 +54,7 @@ static proc spawn(int ready, const char *env_token, const char *const *args)
     p.pid = fork();
     cr_assert_geq(p.pid, 0);
     if (p.pid == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL); /* a failed test leaves no service behind */
         dup2(out, 1);
         dup2(out, 2);
         if (ready)
