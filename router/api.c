@@ -9,11 +9,54 @@
 #include <string.h>
 #include <time.h>
 
+#include "common/util/clock.h"
+#include "router/metrics.h"
+
+/* The metric families, vLLM's names where vLLM has one (rows index met_* calls). */
+enum {
+    M_TTFT, M_TPOT, M_ITL, M_E2E, M_RUNNING, M_WAITING, M_PROMPT, M_GEN, M_CACHE_Q,
+    M_CACHE_HIT, M_SUCCESS, M_FAILED, M_CANCELLED, M_COUNT
+};
+static const double LAT_BUCKETS[] = {0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25,
+                                     0.5,   0.75,  1.0,  2.5,  5.0,  7.5,  10.0, 20.0, 40.0,
+                                     80.0,  160.0, 640.0};
+static const double TOK_BUCKETS[] = {0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05,
+                                     0.075, 0.1,   0.15, 0.2,   0.3,  0.4,   0.5,  0.75, 1.0,
+                                     2.5,   5.0,   7.5,  10.0,  20.0, 40.0,  80.0};
+#define NB(b) (sizeof(b) / sizeof((b)[0]))
+static const met_def METRICS[M_COUNT] = {
+    {"vllm:time_to_first_token_seconds", MET_HISTOGRAM,
+     "Histogram of time to first token in seconds.", LAT_BUCKETS, NB(LAT_BUCKETS)},
+    {"vllm:time_per_output_token_seconds", MET_HISTOGRAM,
+     "Histogram of time per output token in seconds.", TOK_BUCKETS, NB(TOK_BUCKETS)},
+    {"vllm:inter_token_latency_seconds", MET_HISTOGRAM,
+     "Histogram of inter-token latency in seconds.", TOK_BUCKETS, NB(TOK_BUCKETS)},
+    {"vllm:e2e_request_latency_seconds", MET_HISTOGRAM,
+     "Histogram of end to end request latency in seconds.", LAT_BUCKETS, NB(LAT_BUCKETS)},
+    {"vllm:num_requests_running", MET_GAUGE, "Number of requests generating tokens.", NULL, 0},
+    {"vllm:num_requests_waiting", MET_GAUGE, "Number of requests waiting for a first token.",
+     NULL, 0},
+    {"vllm:prompt_tokens_total", MET_COUNTER, "Number of prefill tokens processed.", NULL, 0},
+    {"vllm:generation_tokens_total", MET_COUNTER, "Number of generation tokens processed.",
+     NULL, 0},
+    {"vllm:prefix_cache_queries_total", MET_COUNTER,
+     "Prompt tokens looked up in the KV store.", NULL, 0},
+    {"vllm:prefix_cache_hits_total", MET_COUNTER,
+     "Prompt tokens served from the KV store (cached_tokens).", NULL, 0},
+    {"vllm:request_success_total", MET_COUNTER, "Count of successfully processed requests.",
+     NULL, 0},
+    {"di_router:request_failures_total", MET_COUNTER,
+     "Requests that failed inside the cluster.", NULL, 0},
+    {"di_router:request_cancellations_total", MET_COUNTER,
+     "Requests whose client went away before the end.", NULL, 0},
+};
+
 struct api_ctx {
     api_config cfg;
     atomic_uint_fast64_t next_id; /* request ids */
     pthread_mutex_t mu;           /* guards counts */
     api_counts counts;
+    met_registry *met;            /* the /metrics families */
 };
 
 /* One token kept for logprobs. */
@@ -48,6 +91,7 @@ typedef struct gen {
     bool stopped, abort_sent, finished, gone;
     const char *finish; /* "stop", "length", "abort" once finished */
     uint32_t n_gen, cached;
+    uint64_t t0_ns, t_first_ns, t_last_ns; /* accepted, first token, last token (mono) */
     di_status st;       /* DI_OK unless the backend failed */
     char msg[320];
 } gen;
@@ -188,6 +232,15 @@ static void on_token(void *ud, const rt_gen_token *t)
         pthread_mutex_unlock(&g->mu);
         return;
     }
+    uint64_t now = di_mono_ns();
+    if (g->n_gen == 0) {
+        g->t_first_ns = now;
+        met_add(g->api->met, M_WAITING, NULL, -1);
+        met_add(g->api->met, M_RUNNING, NULL, 1);
+    } else {
+        met_observe(g->api->met, M_ITL, NULL, (double)(now - g->t_last_ns) * 1e-9);
+    }
+    g->t_last_ns = now;
     g->n_gen++;
     if (g->req.logprobs) {
         gen_tok *nt = realloc(g->toks, (g->n_toks + 1) * sizeof *nt);
@@ -212,7 +265,37 @@ static void on_token(void *ud, const rt_gen_token *t)
     pthread_mutex_unlock(&g->mu);
 }
 
-static void on_finish(void *ud, rt_finish reason, uint32_t cached, di_status st, const char *msg)
+/* Observes a finished request in the metrics (instance: the rank, or NULL). */
+static void record(gen *g, const char *instance)
+{
+    met_registry *m = g->api->met;
+    if (g->n_gen == 0)
+        met_add(m, M_WAITING, NULL, -1);
+    else
+        met_add(m, M_RUNNING, NULL, -1);
+    met_add(m, M_PROMPT, instance, (double)g->req.prompt_ids.n);
+    met_add(m, M_GEN, instance, g->n_gen);
+    met_add(m, M_CACHE_Q, instance, (double)g->req.prompt_ids.n);
+    met_add(m, M_CACHE_HIT, instance, g->cached);
+    if (g->st != DI_OK) {
+        met_add(m, M_FAILED, instance, 1);
+        return;
+    }
+    if (g->gone) {
+        met_add(m, M_CANCELLED, instance, 1);
+        return;
+    }
+    met_add(m, M_SUCCESS, instance, 1);
+    met_observe(m, M_E2E, instance, (double)(di_mono_ns() - g->t0_ns) * 1e-9);
+    if (g->n_gen > 0)
+        met_observe(m, M_TTFT, instance, (double)(g->t_first_ns - g->t0_ns) * 1e-9);
+    if (g->n_gen > 1)
+        met_observe(m, M_TPOT, instance,
+                    (double)(g->t_last_ns - g->t_first_ns) * 1e-9 / (g->n_gen - 1));
+}
+
+static void on_finish(void *ud, rt_finish reason, uint32_t cached, const char *instance,
+                      di_status st, const char *msg)
 {
     gen *g = ud;
     pthread_mutex_lock(&g->mu);
@@ -247,6 +330,7 @@ static void on_finish(void *ud, rt_finish reason, uint32_t cached, di_status st,
         out_append(g, strdup(OAI_SSE_DONE));
     }
     g->finished = true;
+    record(g, instance);
     pthread_cond_broadcast(&g->cv);
     pthread_mutex_unlock(&g->mu);
     api_ctx *a = g->api;
@@ -379,6 +463,7 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
     }
     g->text[0] = '\0';
     g->created = (int64_t)time(NULL);
+    g->t0_ns = di_mono_ns();
     snprintf(g->id, sizeof g->id, "%s-%016llx", kind == OAI_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)atomic_fetch_add(&a->next_id, 1));
     rt_gen_req br = {.prompt = g->req.prompt_ids.v,
@@ -396,11 +481,14 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
     pthread_mutex_lock(&a->mu);
     a->counts.running++;
     pthread_mutex_unlock(&a->mu);
+    met_add(a->met, M_WAITING, NULL, 1);
     if (a->cfg.backend.generate(a->cfg.backend.self, &br, &cb, &g->handle, &de) != DI_OK) {
         pthread_mutex_lock(&a->mu);
         a->counts.running--;
         a->counts.failed++;
         pthread_mutex_unlock(&a->mu);
+        met_add(a->met, M_WAITING, NULL, -1);
+        met_add(a->met, M_FAILED, NULL, 1);
         g->refs = 1;
         g->st = de.code;
         snprintf(g->msg, sizeof g->msg, "%s", de.msg);
@@ -478,22 +566,10 @@ static void h_metrics(void *app, const http_request *rq, http_reply *out)
 {
     api_ctx *a = app;
     (void)rq;
-    api_counts c;
-    api_get_counts(a, &c);
-    char *s = NULL;
-    if (asprintf(&s,
-                 "# HELP vllm:num_requests_running Number of requests in model execution "
-                 "batches.\n# TYPE vllm:num_requests_running gauge\n"
-                 "vllm:num_requests_running{model_name=\"%s\"} %llu\n"
-                 "# HELP vllm:request_success_total Count of successfully processed requests.\n"
-                 "# TYPE vllm:request_success_total counter\n"
-                 "vllm:request_success_total{model_name=\"%s\"} %llu\n",
-                 a->cfg.limits.model, (unsigned long long)c.running, a->cfg.limits.model,
-                 (unsigned long long)c.ok) < 0)
-        s = NULL;
-    http_reply_json(out, 200, s);
-    if (s)
-        out->content_type = "text/plain; version=0.0.4";
+    char *text = met_render(a->met);
+    http_reply_json(out, 200, text);
+    if (text)
+        out->content_type = "text/plain; version=0.0.4; charset=utf-8";
 }
 
 static const http_route ROUTES[] = {
@@ -518,6 +594,11 @@ di_status api_new(const api_config *cfg, api_ctx **out, di_error *err)
     if (!a)
         return di_fail(err, DI_ENOMEM, "out of memory");
     a->cfg = *cfg;
+    di_status st = met_new(METRICS, M_COUNT, cfg->limits.model, &a->met, err);
+    if (st != DI_OK) {
+        free(a);
+        return st;
+    }
     pthread_mutex_init(&a->mu, NULL);
     atomic_init(&a->next_id, 1);
     *out = a;
@@ -529,6 +610,7 @@ void api_free(api_ctx *a)
     if (!a)
         return;
     pthread_mutex_destroy(&a->mu);
+    met_free(a->met);
     free(a);
 }
 

@@ -49,10 +49,11 @@ typedef enum rt_finish {
 
 typedef struct rt_gen_cb {
     void (*on_token)(void *ud, const rt_gen_token *t);
-    /* cached_tokens: prompt tokens that came from the KV store. st/msg: DI_OK and "" unless
+    /* cached_tokens: prompt tokens that came from the KV store. instance: the rank that
+     * served the request ("HOST:PORT"), or NULL when none did. st/msg: DI_OK and "" unless
      * reason is RT_FINISH_ERROR. */
-    void (*on_finish)(void *ud, rt_finish reason, uint32_t cached_tokens, di_status st,
-                      const char *msg);
+    void (*on_finish)(void *ud, rt_finish reason, uint32_t cached_tokens, const char *instance,
+                      di_status st, const char *msg);
     void *ud;
 } rt_gen_cb;
 

@@ -79,7 +79,7 @@ static void *run(void *arg)
         }
         r->cb.on_token(r->cb.ud, &t);
     }
-    r->cb.on_finish(r->cb.ud, reason, c->cached_tokens, st, msg);
+    r->cb.on_finish(r->cb.ud, reason, c->cached_tokens, "test:0", st, msg);
     pthread_mutex_lock(&b->mu);
     for (tb_req **p = &b->reqs; *p; p = &(*p)->next)
         if (*p == r) {

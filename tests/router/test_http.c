@@ -378,6 +378,21 @@ Test(http, completion_whole_and_streamed_agree, .timeout = 60)
     cr_expect_eq(json_integer_value(json_object_get(s.usage, "completion_tokens")), 12);
     json_decref(s.usage);
     free(r.body);
+
+    /* Both requests show in /metrics, per instance and in total. */
+    r = call("GET", "/metrics", NULL, NULL, NULL);
+    cr_assert_eq(r.status, 200);
+    cr_expect(strcasestr(r.head, "Content-Type: text/plain") != NULL, "%s", r.head);
+    cr_expect(strstr(r.body, "vllm:generation_tokens_total{model_name=\"dsv4-test\"} 24\n") !=
+                  NULL, "%s", r.body);
+    cr_expect(strstr(r.body, "vllm:generation_tokens_total{model_name=\"dsv4-test\","
+                             "instance=\"test:0\"} 24\n") != NULL, "%s", r.body);
+    cr_expect(strstr(r.body, "vllm:prefix_cache_hits_total{model_name=\"dsv4-test\"} 6\n") !=
+              NULL);
+    cr_expect(strstr(r.body, "vllm:time_to_first_token_seconds_count{model_name=\"dsv4-test\"} "
+                             "2\n") != NULL);
+    cr_expect(strstr(r.body, "vllm:num_requests_running{model_name=\"dsv4-test\"} 0\n") != NULL);
+    free(r.body);
     free(want);
     tok_ids_free(&ids);
     stop();
