@@ -143,7 +143,7 @@ static void fmt_num(char *out, size_t n, double v)
 static void labels(FILE *o, const char *model, const char *instance, const char *le)
 {
     const char *vals[3] = {model, instance && *instance ? instance : NULL, le};
-    const char *keys[3] = {"model_name", "instance", "le"};
+    const char *keys[3] = {"model_name", "rank", "le"};
     fputc('{', o);
     int first = 1;
     for (int k = 0; k < 3; k++) {

@@ -3,7 +3,8 @@
  *
  * Families come from a table (met_def rows) fixed at creation. Every update names an
  * instance ("10.0.0.5:7001", or NULL for work not tied to one) and changes both that
- * instance's series (label instance="...") and the total series (no instance label), so a
+ * instance's series (label rank="...": Prometheus keeps `instance` for the scrape target) and
+ * the total series (no rank label), so a
  * dashboard sums nothing: it reads the total, or filters by instance. Series per family are
  * bounded (MET_MAX_SERIES); updates for instances past the bound go to the total only. Every
  * series also carries model_name. Thread-safe: one mutex.

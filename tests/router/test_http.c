@@ -386,7 +386,7 @@ Test(http, completion_whole_and_streamed_agree, .timeout = 60)
     cr_expect(strstr(r.body, "vllm:generation_tokens_total{model_name=\"dsv4-test\"} 24\n") !=
                   NULL, "%s", r.body);
     cr_expect(strstr(r.body, "vllm:generation_tokens_total{model_name=\"dsv4-test\","
-                             "instance=\"test:0\"} 24\n") != NULL, "%s", r.body);
+                             "rank=\"test:0\"} 24\n") != NULL, "%s", r.body);
     cr_expect(strstr(r.body, "vllm:prefix_cache_hits_total{model_name=\"dsv4-test\"} 6\n") !=
               NULL);
     cr_expect(strstr(r.body, "vllm:time_to_first_token_seconds_count{model_name=\"dsv4-test\"} "

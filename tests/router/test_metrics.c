@@ -68,12 +68,12 @@ Test(metrics, exposition_counts_and_escapes)
     cr_expect_eq(sample(t, k), 4);
     snprintf(k, sizeof k, "vllm:time_to_first_token_seconds_count%s}", tot);
     cr_expect_eq(sample(t, k), 4);
-    snprintf(k, sizeof k, "vllm:time_to_first_token_seconds_bucket%s,instance=\"a:1\",le=\"1\"}",
+    snprintf(k, sizeof k, "vllm:time_to_first_token_seconds_bucket%s,rank=\"a:1\",le=\"1\"}",
              tot);
     cr_expect_eq(sample(t, k), 2);
     snprintf(k, sizeof k, "vllm:prompt_tokens_total%s}", tot);
     cr_expect_eq(sample(t, k), 15);
-    snprintf(k, sizeof k, "vllm:prompt_tokens_total%s,instance=\"b:2\"}", tot);
+    snprintf(k, sizeof k, "vllm:prompt_tokens_total%s,rank=\"b:2\"}", tot);
     cr_expect_eq(sample(t, k), 5);
     snprintf(k, sizeof k, "vllm:num_requests_running%s}", tot);
     cr_expect_eq(sample(t, k), 1);
