@@ -11,38 +11,11 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-static const char *bin(void)
-{
-    static char path[1024];
-    const char *b = getenv("DI_BUILD_ROOT");
-    cr_assert_not_null(b, "DI_BUILD_ROOT is not set");
-    snprintf(path, sizeof path, "%s/router/di-router", b);
-    return path;
-}
+#include "proc.h"
 
-/* Runs the router with args; returns its exit code and its stderr in err. */
-static int run(char *const *args, char *err, size_t errlen)
+static int run(char *const *args, char *out, size_t outlen)
 {
-    int p[2];
-    cr_assert_eq(pipe(p), 0);
-    pid_t pid = fork();
-    if (pid == 0) {
-        dup2(p[1], 2);
-        dup2(p[1], 1);
-        close(p[0]);
-        execv(bin(), args);
-        _exit(127);
-    }
-    close(p[1]);
-    size_t n = 0;
-    ssize_t k;
-    while (n + 1 < errlen && (k = read(p[0], err + n, errlen - n - 1)) > 0)
-        n += (size_t)k;
-    err[n] = '\0';
-    close(p[0]);
-    int st;
-    waitpid(pid, &st, 0);
-    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+    return proc_run(proc_bin("router/di-router"), args, out, outlen);
 }
 
 Test(cli, help_and_usage_errors, .timeout = 60)
@@ -90,27 +63,9 @@ static int http_get_status(int port, const char *req)
 
 Test(cli, serves_with_the_test_backend_and_drains, .timeout = 90)
 {
-    int ready[2];
-    cr_assert_eq(pipe(ready), 0);
-    char fdarg[16];
-    snprintf(fdarg, sizeof fdarg, "%d", ready[1]);
-    pid_t pid = fork();
-    if (pid == 0) {
-        close(ready[0]);
-        char *args[] = {"di-router", "--test-backend", "--listen-http", "127.0.0.1:0",
-                        "--ready-fd", fdarg, "--prefill", "127.0.0.1:7001", "--decode",
-                        "127.0.0.1:7002", "--log-level", "warn", NULL};
-        execv(bin(), args);
-        _exit(127);
-    }
-    close(ready[1]);
-    char line[32] = "";
-    ssize_t k = read(ready[0], line, sizeof line - 1);
-    close(ready[0]);
-    cr_assert_gt(k, 0, "the router did not announce its port");
-    line[k] = '\0';
-    int port = atoi(line);
-    cr_assert_gt(port, 0);
+    char *extra[] = {"--prefill", "127.0.0.1:7001", "--decode", "127.0.0.1:7002", NULL};
+    int port;
+    pid_t pid = proc_start_router(extra, &port);
     cr_expect_eq(http_get_status(port, "GET /health HTTP/1.1\r\nHost: x\r\nConnection: close"
                                        "\r\n\r\n"), 200);
     const char *body = "{\"prompt\":\"Hello\",\"max_tokens\":4}";
@@ -121,8 +76,5 @@ Test(cli, serves_with_the_test_backend_and_drains, .timeout = 90)
     cr_expect_eq(http_get_status(port, req), 200);
     cr_expect_eq(http_get_status(port, "GET /v1/nothing HTTP/1.1\r\nHost: x\r\nConnection: "
                                        "close\r\n\r\n"), 404);
-    kill(pid, SIGTERM);
-    int st;
-    waitpid(pid, &st, 0);
-    cr_expect(WIFEXITED(st) && WEXITSTATUS(st) == 0, "exit status %d", st);
+    cr_expect_eq(proc_stop(pid), 0);
 }
