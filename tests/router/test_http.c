@@ -291,8 +291,27 @@ Test(http, every_bad_request_is_a_4xx_and_serving_goes_on, .timeout = 60)
     memcpy(big, "{\"prompt\":\"", 11);
     expect_error(post("/v1/completions", big), 413, "invalid_request_error");
     free(big);
+    int fd;
+    /* Over the limit without a Content-Length (chunked upload): noticed as it arrives. */
+    fd = dial();
+    const char *h = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                    "Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n";
+    cr_assert_eq(write(fd, h, strlen(h)), (ssize_t)strlen(h));
+    char chunk[8200];
+    memset(chunk, ' ', sizeof chunk);
+    memcpy(chunk, "2000\r\n", 6);
+    memcpy(chunk + 6 + 0x2000, "\r\n", 2);
+    for (int i = 0; i < 9; i++) /* 9 x 8 KiB > 64 KiB */
+        if (write(fd, chunk, 6 + 0x2000 + 2) < 0)
+            break;
+    if (write(fd, "0\r\n\r\n", 5) < 0) {
+    }
+    expect_error(read_resp(fd), 413, "invalid_request_error");
+    /* Nested too deep. */
+    expect_error(post("/v1/completions", "{\"prompt\":\"a\",\"x\":[[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]}"),
+                 400, "invalid_request_error");
     /* Garbage instead of HTTP: the server answers or closes, and serves the next client. */
-    int fd = dial();
+    fd = dial();
     cr_assert_eq(write(fd, "\x16\x03\x01garbage\r\n\r\n", 14), 14);
     char buf[512];
     while (read(fd, buf, sizeof buf) > 0) {
