@@ -440,8 +440,10 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
 {
     oai_error e = {0};
     gen *g = calloc(1, sizeof *g);
-    if (!g)
-        return http_reply_error(out, 503, NULL, NULL, "out of memory");
+    if (!g) {
+        http_reply_error(out, 503, NULL, NULL, "out of memory");
+        return;
+    }
     pthread_mutex_init(&g->mu, NULL);
     pthread_cond_init(&g->cv, NULL);
     g->refs = 1;
@@ -454,12 +456,14 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
     }
     if (!g->req.model && (g->req.model = strdup(a->cfg.limits.model)) == NULL) {
         gen_release(g);
-        return http_reply_error(out, 503, NULL, NULL, "out of memory");
+        http_reply_error(out, 503, NULL, NULL, "out of memory");
+        return;
     }
     if (tok_stream_new(a->cfg.tok, TOK_DECODE_SKIP_SPECIAL, &g->ts, NULL) != DI_OK ||
         !grow(&g->text, &g->text_cap, 64)) {
         gen_release(g);
-        return http_reply_error(out, 503, NULL, NULL, "out of memory");
+        http_reply_error(out, 503, NULL, NULL, "out of memory");
+        return;
     }
     g->text[0] = '\0';
     g->created = (int64_t)time(NULL);
