@@ -96,3 +96,38 @@ Test(bench, usage_errors)
     cr_expect_eq(proc_run(proc_bin("tools/bench/di-bench"), nobody, out, sizeof out), 1);
     cr_expect(strstr(out, "cannot connect") != NULL, "%s", out);
 }
+
+Test(bench, sweep_runs_each_rate, .timeout = 120)
+{
+    int port;
+    pid_t pid = proc_start_router(NULL, &port);
+    char host[32], json_path[] = "/tmp/di-bench-sweep-XXXXXX";
+    snprintf(host, sizeof host, "127.0.0.1:%d", port);
+    int fd = mkstemp(json_path);
+    cr_assert_geq(fd, 0);
+    close(fd);
+    char *args[] = {"di-bench", "--host", host, "--num-prompts", "6", "--sweep", "200,400",
+                    "--input-len", "8", "--output-len", "3", "--json", json_path, NULL};
+    char out[16384];
+    int rc = proc_run(proc_bin("tools/bench/di-bench"), args, out, sizeof out);
+    cr_expect_eq(proc_stop(pid), 0);
+    cr_assert_eq(rc, 0, "%s", out);
+    FILE *f = fopen(json_path, "r");
+    char line[4096];
+    double rates[2] = {0};
+    int n = 0;
+    while (n < 3 && fgets(line, sizeof line, f)) {
+        json_t *o = json_loads(line, 0, NULL);
+        cr_assert_not_null(o, "%s", line);
+        if (n < 2)
+            rates[n] = json_real_value(json_object_get(o, "request_rate")) +
+                       (double)json_integer_value(json_object_get(o, "request_rate"));
+        cr_expect_eq(json_integer_value(json_object_get(o, "completed")), 6);
+        json_decref(o);
+        n++;
+    }
+    fclose(f);
+    unlink(json_path);
+    cr_expect_eq(n, 2, "one JSON line per rate");
+    cr_expect(rates[0] == 200 && rates[1] == 400, "rates %g %g", rates[0], rates[1]);
+}
