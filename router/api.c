@@ -68,7 +68,8 @@ typedef struct gen_tok {
 
 /* A generation in flight. Two references: the backend's (dropped in on_finish) and the HTTP
  * side's (dropped when the reply or stream is done). States: running -> finished (on_finish
- * ran); `stopped` (a stop string matched) and `gone` (the client left) only ask for an abort,
+ * ran); `stopped` (a stop string matched), `gone` (the client left) and `timed_out` (past the
+ * request deadline) only ask for an abort,
  * which is sent once (`abort_sent`). */
 typedef struct gen {
     pthread_mutex_t mu;
@@ -89,6 +90,7 @@ typedef struct gen {
     size_t out_len, out_cap, out_pos;
     bool any_chunk;     /* a chunk was queued (the HTTP status is 200 from then on) */
     bool stopped, abort_sent, finished, gone;
+    bool timed_out;     /* the request outlived cfg.request_timeout_ms: aborted */
     const char *finish; /* "stop", "length", "abort" once finished */
     uint32_t n_gen, cached;
     uint64_t t0_ns, t_first_ns, t_last_ns; /* accepted, first token, last token (mono) */
@@ -350,7 +352,10 @@ static void on_finish(void *ud, rt_finish reason, uint32_t cached, const char *i
 static void maybe_abort(gen *g)
 {
     pthread_mutex_lock(&g->mu);
-    bool send = (g->stopped || g->gone) && !g->abort_sent && !g->finished;
+    uint64_t limit = g->api->cfg.request_timeout_ms;
+    if (limit && !g->finished && di_mono_ns() - g->t0_ns > limit * 1000000ull)
+        g->timed_out = true;
+    bool send = (g->stopped || g->gone || g->timed_out) && !g->abort_sent && !g->finished;
     if (send)
         g->abort_sent = true;
     pthread_mutex_unlock(&g->mu);
@@ -503,7 +508,7 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
     /* Wait for the first chunk (stream) or the end (whole reply), watching the client. */
     pthread_mutex_lock(&g->mu);
     while (!g->finished && !(g->req.stream && g->any_chunk) && !g->gone) {
-        if (g->stopped && !g->abort_sent) {
+        if ((g->stopped || g->timed_out) && !g->abort_sent) {
             pthread_mutex_unlock(&g->mu);
             maybe_abort(g);
             pthread_mutex_lock(&g->mu);
@@ -512,6 +517,9 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
         wait_a_little(g);
         if (!g->finished && http_client_gone(rq))
             g->gone = true;
+        uint64_t limit = a->cfg.request_timeout_ms;
+        if (limit && !g->finished && di_mono_ns() - g->t0_ns > limit * 1000000ull)
+            g->timed_out = true;
     }
     bool stream_now = g->req.stream && g->any_chunk;
     bool failed = g->finished && g->st != DI_OK && !g->any_chunk;
@@ -528,6 +536,10 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
     pthread_mutex_unlock(&g->mu);
     if (failed || g->st != DI_OK)
         reply_backend_error(out, g);
+    else if (g->timed_out)
+        http_reply_error(out, 504, "timeout", NULL,
+                         "the request ran past the router's limit of %llu ms",
+                         (unsigned long long)a->cfg.request_timeout_ms);
     else if (g->req.stream) /* finished before any chunk: can only be an empty stream */
         http_reply_error(out, 500, NULL, NULL, "the stream ended without output");
     else

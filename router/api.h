@@ -25,6 +25,9 @@ typedef struct api_config {
     rt_backend backend;       /* where tokens come from */
     oai_limits limits;        /* request bounds; limits.model is the served name */
     bool add_bos;             /* prepend BOS to completion text prompts */
+    uint64_t request_timeout_ms; /* a request still running after this is aborted (a whole
+                                    reply: 504; a stream ends with finish_reason "abort");
+                                    0 = no limit */
 } api_config;
 
 /* Returns DI_OK with *out, DI_EINVAL (no tokenizer or model name), DI_ENOMEM. */

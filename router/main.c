@@ -24,6 +24,7 @@ typedef struct router_opts {
     uint64_t max_output;
     uint64_t max_connections;
     uint64_t idle_timeout_ms;
+    uint64_t request_timeout_ms;
     const char *model;
     const char *tokenizer;
     const char *policy;
@@ -53,6 +54,9 @@ static const svc_opt rows[] = {
      "N", "open HTTP connections at most", NULL},
     {"idle-timeout", SVC_OPT_DURATION, offsetof(router_opts, idle_timeout_ms), "60s", 1000,
      3600000, "DURATION", "an idle HTTP connection is closed after this", NULL},
+    {"request-timeout", SVC_OPT_DURATION, offsetof(router_opts, request_timeout_ms), "30m", 1000,
+     86400000, "DURATION", "a request still running after this is aborted (504, or the "
+     "stream ends)", NULL},
     {"model", SVC_OPT_STRING, offsetof(router_opts, model), "deepseek-v4.1", 0, 0, "NAME",
      "the model name served (requests naming another get 404)", NULL},
     {"tokenizer", SVC_OPT_FILE, offsetof(router_opts, tokenizer), NULL, 0, 0, "FILE",
@@ -124,7 +128,8 @@ static di_status router_start(void *app, const svc_ctx *ctx, int *port, di_error
                                 .max_output_tokens = (uint32_t)o->max_output,
                                 .vocab_size = tok_vocab_size(a->tok),
                                 .model = o->model},
-                     .add_bos = !o->no_bos};
+                     .add_bos = !o->no_bos,
+                     .request_timeout_ms = o->request_timeout_ms};
     if ((st = api_new(&ac, &a->api, err)) != DI_OK)
         return st;
     size_t n;

@@ -30,6 +30,8 @@ typedef struct fixture {
 
 static fixture F;
 
+static uint64_t request_timeout_ms; /* for the next start() */
+
 static void start(const tb_config *tbc, bool keys, uint32_t per_key)
 {
     memset(&F, 0, sizeof F);
@@ -44,7 +46,8 @@ static void start(const tb_config *tbc, bool keys, uint32_t per_key)
                      .limits = {.max_body_bytes = 65536, .max_depth = 16,
                                 .max_prompt_tokens = 512, .max_output_tokens = 2048,
                                 .vocab_size = tok_vocab_size(F.tok), .model = "dsv4-test"},
-                     .add_bos = true};
+                     .add_bos = true,
+                     .request_timeout_ms = request_timeout_ms};
     cr_assert_eq(api_new(&ac, &F.api, &e), DI_OK, "%s", e.msg);
     if (keys) {
         snprintf(F.keyfile, sizeof F.keyfile, "/tmp/di-router-keys-XXXXXX");
@@ -534,5 +537,31 @@ Test(http, client_disconnect_aborts_the_backend_once, .timeout = 60)
     cr_expect_eq(ac.cancelled, 2);
     cr_expect_eq(ac.running, 0);
     expect_healthy();
+    stop();
+}
+
+Test(http, requests_past_the_deadline_are_aborted, .timeout = 60)
+{
+    tb_config c = fast();
+    c.delay_ms = 20;
+    request_timeout_ms = 300;
+    start(&c, false, 0);
+    uint64_t t0 = now_ms();
+    expect_error(post("/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":1000}"), 504,
+                 "server_error");
+    cr_expect_lt(now_ms() - t0, 3000);
+    resp r = post("/v1/completions", "{\"prompt\":\"a\",\"max_tokens\":1000,\"stream\":true}");
+    cr_assert_eq(r.status, 200);
+    sse s = parse_sse(r.body, false);
+    cr_expect_str_eq(s.finish, "abort", "%s", r.body);
+    cr_expect_eq(s.done, 1);
+    free(r.body);
+    uint64_t started, aborted, running, t1 = now_ms();
+    do { /* the backend's thread counts the abort just after it reported the end */
+        struct timespec ts = {0, 5 * 1000000L};
+        nanosleep(&ts, NULL);
+        tb_counts(F.tb, &started, &aborted, &running);
+    } while (running > 0 && now_ms() - t1 < 5000);
+    cr_expect_eq(aborted, 2);
     stop();
 }
