@@ -74,7 +74,10 @@ di_status cuda_op_begin(cuda_ctx *c, const void *params, const char *op)
     }
     if (!params)
         return cuda_fail(c, DI_EINVAL, "%s: params are NULL", op);
-    return cuda_check(c, cudaSetDevice(c->device), "cudaSetDevice");
+    di_status st = cuda_check(c, cudaSetDevice(c->device), "cudaSetDevice");
+    if (st == DI_OK && c->prof)
+        st = cuda_prof_mark(c, op);
+    return st;
 }
 
 /* ---- memory ---- */
@@ -343,6 +346,7 @@ static void ctx_release(cuda_ctx *c)
     cudaSetDevice(c->device);
     if (c->stream)
         cudaStreamSynchronize(c->stream);
+    cuda_prof_free(c);
     cuda_gemm_release(c);
     if (c->scratch)
         cudaFree(c->scratch);
@@ -430,6 +434,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     c->moe_grouped_rows = cfg->moe_grouped_rows < 0 ? 0 : (cfg->moe_grouped_rows == 0
                                                                ? CUDA_MOE_GROUPED_ROWS
                                                                : cfg->moe_grouped_rows);
+    c->moe_cuda_cores = cfg->moe_cuda_cores != 0;
     c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;
     di_status st = ctx_init(c, err);
     if (st != DI_OK) {

@@ -305,6 +305,8 @@ di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g)
     if (!cuda_moe_grouped_fits(c, g->max_rows, g->dim, g->inter))
         return cuda_fail(c, DI_EINVAL, "moe grouped: %u rows of %u inputs exceed the shared "
                          "memory of a block", g->max_rows, g->dim > g->inter ? g->dim : g->inter);
+    if (!c->moe_cuda_cores)
+        return cuda_moe_mma_run(c, g);
     di_status st = launch_fmt<true>(c, g);
     if (st == DI_OK)
         st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, g->h, g->inter, g->h, g->inter, g->n_pairs,
