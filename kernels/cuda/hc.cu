@@ -5,7 +5,8 @@
  *
  * Arithmetic order on the device, against the twin:
  *  - mixes: the sum of squares and the (2+hc)*hc dot products fn[i] . v are summed in double
- *    (every product of two floats is exact there) in another order than the twin's lanes, so
+ *    (every product of two floats is exact there; a block per 1,024 inputs of a row, then one
+ *    thread per row adds the blocks in order) in another order than the twin's lanes, so
  *    their fp32 roundings match except at a double rounding tie; every later step is the twin's
  *    step for step (fp32 multiply and add with the _rn intrinsics so that nothing is fused,
  *    sigmoid and Sinkhorn in double). Tolerance: abs 1e-5 (kernels.h).
@@ -24,6 +25,7 @@
 #define HC_MAX 8                      /* copies supported (the twin's HC_MAX) */
 #define HC_CHUNK 24                   /* mixes accumulated per pass over a row (one pass at hc 4) */
 #define HC_WARPS (CUDA_THREADS / 32)
+#define HC_SPLIT_K 1024               /* inputs of a row per block of hc_mixes' first pass */
 
 /* ---- device helpers ---- */
 
@@ -76,23 +78,27 @@ __device__ void sinkhorn_dev(double *s, uint32_t hc, uint32_t iters, double eps)
 
 /* ---- kernels ---- */
 
-/* One block per row. Pass 0 also sums the squares; pass q accumulates mixes
- * [q*HC_CHUNK, (q+1)*HC_CHUNK). Thread sums fold by warp shuffles, then the warps in order, so
- * the result does not depend on the other rows. Thread 0 finishes the row. */
-__global__ void hc_mixes_kernel(kern_hc_mixes p)
+/* Pass 1: block (row, split) sums its HC_SPLIT_K inputs of the row (the last split fewer):
+ * pass 0 also sums the squares; pass q accumulates mixes [q*HC_CHUNK, (q+1)*HC_CHUNK). Thread
+ * sums fold by warp shuffles, then the warps in order, into part[row][split][n_mix + 1] (the
+ * mixes, then the sum of squares). The splits depend on the width alone, so a row's sums do
+ * not depend on the other rows. */
+__global__ void hc_mixes_part_kernel(kern_hc_mixes p, uint32_t splits, double *part_out)
 {
     __shared__ double part[HC_WARPS][HC_CHUNK + 1];
-    __shared__ double tot[(2 + HC_MAX) * HC_MAX + 1]; /* mixes, then the sum of squares */
-    __shared__ double z[HC_MAX * HC_MAX];
     const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
-    const uint16_t *v = p.h + (size_t)blockIdx.x * width;
+    const uint32_t row = blockIdx.x / splits, sp = blockIdx.x % splits;
+    const uint32_t k_lo = sp * HC_SPLIT_K, k_hi = k_lo + HC_SPLIT_K < width ? k_lo + HC_SPLIT_K
+                                                                            : width;
+    const uint16_t *v = p.h + (size_t)row * width;
+    double *out = part_out + ((size_t)row * splits + sp) * (n_mix + 1);
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     for (uint32_t i0 = 0; i0 < n_mix; i0 += HC_CHUNK) {
         double acc[HC_CHUNK], sq = 0.0;
 #pragma unroll
         for (int i = 0; i < HC_CHUNK; i++)
             acc[i] = 0.0;
-        for (uint32_t k = threadIdx.x; k < width; k += blockDim.x) {
+        for (uint32_t k = k_lo + threadIdx.x; k < k_hi; k += blockDim.x) {
             double x = (double)dev_bf16_to_f32(v[k]);
             sq += x * x;
 #pragma unroll
@@ -116,25 +122,40 @@ __global__ void hc_mixes_kernel(kern_hc_mixes p)
                 s += part[w][threadIdx.x];
             if (threadIdx.x == HC_CHUNK) {
                 if (i0 == 0)
-                    tot[n_mix] = s;
+                    out[n_mix] = s;
             } else if (i0 + threadIdx.x < n_mix) {
-                tot[i0 + threadIdx.x] = s;
+                out[i0 + threadIdx.x] = s;
             }
         }
         __syncthreads();
     }
-    if (threadIdx.x != 0)
+}
+
+/* Pass 2: one thread per row sums its splits in order and finishes the row: the twin's
+ * roundings from there on. */
+__global__ void hc_mixes_finish_kernel(kern_hc_mixes p, uint32_t splits, const double *part_in)
+{
+    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= p.n_rows)
         return;
+    const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
+    double tot[(2 + HC_MAX) * HC_MAX + 1], z[HC_MAX * HC_MAX];
+    const double *in = part_in + (size_t)t * splits * (n_mix + 1);
+    for (uint32_t i = 0; i <= n_mix; i++) {
+        double s = 0.0;
+        for (uint32_t sp = 0; sp < splits; sp++)
+            s += in[(size_t)sp * (n_mix + 1) + i];
+        tot[i] = s;
+    }
     /* the twin's roundings: mean of squares to fp32, + eps in fp32, rsqrt in double to fp32 */
     float ms = (float)(tot[n_mix] / (double)width);
     float rs = (float)(1.0 / sqrt((double)__fadd_rn(ms, p.norm_eps)));
-    const size_t t = blockIdx.x;
     for (uint32_t c = 0; c < hc; c++) {
         float m_pre = __fmul_rn((float)tot[c], rs), m_post = __fmul_rn((float)tot[hc + c], rs);
         float zp = __fadd_rn(__fmul_rn(m_pre, p.scale[0]), p.base[c]);
         float zq = __fadd_rn(__fmul_rn(m_post, p.scale[1]), p.base[hc + c]);
-        p.pre[t * hc + c] = __fadd_rn((float)sigmoid_d((double)zp), (float)p.eps);
-        p.post[t * hc + c] = (float)(2.0 * sigmoid_d((double)zq));
+        p.pre[(size_t)t * hc + c] = __fadd_rn((float)sigmoid_d((double)zp), (float)p.eps);
+        p.post[(size_t)t * hc + c] = (float)(2.0 * sigmoid_d((double)zq));
     }
     for (uint32_t i = 0; i < hc * hc; i++) {
         float m = __fmul_rn((float)tot[2 * hc + i], rs);
@@ -142,7 +163,7 @@ __global__ void hc_mixes_kernel(kern_hc_mixes p)
     }
     sinkhorn_dev(z, hc, p.sinkhorn_iters, p.eps);
     for (uint32_t i = 0; i < hc * hc; i++)
-        p.comb[t * hc * hc + i] = (float)z[i];
+        p.comb[(size_t)t * hc * hc + i] = (float)z[i];
 }
 
 /* One thread per (row, d): the copies summed in the twin's order, c = 0 first. */
@@ -197,8 +218,24 @@ static unsigned elem_blocks(size_t n)
 
 static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream_t stream)
 {
-    hc_mixes_kernel<<<p->n_rows, CUDA_THREADS, 0, stream>>>(*p);
-    return cuda_launched(c, "hc_mixes_kernel");
+    const uint32_t width = p->n_copies * p->dim, n_mix = (2 + p->n_copies) * p->n_copies;
+    const uint32_t splits = (width + HC_SPLIT_K - 1) / HC_SPLIT_K;
+    const uint64_t blocks = (uint64_t)p->n_rows * splits;
+    if (blocks > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "hc_mixes: %u rows x %u splits in one launch", p->n_rows,
+                         splits);
+    uint8_t *part = NULL;
+    di_status st = cuda_scratch(c, (size_t)blocks * (n_mix + 1) * sizeof(double), &part);
+    if (st != DI_OK)
+        return st;
+    hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits,
+                                                                       (double *)part);
+    st = cuda_launched(c, "hc_mixes_part_kernel");
+    if (st != DI_OK)
+        return st;
+    hc_mixes_finish_kernel<<<elem_blocks(p->n_rows), CUDA_THREADS, 0, stream>>>(
+        *p, splits, (const double *)part);
+    return cuda_launched(c, "hc_mixes_finish_kernel");
 }
 
 static di_status launch_hc_collapse(cuda_ctx *c, const kern_hc_collapse *p, cudaStream_t stream)
