@@ -233,8 +233,9 @@ static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream
     st = cuda_launched(c, "hc_mixes_part_kernel");
     if (st != DI_OK)
         return st;
-    hc_mixes_finish_kernel<<<elem_blocks(p->n_rows), CUDA_THREADS, 0, stream>>>(
-        *p, splits, (const double *)part);
+    /* one warp per block: the serial Sinkhorn of each row spreads over every SM */
+    hc_mixes_finish_kernel<<<(p->n_rows + 31) / 32, 32, 0, stream>>>(*p, splits,
+                                                                     (const double *)part);
     return cuda_launched(c, "hc_mixes_finish_kernel");
 }
 
