@@ -5,11 +5,11 @@
  *
  * Arithmetic order on the device, against the twin:
  *  - mixes: the sum of squares and the (2+hc)*hc dot products fn[i] . v are summed in double
- *    (every product of two floats is exact there; a block per 1,024 inputs of a row, then one
- *    thread per row adds the blocks in order) in another order than the twin's lanes, so
+ *    (every product of two floats is exact there; a block per 1,024 inputs of a row, then a
+ *    block per row adds the blocks in order) in another order than the twin's lanes, so
  *    their fp32 roundings match except at a double rounding tie; every later step is the twin's
  *    step for step (fp32 multiply and add with the _rn intrinsics so that nothing is fused,
- *    sigmoid and Sinkhorn in double). Tolerance: abs 1e-5 (kernels.h).
+ *    sigmoid and Sinkhorn in double, the Sinkhorn one thread per entry). Tolerance: abs 1e-5 (kernels.h).
  *  - collapse and expand: each output is the twin's double expression in the twin's order
  *    (products of fp32 and bf16 are exact in double), rounded once to fp32 then to bf16:
  *    bit-identical.
@@ -42,38 +42,58 @@ __device__ __forceinline__ double sigmoid_d(double x)
 }
 
 /* The twin's sinkhorn(): row softmax + eps, a column step, then (iters - 1) x (row step,
- * column step), all in double, in place on s[hc * hc]. */
+ * column step), all in double, in place on s[hc * hc] in shared memory. Thread e < hc * hc
+ * owns entry (e / hc, e % hc) and computes its row's or column's sum itself in the twin's
+ * order, so every entry gets the twin's expression bit for bit; every thread of the block
+ * must call it. */
 __device__ void sinkhorn_dev(double *s, uint32_t hc, uint32_t iters, double eps)
 {
-    for (uint32_t i = 0; i < hc; i++) {
-        double *row = s + i * hc, mx = row[0], sum = 0.0;
-        for (uint32_t j = 1; j < hc; j++)
-            mx = row[j] > mx ? row[j] : mx;
-        for (uint32_t j = 0; j < hc; j++) {
-            row[j] = exp(row[j] - mx);
-            sum += row[j];
-        }
-        for (uint32_t j = 0; j < hc; j++)
-            row[j] = row[j] / sum + eps;
+    const uint32_t e = threadIdx.x, i = e / hc, j = e % hc;
+    const bool own = e < hc * hc;
+    double v = own ? s[e] : 0.0, sum = 0.0;
+    if (own) {
+        double mx = s[i * hc];
+        for (uint32_t k = 1; k < hc; k++)
+            mx = s[i * hc + k] > mx ? s[i * hc + k] : mx;
+        v = exp(v - mx);
+    }
+    __syncthreads();
+    if (own)
+        s[e] = v;
+    __syncthreads();
+    if (own) {
+        for (uint32_t k = 0; k < hc; k++)
+            sum += s[i * hc + k];
+        v = v / sum + eps;
     }
     for (uint32_t it = 0; it < iters; it++) {
         if (it > 0) {
-            for (uint32_t i = 0; i < hc; i++) {
-                double sum = 0.0;
-                for (uint32_t j = 0; j < hc; j++)
-                    sum += s[i * hc + j];
-                for (uint32_t j = 0; j < hc; j++)
-                    s[i * hc + j] /= sum + eps;
+            __syncthreads();
+            if (own)
+                s[e] = v;
+            __syncthreads();
+            if (own) {
+                sum = 0.0;
+                for (uint32_t k = 0; k < hc; k++)
+                    sum += s[i * hc + k];
+                v /= sum + eps;
             }
         }
-        for (uint32_t j = 0; j < hc; j++) {
-            double sum = 0.0;
-            for (uint32_t i = 0; i < hc; i++)
-                sum += s[i * hc + j];
-            for (uint32_t i = 0; i < hc; i++)
-                s[i * hc + j] /= sum + eps;
+        __syncthreads();
+        if (own)
+            s[e] = v;
+        __syncthreads();
+        if (own) {
+            sum = 0.0;
+            for (uint32_t k = 0; k < hc; k++)
+                sum += s[k * hc + j];
+            v /= sum + eps;
         }
     }
+    __syncthreads();
+    if (own)
+        s[e] = v;
+    __syncthreads();
 }
 
 /* ---- kernels ---- */
@@ -131,39 +151,43 @@ __global__ void hc_mixes_part_kernel(kern_hc_mixes p, uint32_t splits, double *p
     }
 }
 
-/* Pass 2: one thread per row sums its splits in order and finishes the row: the twin's
- * roundings from there on. */
-__global__ void hc_mixes_finish_kernel(kern_hc_mixes p, uint32_t splits, const double *part_in)
+/* Pass 2: one block of HC_MAX * HC_MAX threads per row: the splits summed in order, then the
+ * twin's roundings from there on (the Sinkhorn over the block, one thread per entry). */
+__global__ void __launch_bounds__(HC_MAX * HC_MAX) hc_mixes_finish_kernel(kern_hc_mixes p,
+                                                                         uint32_t splits,
+                                                                         const double *part_in)
 {
-    const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= p.n_rows)
-        return;
+    __shared__ double tot[(2 + HC_MAX) * HC_MAX + 1];
+    __shared__ double z[HC_MAX * HC_MAX];
+    const uint32_t t = blockIdx.x;
     const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
-    double tot[(2 + HC_MAX) * HC_MAX + 1], z[HC_MAX * HC_MAX];
     const double *in = part_in + (size_t)t * splits * (n_mix + 1);
-    for (uint32_t i = 0; i <= n_mix; i++) {
+    for (uint32_t i = threadIdx.x; i <= n_mix; i += blockDim.x) {
         double s = 0.0;
         for (uint32_t sp = 0; sp < splits; sp++)
             s += in[(size_t)sp * (n_mix + 1) + i];
         tot[i] = s;
     }
+    __syncthreads();
     /* the twin's roundings: mean of squares to fp32, + eps in fp32, rsqrt in double to fp32 */
     float ms = (float)(tot[n_mix] / (double)width);
     float rs = (float)(1.0 / sqrt((double)__fadd_rn(ms, p.norm_eps)));
-    for (uint32_t c = 0; c < hc; c++) {
+    const uint32_t c = threadIdx.x;
+    if (c < hc) {
         float m_pre = __fmul_rn((float)tot[c], rs), m_post = __fmul_rn((float)tot[hc + c], rs);
         float zp = __fadd_rn(__fmul_rn(m_pre, p.scale[0]), p.base[c]);
         float zq = __fadd_rn(__fmul_rn(m_post, p.scale[1]), p.base[hc + c]);
         p.pre[(size_t)t * hc + c] = __fadd_rn((float)sigmoid_d((double)zp), (float)p.eps);
         p.post[(size_t)t * hc + c] = (float)(2.0 * sigmoid_d((double)zq));
     }
-    for (uint32_t i = 0; i < hc * hc; i++) {
-        float m = __fmul_rn((float)tot[2 * hc + i], rs);
-        z[i] = (double)__fadd_rn(__fmul_rn(m, p.scale[2]), p.base[2 * hc + i]);
+    if (c < hc * hc) {
+        float m = __fmul_rn((float)tot[2 * hc + c], rs);
+        z[c] = (double)__fadd_rn(__fmul_rn(m, p.scale[2]), p.base[2 * hc + c]);
     }
+    __syncthreads();
     sinkhorn_dev(z, hc, p.sinkhorn_iters, p.eps);
-    for (uint32_t i = 0; i < hc * hc; i++)
-        p.comb[(size_t)t * hc * hc + i] = (float)z[i];
+    if (c < hc * hc)
+        p.comb[(size_t)t * hc * hc + c] = (float)z[c];
 }
 
 /* One thread per (row, d): the copies summed in the twin's order, c = 0 first. */
@@ -233,9 +257,8 @@ static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream
     st = cuda_launched(c, "hc_mixes_part_kernel");
     if (st != DI_OK)
         return st;
-    /* one warp per block: the serial Sinkhorn of each row spreads over every SM */
-    hc_mixes_finish_kernel<<<(p->n_rows + 31) / 32, 32, 0, stream>>>(*p, splits,
-                                                                     (const double *)part);
+    hc_mixes_finish_kernel<<<p->n_rows, HC_MAX * HC_MAX, 0, stream>>>(*p, splits,
+                                                                      (const double *)part);
     return cuda_launched(c, "hc_mixes_finish_kernel");
 }
 
