@@ -44,6 +44,22 @@ typedef void (*any_fn)(void);
 static_assert(sizeof(kern_ops) == sizeof(op_rows) / sizeof(op_rows[0]) * sizeof(any_fn),
               "op_rows must list every kern_ops field");
 
+/* ---- device attributes ---- */
+
+/* A device attribute, queried once into *cache (0 = not yet); fallback when the query fails. */
+int cuda_device_attr(cuda_ctx *c, cudaDeviceAttr attr, int *cache, int fallback)
+{
+    if (*cache > 0)
+        return *cache;
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, attr, c->device) != cudaSuccess || v <= 0) {
+        cudaGetLastError();
+        return fallback;
+    }
+    *cache = v;
+    return v;
+}
+
 /* ---- errors ---- */
 
 di_status cuda_fail(cuda_ctx *c, di_status code, const char *fmt, ...)

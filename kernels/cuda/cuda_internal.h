@@ -80,8 +80,8 @@ typedef struct cuda_ctx {
     struct cuda_prof *prof;     /* per-op times while kern_cuda_profile is on; else NULL */
     int moe_cuda_cores;         /* 1: the grouped path on the CUDA-core kernel (kern_cuda_config) */
     int smem_optin;             /* the device's opt-in shared memory per block (bytes); 0
-                                 * until moe_grouped.cu first queries it */
-    int sm_count;               /* the device's SMs; 0 until moe_grouped.cu first queries it */
+                                 * until first queried (cuda_device_attr) */
+    int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
     uint32_t plan_next;         /* slot the next new plan replaces */
     kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */
@@ -92,6 +92,10 @@ typedef struct cuda_ctx {
 /* Records the start of op (profile.cu); called by cuda_op_begin while profiling. */
 di_status cuda_prof_mark(cuda_ctx *c, const char *op);
 void cuda_prof_free(cuda_ctx *c);
+
+/* A device attribute, queried once into *cache (0 = not yet); fallback when the query fails
+ * (backend_cuda.cu). */
+int cuda_device_attr(cuda_ctx *c, cudaDeviceAttr attr, int *cache, int fallback);
 
 /* ---- errors (backend_cuda.cu) ---- */
 

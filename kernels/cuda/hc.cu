@@ -5,8 +5,8 @@
  *
  * Arithmetic order on the device, against the twin:
  *  - mixes: the sum of squares and the (2+hc)*hc dot products fn[i] . v are summed in double
- *    (every product of two floats is exact there; a block per 1,024 inputs of a row, then a
- *    block per row adds the blocks in order) in another order than the twin's lanes, so
+ *    (every product of two floats is exact there; a block per 1,024 inputs of a row, more
+ *    when the rows fill the GPU, then a block per row adds the blocks in order) in another order than the twin's lanes, so
  *    their fp32 roundings match except at a double rounding tie; every later step is the twin's
  *    step for step (fp32 multiply and add with the _rn intrinsics so that nothing is fused,
  *    sigmoid and Sinkhorn in double, the Sinkhorn one thread per entry). Tolerance: abs 1e-5 (kernels.h).
@@ -25,7 +25,8 @@
 #define HC_MAX 8                      /* copies supported (the twin's HC_MAX) */
 #define HC_CHUNK 24                   /* mixes accumulated per pass over a row (one pass at hc 4) */
 #define HC_WARPS (CUDA_THREADS / 32)
-#define HC_SPLIT_K 1024               /* inputs of a row per block of hc_mixes' first pass */
+#define HC_SPLIT_K 1024               /* least inputs of a row per block of hc_mixes' first pass */
+#define HC_BLOCKS_PER_SM 8            /* first-pass blocks per SM the split aims at */
 
 /* ---- device helpers ---- */
 
@@ -98,18 +99,17 @@ __device__ void sinkhorn_dev(double *s, uint32_t hc, uint32_t iters, double eps)
 
 /* ---- kernels ---- */
 
-/* Pass 1: block (row, split) sums its HC_SPLIT_K inputs of the row (the last split fewer):
+/* Pass 1: block (row, split) sums its split_k inputs of the row (the last split fewer):
  * pass 0 also sums the squares; pass q accumulates mixes [q*HC_CHUNK, (q+1)*HC_CHUNK). Thread
  * sums fold by warp shuffles, then the warps in order, into part[row][split][n_mix + 1] (the
- * mixes, then the sum of squares). The splits depend on the width alone, so a row's sums do
- * not depend on the other rows. */
-__global__ void hc_mixes_part_kernel(kern_hc_mixes p, uint32_t splits, double *part_out)
+ * mixes, then the sum of squares). */
+__global__ void hc_mixes_part_kernel(kern_hc_mixes p, uint32_t splits, uint32_t split_k,
+                                     double *part_out)
 {
     __shared__ double part[HC_WARPS][HC_CHUNK + 1];
     const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
     const uint32_t row = blockIdx.x / splits, sp = blockIdx.x % splits;
-    const uint32_t k_lo = sp * HC_SPLIT_K, k_hi = k_lo + HC_SPLIT_K < width ? k_lo + HC_SPLIT_K
-                                                                            : width;
+    const uint32_t k_lo = sp * split_k, k_hi = width - k_lo > split_k ? k_lo + split_k : width;
     const uint16_t *v = p.h + (size_t)row * width;
     double *out = part_out + ((size_t)row * splits + sp) * (n_mix + 1);
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x / 32;
@@ -240,10 +240,31 @@ static unsigned elem_blocks(size_t n)
     return (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS);
 }
 
+/* Inputs of a row per first-pass block: HC_SPLIT_K while the rows alone leave the GPU short
+ * of HC_BLOCKS_PER_SM blocks per SM (decode: few rows, many blocks per row), else the fewest
+ * multiples of it that still give that many blocks, down to the whole row (prefill: a block
+ * per row, each block's closing reduction paid once per row, not once per 1,024 inputs). The
+ * double sums then come in another order per row count: their fp32 roundings differ only at
+ * a double rounding tie, as against the twin. */
+static uint32_t hc_split_k(cuda_ctx *c, uint32_t rows, uint32_t width)
+{
+    const uint64_t want = (uint64_t)HC_BLOCKS_PER_SM *
+                          cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
+    const uint32_t most = (width + HC_SPLIT_K - 1) / HC_SPLIT_K; /* splits of HC_SPLIT_K */
+    uint64_t splits = (want + rows - 1) / rows;
+    if (splits >= most)
+        return HC_SPLIT_K;
+    if (splits < 1)
+        splits = 1;
+    const uint32_t units = (uint32_t)((most + splits - 1) / splits); /* HC_SPLIT_K per split */
+    return units * HC_SPLIT_K;
+}
+
 static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream_t stream)
 {
     const uint32_t width = p->n_copies * p->dim, n_mix = (2 + p->n_copies) * p->n_copies;
-    const uint32_t splits = (width + HC_SPLIT_K - 1) / HC_SPLIT_K;
+    const uint32_t split_k = hc_split_k(c, p->n_rows, width);
+    const uint32_t splits = (width + split_k - 1) / split_k;
     const uint64_t blocks = (uint64_t)p->n_rows * splits;
     if (blocks > 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "hc_mixes: %u rows x %u splits in one launch", p->n_rows,
@@ -252,7 +273,7 @@ static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream
     di_status st = cuda_scratch(c, (size_t)blocks * (n_mix + 1) * sizeof(double), &part);
     if (st != DI_OK)
         return st;
-    hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits,
+    hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits, split_k,
                                                                        (double *)part);
     st = cuda_launched(c, "hc_mixes_part_kernel");
     if (st != DI_OK)
