@@ -451,6 +451,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
                                                                ? CUDA_MOE_GROUPED_ROWS
                                                                : cfg->moe_grouped_rows);
     c->moe_cuda_cores = cfg->moe_cuda_cores != 0;
+    c->moe_unstaged = cfg->moe_unstaged != 0;
     c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;
     di_status st = ctx_init(c, err);
     if (st != DI_OK) {

@@ -58,6 +58,9 @@ typedef struct kern_cuda_config {
                                  * only); above 16, groups are split into chunks of 16 rows */
     int moe_cuda_cores;         /* 1: the grouped path runs its CUDA-core kernel instead of the
                                  * tensor-core one (the previous version, for comparison) */
+    int moe_unstaged;           /* 1: the tensor-core kernel reads the weights straight from
+                                 * global memory instead of staging them through shared memory
+                                 * (the previous version, for comparison) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
@@ -70,6 +73,8 @@ typedef struct kern_cuda_stats {
                                  * path */
     uint64_t moe_gemm;          /* moe_experts calls whose routed experts took the per-expert
                                  * cuBLASLt path */
+    uint64_t linear_stream;     /* linear_fp8 / linear_fp4 calls of at most 16 rows run by the
+                                 * weight-streaming tensor-core kernel (not cuBLASLt) */
     size_t scratch_bytes;       /* current size of the device scratch */
 } kern_cuda_stats;
 

@@ -79,6 +79,7 @@ typedef struct cuda_ctx {
                                  * never (kern_cuda_config.moe_grouped_rows resolved) */
     struct cuda_prof *prof;     /* per-op times while kern_cuda_profile is on; else NULL */
     int moe_cuda_cores;         /* 1: the grouped path on the CUDA-core kernel (kern_cuda_config) */
+    int moe_unstaged;           /* 1: the tensor-core kernel without the staging (kern_cuda_config) */
     int smem_optin;             /* the device's opt-in shared memory per block (bytes); 0
                                  * until first queried (cuda_device_attr) */
     int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
@@ -253,10 +254,13 @@ typedef struct cuda_moe_group {
 /* One call of the grouped path; every pointer is device memory. */
 typedef struct cuda_moe_grouped {
     uint32_t n_groups;
-    const cuda_moe_group *groups; /* [n_groups] */
+    const cuda_moe_group *groups; /* [n_groups]; NULL: the one group `one` */
+    cuda_moe_group one;         /* the group when groups is NULL (a linear layer's rows) */
     uint32_t max_rows;          /* largest n of the groups */
     int fp8;                    /* 0: routed FP4 weights; 1: the shared expert's FP8 weights */
     int aligned;                /* every w1, w3, w2 is 4-byte (FP8: 8-byte) aligned */
+    int aligned16;              /* every w1, w3, w2 is 16-byte aligned: the tensor-core
+                                 * kernel streams the weights through shared memory */
     uint32_t dim, inter, top_k;
     uint32_t n_pairs;           /* rows of h and og */
     const uint16_t *xq;         /* [n_rows, dim] x quantised by (A) */
@@ -267,6 +271,8 @@ typedef struct cuda_moe_grouped {
     uint16_t *h;                /* [n_pairs, inter] hidden activations (written, then
                                  * quantised by (A) in place) */
     uint16_t *og;               /* [n_pairs, dim] expert outputs, bucket order */
+    size_t og_ld;               /* og's row stride; 0 = dim */
+    size_t x_ld;                /* xq's row stride; 0 = dim */
     void *xc;                   /* tensor-core kernel: [n_rows, dim] x's E4M3 codes as FP16 */
     float *xcs;                 /* [n_rows, dim/32] and their scales (moe_mma.cu) */
     void *hc;                   /* [n_pairs, inter] h's codes and */
@@ -283,6 +289,14 @@ di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g);
 /* moe_mma.cu: the same on the tensor cores (FP16 mma.sync), which cuda_moe_grouped_run calls
  * unless cuda_ctx.moe_cuda_cores: x's and h's codes, the up launch, the down launch. */
 di_status cuda_moe_mma_run(cuda_ctx *c, const cuda_moe_grouped *g);
+
+/* Most rows of a linear_fp8 / linear_fp4 call that the tensor-core kernel above runs (the
+ * weight streamed once, kern_cuda_stats.linear_stream); more rows go to cuBLASLt. */
+#define CUDA_LINEAR_STREAM_ROWS 16
+
+/* linear_fp8 (fp8 = 1) or linear_fp4 on that kernel: p->m <= CUDA_LINEAR_STREAM_ROWS, bf16
+ * output without accumulate, p->w 16-byte aligned (the caller checks; moe_mma.cu). */
+di_status cuda_linear_stream(cuda_ctx *c, const kern_linear *p, int fp8);
 
 /* ---- table entries (one op file each) ---- */
 

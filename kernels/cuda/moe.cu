@@ -259,6 +259,7 @@ typedef struct moe_plan {
     cuda_moe_group *groups;     /* [n_groups] the grouped path's groups (host); NULL otherwise */
     uint32_t n_groups;
     int aligned;                /* every used expert's w1, w3, w2 is 4-byte aligned */
+    int aligned16;              /* ... and 16-byte aligned */
     int shared_grouped;         /* 1: the shared expert takes the grouped path too (grouped,
                                  * at most CUDA_MOE_GROUP_ROWS rows) */
     cuda_moe_group shared;      /* its one group: every row of x */
@@ -286,7 +287,7 @@ static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *p
     pl->groups = (cuda_moe_group *)calloc(n ? n : 1, sizeof(cuda_moe_group));
     if (!pl->groups)
         return cuda_fail(c, DI_ENOMEM, "moe_experts: %u groups", n);
-    pl->aligned = 1;
+    pl->aligned = 1, pl->aligned16 = 1;
     for (uint32_t e = 0; e < p->n_experts; e++) {
         const kern_expert *ex = &p->experts[e];
         for (uint32_t at = 0; at < pl->count[e]; at += CUDA_MOE_GROUP_ROWS) {
@@ -300,6 +301,9 @@ static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *p
         if (pl->count[e] && ((uintptr_t)ex->w1 % 4 || (uintptr_t)ex->w3 % 4 ||
                              (uintptr_t)ex->w2 % 4))
             pl->aligned = 0;
+        if (pl->count[e] && ((uintptr_t)ex->w1 % 16 || (uintptr_t)ex->w3 % 16 ||
+                             (uintptr_t)ex->w2 % 16))
+            pl->aligned16 = 0;
     }
     assert(pl->n_groups == n);
     return DI_OK;
@@ -499,6 +503,7 @@ static di_status run_routed_grouped(cuda_ctx *c, const kern_moe_experts *p, cons
     cuda_moe_grouped g;
     memset(&g, 0, sizeof(g));
     g.n_groups = pl->n_groups, g.groups = groups, g.aligned = pl->aligned;
+    g.aligned16 = pl->aligned16 && !c->moe_unstaged;
     g.max_rows = pl->max_count < CUDA_MOE_GROUP_ROWS ? pl->max_count : CUDA_MOE_GROUP_ROWS;
     g.dim = p->dim, g.inter = p->inter, g.top_k = p->top_k, g.n_pairs = pl->n_pairs;
     g.xq = xq, g.pair = pair, g.weights = p->weights, g.limit = p->swiglu_limit;
@@ -518,6 +523,8 @@ static di_status run_shared_grouped(cuda_ctx *c, const kern_moe_experts *p, cons
     g.n_groups = 1, g.groups = group, g.max_rows = p->n_rows, g.fp8 = 1;
     g.aligned = (uintptr_t)sh->w1 % 8 == 0 && (uintptr_t)sh->w3 % 8 == 0 &&
                 (uintptr_t)sh->w2 % 8 == 0;
+    g.aligned16 = (uintptr_t)sh->w1 % 16 == 0 && (uintptr_t)sh->w3 % 16 == 0 &&
+                  (uintptr_t)sh->w2 % 16 == 0 && !c->moe_unstaged;
     g.dim = p->dim, g.inter = p->shared_inter, g.top_k = p->top_k, g.n_pairs = p->n_rows;
     g.xq = (const uint16_t *)(w + pl->xq), g.pair = NULL, g.weights = NULL;
     g.limit = p->swiglu_limit;

@@ -238,6 +238,7 @@ typedef struct experts_case {
 typedef struct moe_backends {
     kern_backend grouped;
     kern_backend cores;         /* grouped path only, on its CUDA-core kernel */
+    kern_backend unstaged;      /* grouped path only, tensor cores without the weight staging */
     kern_backend gemm;
 } moe_backends;
 
@@ -476,10 +477,11 @@ static void sweep(chk_env *env)
     for (size_t i = 0; i < sizeof(grouped) / sizeof(grouped[0]); i++) {
         check_experts(env, &g_be.grouped, THR_ALWAYS, &grouped[i], worst);
         check_experts(env, &g_be.cores, THR_ALWAYS, &grouped[i], worst);
+        check_experts(env, &g_be.unstaged, THR_ALWAYS, &grouped[i], worst);
     }
     for (size_t i = 0; i < sizeof(gemm) / sizeof(gemm[0]); i++)
         check_experts(env, &g_be.gemm, THR_NEVER, &gemm[i], worst);
-    printf("moe_experts: %d cases (both paths, the grouped one on tensor and CUDA cores); worst |err|/tolerance %.3g, worst row cosine "
+    printf("moe_experts: %d cases (both paths, the grouped one on tensor cores staged and not, and on CUDA cores); worst |err|/tolerance %.3g, worst row cosine "
            "%.7f, worst row |y - y_cpu| / |y_cpu| %.3g\n", env->checks - c0, worst[0], worst[1],
            worst[2]);
     check_refusals(env);
@@ -497,7 +499,7 @@ typedef struct bench_arg {
 } bench_arg;
 
 /* The timed ops: moe_experts forced onto each path, then moe_gate. */
-enum { OP_MMA, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
+enum { OP_MMA, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
@@ -593,7 +595,8 @@ static void bench(chk_env *env)
                               .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
                               .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
                               .weights = chk_dev_alloc(env, nk * 4)};
-        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped cuda-core",
+        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped unstaged",
+                                                     "grouped cuda-core",
                                                      "moe_experts cublaslt", "moe_gate"};
         for (int op = 0; op < BENCH_OPS; op++) {
             b.op = op;
@@ -601,7 +604,10 @@ static void bench(chk_env *env)
             kern_backend keep = env->gpu;
             const int ex_op = op != OP_GATE;
             if (ex_op)
-                env->gpu = op == OP_MMA ? g_be.grouped : op == OP_CORES ? g_be.cores : g_be.gemm;
+                env->gpu = op == OP_MMA        ? g_be.grouped
+                           : op == OP_UNSTAGED ? g_be.unstaged
+                           : op == OP_CORES    ? g_be.cores
+                                               : g_be.gemm;
             double ms = chk_time_ms(env, bench_call, &b, 2, ex_op ? 7 : 30);
             env->gpu = keep;
             double flops = ex_op ? 2.0 * 3 * B_D * (double)B_I * (nk + T) : 0;
@@ -630,9 +636,11 @@ int main(int argc, char **argv)
     int want_bench = chk_init(&env, argc, argv, usage);
     kern_cuda_config always = {.moe_grouped_rows = THR_ALWAYS}, never = {.moe_grouped_rows = -1};
     kern_cuda_config cores = {.moe_grouped_rows = THR_ALWAYS, .moe_cuda_cores = 1};
+    kern_cuda_config unstaged = {.moe_grouped_rows = THR_ALWAYS, .moe_unstaged = 1};
     di_error e;
     if (kern_cuda_create(&always, &g_be.grouped, &e) != DI_OK ||
         kern_cuda_create(&cores, &g_be.cores, &e) != DI_OK ||
+        kern_cuda_create(&unstaged, &g_be.unstaged, &e) != DI_OK ||
         kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK) {
         fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
         return 2;
@@ -641,6 +649,7 @@ int main(int argc, char **argv)
     int rc = chk_finish(&env, "check_moe", want_bench, bench);
     kern_cuda_destroy(&g_be.grouped);
     kern_cuda_destroy(&g_be.cores);
+    kern_cuda_destroy(&g_be.unstaged);
     kern_cuda_destroy(&g_be.gemm);
     return rc;
 }
