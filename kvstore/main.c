@@ -129,7 +129,7 @@ static void usage(FILE *f)
             "handoffs keyed by hash chain, in a DRAM tier private to this process over a RocksDB\n"
             "tier on disk. Control API over gRPC (di.kvstore.KvStore); KV bytes move over UCX\n"
             "active messages, each against a one-time ticket from an authenticated Alloc or\n"
-            "Lease (shared memory and cma on this host, verbs devices of the --listen interface\n"
+            "Lease (shared memory on this host, verbs devices of the --listen interface\n"
             "to other hosts; never TCP). Administration with di-kvctl. Stops cleanly on SIGTERM\n"
             "or SIGINT.\n\noptions:\n");
     kvcli_print_options(f, option_rows, N_OPTIONS);

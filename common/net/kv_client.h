@@ -15,8 +15,7 @@
  *          receives into the allocated slot and acknowledges + Commit (one RPC); the store
  *          verifies each object and acknowledges it only once durable at its --durability level.
  *
- * On the store's host large objects move with one kernel copy (cma, process_vm_readv); the
- * verification of a batch is shared between the caller and verify_threads helpers as the
+ * The verification of a batch is shared between the caller and verify_threads helpers as the
  * objects arrive.
  *
  * Every call has a deadline (kvc_options.deadline_ms unless the call takes one) and returns a

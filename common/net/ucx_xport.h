@@ -12,14 +12,13 @@
  *        ticket and that the length is the allocation's, receives the bytes into the allocated
  *        slot only, and answers ACK {cookie, status} once they are there.
  *
- * Transports are fixed here, whatever UCX_TLS says: posix shared memory (mode 0600, opened
- * through /proc/PID/fd, never left in /dev/shm) for the messages, cma (process_vm_readv/writev,
- * which the kernel allows only to processes that may ptrace the peer) for large objects, and
- * self. UCX's tcp transport is never enabled: its receive path writes a peer's "put" to any
- * address (no key, no check) and its listener takes every interface. So the KV data path opens
- * no network socket, and peers on other hosts are served only through rdma_devices (verbs
- * transports on the given devices, which reach registered memory only; the store registers
- * none for peers).
+ * Transports are fixed here, whatever UCX_TLS says: posix shared memory (queues created mode
+ * 0600 and opened through /proc/PID/fd) and self on one host; on other hosts only the verbs
+ * transports rc and ud on rdma_devices. Messages are eager only (rendezvous is off, and the store
+ * drops a rendezvous PUT), so no memory key is exchanged in either direction; endpoint ids on
+ * the wire go through UCX's checked map. UCX's tcp transport is never enabled: its receive path
+ * writes a peer's "put" to any address (no key, no check) and its listener takes every
+ * interface. So the KV data path opens no network socket.
  *
  * Handles: ucxt_ctx (context + one worker), ucxt_peer (endpoint to a remote worker). Each is
  * created and destroyed explicitly; destroy functions are NULL-safe. A ucxt_ctx and everything
