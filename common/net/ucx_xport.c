@@ -5,6 +5,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <ucp/api/ucp.h>
 
 #include "common/util/clock.h"
@@ -188,16 +189,25 @@ di_status ucxt_worker_address(ucxt_ctx *c, void **buf, size_t *len, di_error *er
     return DI_OK;
 }
 
+/* Replies stuck behind a full queue get no event when it drains: poll while any is in flight,
+ * spinning briefly after progress, then every 200 us (a client that stops reading costs the
+ * store a wakeup per poll, not a core). */
 static void *progress_main(void *arg)
 {
     ucxt_ctx *c = arg;
+    unsigned idle = 0;
     while (!atomic_load(&c->stop)) {
+        unsigned n = 0;
         while (ucp_worker_progress(c->worker) != 0)
-            ;
+            n++;
+        idle = n ? 0 : idle + 1;
         if (atomic_load(&c->stop))
             break;
         if (atomic_load(&c->sending) > 0) {
-            sched_yield();
+            if (idle < 2000)
+                sched_yield();
+            else
+                nanosleep(&(struct timespec){.tv_sec = 0, .tv_nsec = 200000}, NULL);
             continue;
         }
         ucs_status_t s = ucp_worker_arm(c->worker);
@@ -228,8 +238,9 @@ typedef struct srv_op {
     ucxt_ctx *c;
     rep_hdr h;        /* the reply header */
     void *token;      /* the grant's */
-    int granted;      /* 1: an end call is owed */
-    int is_get;       /* GET (end on send completion) or PUT (end on receive completion) */
+    int granted;      /* PUT: 1 while an end call is owed */
+    int is_get;       /* GET or PUT */
+    void *bounce;     /* GET: the object's bytes, copied out of the slot */
     int queued;       /* counted in sending */
     ucp_ep_h reply_ep; /* PUT: where the ACK goes */
 } srv_op;
@@ -239,8 +250,8 @@ static void srv_finish(srv_op *op, ucs_status_t s)
     ucxt_ctx *c = op->c;
     if (op->queued)
         atomic_fetch_sub(&c->sending, 1);
-    if (op->granted && op->is_get)
-        c->ops.get_end(c->ops.ud, op->token, s == UCS_OK ? DI_OK : DI_EIO);
+    (void)s;
+    free(op->bounce);
     free(op);
 }
 
@@ -308,10 +319,16 @@ static ucs_status_t on_get(void *arg, const void *header, size_t header_len, voi
         srv_reply(op, param->reply_ep, AM_DATA, NULL, 0);
         return UCS_OK;
     }
-    op->granted = 1;
-    op->token = g.token;
-    op->h.len = g.len;
-    srv_reply(op, param->reply_ep, AM_DATA, g.addr, g.len);
+    /* The bytes are copied out of the slot while the ticket holds it, and sent from the copy:
+     * a client that stops reading its queue must not receive, later, whatever the slot holds
+     * after its lease ended and the slot was reused. */
+    op->bounce = malloc(g.len ? g.len : 1);
+    if (op->bounce)
+        memcpy(op->bounce, g.addr, g.len);
+    c->ops.get_end(c->ops.ud, g.token, op->bounce ? DI_OK : DI_ENOMEM);
+    op->h.status = op->bounce ? DI_OK : DI_ENOMEM;
+    op->h.len = op->bounce ? g.len : 0;
+    srv_reply(op, param->reply_ep, AM_DATA, op->bounce, op->h.len);
     return UCS_OK;
 }
 
