@@ -103,6 +103,14 @@ static ucs_status_t restrict_transports(ucp_config_t *config, const char *rdma_d
     return s;
 }
 
+/* Set once per process, before the first context reads the environment. */
+static pthread_once_t fifo_once = PTHREAD_ONCE_INIT;
+
+static void deep_fifo(void)
+{
+    setenv("UCX_POSIX_FIFO_SIZE", "1024", 0);
+}
+
 di_status ucxt_create(int threaded, const char *rdma_devices, ucxt_ctx **out, di_error *err)
 {
     if (!out)
@@ -111,7 +119,7 @@ di_status ucxt_create(int threaded, const char *rdma_devices, ucxt_ctx **out, di
      * full queue waits for the other process to be scheduled. UCX reads transport settings
      * from the environment only (ucp_config_modify does not reach them); an operator's own
      * value wins. */
-    setenv("UCX_POSIX_FIFO_SIZE", "1024", 0);
+    pthread_once(&fifo_once, deep_fifo);
     ucp_config_t *config = NULL;
     ucs_status_t s = ucp_config_read(NULL, NULL, &config);
     if (s != UCS_OK)
