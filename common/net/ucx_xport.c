@@ -468,7 +468,7 @@ int ucxt_peer_failed(const ucxt_peer *p)
 
 /* Closes the endpoint: forced in PEER mode (outstanding requests complete as cancelled);
  * otherwise a normal close, waited for at most a second (a dead peer never answers, and the
- * endpoint is then left to the worker's destruction). */
+ * endpoint is then left to the worker's destruction, its request released). */
 static void close_ep(ucxt_peer *p)
 {
     if (!p->ep)
@@ -483,8 +483,8 @@ static void close_ep(ucxt_peer *p)
     uint64_t until = di_mono_ns() + 1000000000ull;
     while (ucp_request_check_status(req) == UCS_INPROGRESS && (p->peer_mode || di_mono_ns() < until))
         ucp_worker_progress(p->ctx->worker);
-    if (ucp_request_check_status(req) != UCS_INPROGRESS)
-        ucp_request_free(req);
+    ucp_request_free(req); /* a close still in flight is released when it ends, or with the
+                            * worker */
 }
 
 ucxt_peer *ucxt_peer_close(ucxt_peer *p)
