@@ -14,6 +14,7 @@
 
 #include "common/net/rpc.h"
 #include "common/net/ucx_xport.h"
+#include "common/util/log_limit.h"
 #include "kvstore/store.h"
 
 typedef struct kvsvc_config {
@@ -37,6 +38,8 @@ typedef struct kvsvc kvsvc;
 /* DI_OK, DI_ENOMEM. */
 di_status kvsvc_create(const kvsvc_config *cfg, kvsvc **out, di_error *err);
 kvsvc *kvsvc_free(kvsvc *svc);
+/* Periodic work (about once a second): writes the counts of rate-limited log lines. */
+void kvsvc_tick(kvsvc *svc);
 /* The method table (static); pass svc as the server's svc pointer. */
 const rpc_method *kvsvc_methods(size_t *n);
 /* The checks of the UCX data path (tickets against the arena), for ucxt_serve. */
