@@ -25,6 +25,8 @@ typedef struct gopts {
     const char *token_file;  /* admin token file */
     const char *tls_ca;      /* CA file for TLS */
     const char *tls_name;    /* certificate name override */
+    const char *tls_cert;    /* client certificate (mutual TLS) */
+    const char *tls_key;     /* its key */
     int json;                /* machine-readable output */
     uint64_t deadline_ms;    /* per call */
 } gopts;
@@ -71,6 +73,9 @@ static const kvcli_opt global_rows[] = {
      "admin token (or $DI_KVSTORE_ADMIN_TOKEN)"},
     {"tls-ca", KVCLI_STRING, G(tls_ca), NULL, 0, 0, "FILE", "CA of the store's certificate"},
     {"tls-name", KVCLI_STRING, G(tls_name), NULL, 0, 0, "NAME", "name on the store's certificate"},
+    {"tls-cert", KVCLI_STRING, G(tls_cert), NULL, 0, 0, "FILE",
+     "client certificate (PEM) for a store started with --tls-client-ca"},
+    {"tls-key", KVCLI_STRING, G(tls_key), NULL, 0, 0, "FILE", "the client certificate's key (PEM)"},
     {"json", KVCLI_FLAG, G(json), NULL, 0, 0, NULL, "print JSON instead of tables"},
     {"deadline", KVCLI_DURATION, G(deadline_ms), "10s", 1, 86400000, "DUR",
      "deadline of each call (at most 1d)"},
@@ -777,17 +782,26 @@ static void usage(FILE *f)
                "newlines;\n--text tokenizes a prompt with the same tokenizer as the router.\n");
 }
 
-static int open_client(ctl *x, char **token, char **ca)
+/* The PEM files of TLS: pem[0] CA, pem[1] client certificate, pem[2] its key. */
+static int open_client(ctl *x, char **token, char **pem)
 {
     di_error e;
+    if (!x->g.tls_cert != !x->g.tls_key) {
+        di_fail(&e, DI_EINVAL, "--tls-cert and --tls-key go together");
+        return fail("auth", &e);
+    }
     if (kvcli_token(x->g.token_file, "DI_KVSTORE_ADMIN_TOKEN", token, &e) != DI_OK ||
-        (x->g.tls_ca && rpc_load_file(x->g.tls_ca, ca, &e) != DI_OK))
+        (x->g.tls_ca && rpc_load_file(x->g.tls_ca, &pem[0], &e) != DI_OK) ||
+        (x->g.tls_cert && rpc_load_file(x->g.tls_cert, &pem[1], &e) != DI_OK) ||
+        (x->g.tls_key && rpc_load_file(x->g.tls_key, &pem[2], &e) != DI_OK))
         return fail("auth", &e);
     kvc_options o;
     kvc_options_default(&o);
     o.target = x->g.target;
     o.token = *token;
-    o.tls_ca_pem = *ca;
+    o.tls_ca_pem = pem[0];
+    o.tls_cert_pem = pem[1];
+    o.tls_key_pem = pem[2];
     o.tls_target_name = x->g.tls_name;
     o.deadline_ms = (uint32_t)x->g.deadline_ms;
     o.verify_threads = 0;
@@ -850,17 +864,18 @@ int main(int argc, char **argv)
     }
     x.argc = np;
     x.argv = pos;
-    char *token = NULL, *ca = NULL;
+    char *token = NULL, *pem[3] = {NULL, NULL, NULL};
     int rc = sub->check ? sub->check(&x) : 0;
     if (rc == 0)
-        rc = open_client(&x, &token, &ca);
+        rc = open_client(&x, &token, pem);
     if (rc == 0)
         rc = sub->run(&x);
     kvc_close(x.c);
     free(x.a.keys);
     free(x.a.ids);
     free(token);
-    free(ca);
+    for (int i = 0; i < 3; i++)
+        free(pem[i]);
     free(pos);
     return di_close_stdout("di-kvctl", rc);
 }

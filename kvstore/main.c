@@ -6,6 +6,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <sys/mman.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -68,8 +74,8 @@ static const kvcli_opt option_rows[] = {
     {"durability", KVCLI_STRING, O(durability), "wal", 0, 0, "LEVEL",
      "none | wal | fsync: when a commit is acknowledged (below)"},
     {"dram-bytes", KVCLI_SIZE, O(dram_bytes), "1GiB", 1 << 20, 0, "SIZE",
-     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it); at most "
-     "the physical memory, with the memtables and the index"},
+     "DRAM tier: the store's private arena, also its capacity (capacity set can lower it); "
+     "at most the physical memory, with the memtables and the index"},
     {"disk-bytes", KVCLI_SIZE, O(disk_bytes), "64GiB", 4096, 0, "SIZE",
      "disk tier capacity in object bytes (a warning when above the free space of --dir)"},
     {"dram-window-share", KVCLI_DOUBLE, O(window_share), "0.25", 0.001, 0.9, "F",
@@ -134,10 +140,12 @@ static void usage(FILE *f)
     fprintf(f,
             "usage: di-kvstore [options]\n\n"
             "The shared KV store: 128-token KV blocks, window states and prefill->decode\n"
-            "handoffs keyed by hash chain, in a UCX-mapped DRAM tier (clients move bytes with\n"
-            "one-sided UCX gets and puts) over a RocksDB tier on disk. Control API over gRPC\n"
-            "(di.kvstore.KvStore); administration with di-kvctl. Stops cleanly on SIGTERM or\n"
-            "SIGINT (also SIGHUP and SIGQUIT). Exit status: 0 stopped cleanly, 1 failed, 2 bad\n"
+            "handoffs keyed by hash chain, in a DRAM tier private to this process over a RocksDB\n"
+            "tier on disk. Control API over gRPC (di.kvstore.KvStore); KV bytes move over UCX\n"
+            "active messages, each against a one-time ticket from an authenticated Alloc or\n"
+            "Lease (shared memory on this host, verbs devices of the --listen interface\n"
+            "to other hosts; never TCP). Administration with di-kvctl. Stops cleanly on SIGTERM\n"
+            "or SIGINT (also SIGHUP and SIGQUIT). Exit status: 0 stopped cleanly, 1 failed, 2 bad\n"
             "usage or a size this machine cannot hold.\n\noptions:\n");
     kvcli_print_options(f, option_rows, N_OPTIONS);
     fprintf(f,
@@ -155,7 +163,8 @@ static void usage(FILE *f)
             "  restart and objects are read back from disk on first use.\n"
             "\nauth: engines send the --token-file token, di-kvctl the --admin-token-file token\n"
             "(\"authorization: Bearer ...\"). Without tokens the store refuses to listen on a\n"
-            "non-loopback address. TLS when --tls-cert and --tls-key are given.\n");
+            "non-loopback address. TLS when --tls-cert and --tls-key are given (gRPC only: see\n"
+            "docs/kvstore.md for what the UCX data path does and does not protect).\n");
 }
 
 /* Process-wide state of the binary (main.c only). */
@@ -167,12 +176,13 @@ typedef struct app {
     kv_geometry geometry;
     uint64_t object_bytes[KVKEY_CLASS_COUNT];
     ucxt_ctx *ucx;
-    ucxt_region *region;
+    uint8_t *arena;          /* private anonymous mapping of the DRAM tier */
     kvs_store *store;
     kvsvc *svc;
     rpc_server *server;
-    void *worker_addr, *rkey;
-    size_t worker_addr_len, rkey_len;
+    void *worker_addr;
+    size_t worker_addr_len;
+    char rdma_devices[512];  /* verbs ports of the --listen interface ("" = this host only) */
     di_log_limit rpc_warn, rpc_error; /* failed calls: 5 lines per 10 s at each level */
 } app;
 
@@ -290,18 +300,96 @@ static di_status load_secrets(app *a, di_error *err)
     return DI_OK;
 }
 
+/* The host part of --listen ("[::1]:9470" -> "::1"). */
+static void listen_host(const char *listen, char *host, size_t cap)
+{
+    const char *start = listen, *end = strrchr(listen, ':');
+    if (*start == '[') {
+        start++;
+        end = strchr(start, ']');
+    }
+    size_t n = end && end > start ? (size_t)(end - start) : strlen(start);
+    if (n >= cap)
+        n = cap - 1;
+    memcpy(host, start, n);
+    host[n] = 0;
+}
+
+/* Appends the verbs ports of network interface ifname ("mlx5_0:1,") found in sysfs. */
+static void rdma_ports_of(const char *ifname, char *out, size_t cap)
+{
+    char path[300];
+    snprintf(path, sizeof(path), "/sys/class/net/%s/device/infiniband", ifname);
+    DIR *d = opendir(path);
+    if (!d)
+        return;
+    for (struct dirent *e; (e = readdir(d)) != NULL;) {
+        if (e->d_name[0] == '.')
+            continue;
+        size_t used = strlen(out);
+        snprintf(out + used, cap - used, "%s%s:1", used ? "," : "", e->d_name);
+    }
+    closedir(d);
+}
+
+static int same_addr(const struct sockaddr *sa, const char *host)
+{
+    char buf[INET6_ADDRSTRLEN];
+    const void *p = sa->sa_family == AF_INET
+                        ? (const void *)&((const struct sockaddr_in *)sa)->sin_addr
+                        : (const void *)&((const struct sockaddr_in6 *)sa)->sin6_addr;
+    return inet_ntop(sa->sa_family, p, buf, sizeof(buf)) && strcmp(buf, host) == 0;
+}
+
+/* The RDMA ports UCX may use: those of the interface that owns the --listen address. Loopback
+ * and unknown addresses get none (the data path then serves this host only); a wildcard
+ * address gets every interface's. */
+static void find_rdma_devices(app *a)
+{
+    char host[256];
+    listen_host(a->o.listen, host, sizeof(host));
+    a->rdma_devices[0] = 0;
+    if (loopback(a->o.listen))
+        return;
+    int any = strcmp(host, "0.0.0.0") == 0 || strcmp(host, "::") == 0;
+    struct ifaddrs *ifs = NULL;
+    if (getifaddrs(&ifs) != 0)
+        return;
+    for (struct ifaddrs *i = ifs; i; i = i->ifa_next) {
+        if (!i->ifa_addr || (i->ifa_addr->sa_family != AF_INET && i->ifa_addr->sa_family != AF_INET6))
+            continue;
+        if ((i->ifa_flags & IFF_LOOPBACK) || !(any || same_addr(i->ifa_addr, host)))
+            continue;
+        if (!strstr(a->rdma_devices, i->ifa_name)) /* one pass per interface */
+            rdma_ports_of(i->ifa_name, a->rdma_devices, sizeof(a->rdma_devices));
+    }
+    freeifaddrs(ifs);
+}
+
+/* The DRAM tier: anonymous private memory, in no file, segment or UCX registration; kept out
+ * of core dumps and of forked children. */
+static di_status map_arena(app *a, di_error *err)
+{
+    void *p = mmap(NULL, a->o.dram_bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+        return di_fail(err, DI_ENOMEM, "cannot map %llu bytes of DRAM tier: %s",
+                       (unsigned long long)a->o.dram_bytes, strerror(errno));
+    madvise(p, a->o.dram_bytes, MADV_DONTDUMP);
+    madvise(p, a->o.dram_bytes, MADV_DONTFORK);
+    a->arena = p;
+    return DI_OK;
+}
+
 static di_status open_store(app *a, int durability, di_error *err)
 {
-    di_status st = ucxt_create(1, &a->ucx, err);
+    find_rdma_devices(a);
+    di_status st = ucxt_create(1, a->rdma_devices, &a->ucx, err);
     if (st == DI_OK)
-        st = ucxt_region_map(a->ucx, a->o.dram_bytes, &a->region, err);
+        st = map_arena(a, err);
     if (st != DI_OK)
         return st;
-    if (!ucxt_region_allocated(a->region))
-        di_log(&a->log, DI_LOG_WARN,
-               "UCX could not allocate the DRAM tier: gets and puts need the store's progress "
-               "thread (not one-sided)");
-    kvs_config sc = {.arena = ucxt_region_base(a->region), .arena_bytes = a->o.dram_bytes,
+    kvs_config sc = {.arena = a->arena, .arena_bytes = a->o.dram_bytes,
                      .dram_share = {1.0 - a->o.window_share - a->o.handoff_share,
                                     a->o.window_share, a->o.handoff_share},
                      .geometry = a->geometry,
@@ -321,8 +409,6 @@ static di_status open_store(app *a, int durability, di_error *err)
     st = kvs_open(&sc, &a->store, err);
     if (st == DI_OK)
         st = ucxt_worker_address(a->ucx, &a->worker_addr, &a->worker_addr_len, err);
-    if (st == DI_OK)
-        st = ucxt_region_rkey(a->region, &a->rkey, &a->rkey_len, err);
     return st;
 }
 
@@ -346,13 +432,17 @@ static di_status start_service(app *a, int durability, uint64_t store_id, int *p
 {
     kvsvc_config vc = {.store = a->store, .geometry = a->geometry,
                        .worker_addr = a->worker_addr, .worker_addr_len = a->worker_addr_len,
-                       .rkey = a->rkey, .rkey_len = a->rkey_len,
-                       .arena_base = (uint64_t)(uintptr_t)ucxt_region_base(a->region),
-                       .arena_bytes = a->o.dram_bytes, .store_id = store_id,
+                       .arena = a->arena, .arena_bytes = a->o.dram_bytes,
+                       .alloc_timeout_ms = a->o.alloc_timeout_ms, .store_id = store_id,
                        .durability = durability, .lease_default_ms = (uint32_t)a->o.lease_ms,
                        .lease_max_ms = (uint32_t)a->o.lease_max_ms, .log = &a->log};
     memcpy(vc.object_bytes, a->object_bytes, sizeof(vc.object_bytes));
     di_status st = kvsvc_create(&vc, &a->svc, err);
+    if (st != DI_OK)
+        return st;
+    ucxt_server_ops ops;
+    kvsvc_data_path(a->svc, &ops);
+    st = ucxt_serve(a->ucx, &ops, err);
     if (st != DI_OK)
         return st;
     size_t n;
@@ -392,14 +482,17 @@ static di_status announce(app *a, int port, di_error *err)
 
 static void shutdown_app(app *a)
 {
+    /* The UCX worker goes before the service and the store: its last callbacks end tickets and
+     * release leases in them. */
     a->server = rpc_server_stop(a->server, 5000);
+    ucxt_progress_stop(a->ucx);
+    a->ucx = ucxt_destroy(a->ucx);
     a->svc = kvsvc_free(a->svc);
     a->store = kvs_close(a->store);
-    ucxt_progress_stop(a->ucx);
-    a->region = ucxt_region_unmap(a->region);
-    a->ucx = ucxt_destroy(a->ucx);
+    if (a->arena)
+        munmap(a->arena, a->o.dram_bytes);
+    a->arena = NULL;
     free(a->worker_addr);
-    free(a->rkey);
     free(a->engine_token);
     free(a->admin_token);
     free(a->tls_cert);
@@ -480,11 +573,13 @@ int main(int argc, char **argv)
     kvcli_format_size(a.o.disk_bytes, disk, sizeof(disk));
     di_log(&a.log, DI_LOG_INFO,
            "serving on %s (port %d): dir %s, durability %s, DRAM %s, disk %s, block %llu B, "
-           "window %llu B, auth %s, TLS %s",
+           "window %llu B, auth %s, TLS %s, KV data path %s%s",
            a.o.listen, port, a.o.dir, a.o.durability, dram, disk,
            (unsigned long long)a.object_bytes[KVKEY_BLOCK],
            (unsigned long long)a.object_bytes[KVKEY_WINDOW],
-           a.engine_token || a.admin_token ? "tokens" : "none", a.tls_cert ? "on" : "off");
+           a.engine_token || a.admin_token ? "tokens" : "none", a.tls_cert ? "on" : "off",
+           a.rdma_devices[0] ? "this host and RDMA on " : "this host only",
+           a.rdma_devices);
     int sig = -1;
     const struct timespec second = {.tv_sec = 1};
     while (sig < 0) { /* once a second: counts of rate-limited log lines */

@@ -7,11 +7,16 @@
 #include "common/net/kv_client.h"
 #include "common/net/kvstore.pb-c.h"
 #include "common/util/clock.h"
+#include "kvstore/tickets.h"
+
+/* A ticket outlives the store's own lease or allocation by no more than the clock skew
+ * between them: it expires this much earlier. */
+#define TICKET_MARGIN_NS 5000000ull
 
 struct kvsvc {
-    kvsvc_config cfg;      /* worker_addr and rkey point at the copies below */
+    kvsvc_config cfg;      /* worker_addr points at the copy below */
     uint8_t *worker_addr;  /* copy */
-    uint8_t *rkey;         /* copy */
+    kvt_table *tickets;    /* one-time transfer tickets */
     di_log_limit item_limit; /* item failures and corrupt-copy reports: 5 lines per 10 s */
 };
 
@@ -23,15 +28,12 @@ di_status kvsvc_create(const kvsvc_config *cfg, kvsvc **out, di_error *err)
     s->cfg = *cfg;
     di_log_limit_init(&s->item_limit, "item failures", DI_LOG_WARN, 5, 10000);
     s->worker_addr = malloc(cfg->worker_addr_len ? cfg->worker_addr_len : 1);
-    s->rkey = malloc(cfg->rkey_len ? cfg->rkey_len : 1);
-    if (!s->worker_addr || !s->rkey) {
+    if (!s->worker_addr || kvt_create(&s->tickets, err) != DI_OK) {
         kvsvc_free(s);
         return di_fail(err, DI_ENOMEM, "cannot allocate the service");
     }
     if (cfg->worker_addr_len)
         memcpy(s->worker_addr, cfg->worker_addr, cfg->worker_addr_len);
-    if (cfg->rkey_len)
-        memcpy(s->rkey, cfg->rkey, cfg->rkey_len);
     *out = s;
     return DI_OK;
 }
@@ -41,11 +43,70 @@ kvsvc *kvsvc_free(kvsvc *s)
     if (!s)
         return NULL;
     free(s->worker_addr);
-    free(s->rkey);
+    kvt_free(s->tickets);
     di_log_limit_flush(s->cfg.log, &s->item_limit, di_mono_ns(), 1);
     di_log_limit_destroy(&s->item_limit);
     free(s);
     return NULL;
+}
+
+uint64_t kvsvc_tickets(kvsvc *s)
+{
+    return kvt_count(s->tickets);
+}
+
+/* ---------------------------------------------------------------- the UCX data path */
+
+/* A ticket's grant: the arena range it names. */
+static di_status dp_begin(kvsvc *s, int kind, const ucxt_ticket *t, uint64_t len, ucxt_grant *g)
+{
+    uint64_t off = 0, bytes = 0, id = 0;
+    di_status st = kvt_begin(s->tickets, kind, t, len, di_mono_ns(), &off, &bytes, &id);
+    if (st != DI_OK)
+        return st;
+    g->addr = s->cfg.arena + off;
+    g->len = bytes;
+    g->token = (void *)(uintptr_t)id;
+    return DI_OK;
+}
+
+static di_status dp_get_begin(void *ud, const ucxt_ticket *t, ucxt_grant *g)
+{
+    return dp_begin(ud, KVT_GET, t, 0, g);
+}
+
+static void dp_get_end(void *ud, void *token, di_status st)
+{
+    kvsvc *s = ud;
+    uint64_t id = (uint64_t)(uintptr_t)token;
+    if (kvt_end(s->tickets, KVT_GET, id, st)) {
+        di_error e;
+        kvs_release(s->cfg.store, id, &e);
+    }
+}
+
+static di_status dp_put_begin(void *ud, const ucxt_ticket *t, uint64_t len, ucxt_grant *g)
+{
+    return dp_begin(ud, KVT_PUT, t, len, g);
+}
+
+static void dp_put_end(void *ud, void *token, di_status st)
+{
+    kvsvc *s = ud;
+    kvt_end(s->tickets, KVT_PUT, (uint64_t)(uintptr_t)token, st);
+}
+
+void kvsvc_data_path(kvsvc *s, ucxt_server_ops *ops)
+{
+    *ops = (ucxt_server_ops){.get_begin = dp_get_begin, .get_end = dp_get_end,
+                             .put_begin = dp_put_begin, .put_end = dp_put_end, .ud = s};
+}
+
+/* Expiry of a ticket for a grant that lasts ms from now. */
+static uint64_t ticket_expiry(uint64_t ms)
+{
+    uint64_t now = di_mono_ns(), span = ms * 1000000ull;
+    return span > TICKET_MARGIN_NS ? now + span - TICKET_MARGIN_NS : now;
 }
 
 void kvsvc_tick(kvsvc *s)
@@ -213,9 +274,6 @@ static di_status h_connect(void *svc, const rpc_request *req, rpc_reply *r, di_e
     Di__Kvstore__ConnectReply rep = DI__KVSTORE__CONNECT_REPLY__INIT;
     rep.store_id = s->cfg.store_id;
     rep.worker_address = (ProtobufCBinaryData){s->cfg.worker_addr_len, s->worker_addr};
-    rep.rkey = (ProtobufCBinaryData){s->cfg.rkey_len, s->rkey};
-    rep.arena_base = s->cfg.arena_base;
-    rep.arena_bytes = s->cfg.arena_bytes;
     rep.geometry = &geo;
     rep.block_bytes = s->cfg.object_bytes[KVKEY_BLOCK];
     rep.window_bytes = s->cfg.object_bytes[KVKEY_WINDOW];
@@ -293,6 +351,13 @@ _Static_assert(sizeof(Di__Kvstore__AllocReply) == sizeof(Di__Kvstore__LeaseReply
                        offsetof(Di__Kvstore__LeaseReply, results),
                "AllocReply differs from LeaseReply");
 
+/* The argument of an Alloc or Lease batch: the tickets its reply points into. */
+typedef struct batch_arg {
+    uint32_t lease_ms;      /* Lease */
+    int release;            /* Lease: release after the transfer */
+    ucxt_ticket *tickets;   /* one per item */
+} batch_arg;
+
 /* Handles item i of a batch into its result message; arg is the batch's own argument. */
 typedef di_status (*item_fn)(kvsvc *s, const rpc_request *req, const void *arg,
                              const void *item, size_t i, void *result, di_error *e);
@@ -349,7 +414,6 @@ static di_status alloc_one(kvsvc *s, const rpc_request *req, const void *arg,
                            const void *item, size_t i, void *result, di_error *e)
 {
     (void)req;
-    (void)arg;
     const Di__Kvstore__AllocItem *it = item;
     Di__Kvstore__AllocResult *res = result;
     int cls = it->cls;
@@ -360,9 +424,18 @@ static di_status alloc_one(kvsvc *s, const rpc_request *req, const void *arg,
     di_status st = check_key(&it->key, i, &key, e);
     if (st == DI_OK)
         st = kvs_alloc(s->cfg.store, cls, &key, it->bytes, &res->alloc_id, &off, e);
-    if (st == DI_OK)
-        res->remote_addr = s->cfg.arena_base + off;
-    return st;
+    if (st != DI_OK)
+        return st;
+    ucxt_ticket *t = ((const batch_arg *)arg)->tickets + i;
+    st = kvt_issue(s->tickets, KVT_PUT, res->alloc_id, off, it->bytes,
+                   ticket_expiry(s->cfg.alloc_timeout_ms), 0, t, e);
+    if (st != DI_OK) {
+        di_error ae;
+        kvs_abort(s->cfg.store, res->alloc_id, &ae);
+        return st;
+    }
+    res->ticket = (ProtobufCBinaryData){sizeof(t->b), t->b};
+    return DI_OK;
 }
 
 static const batch_kind alloc_kind = {"Alloc", &di__kvstore__alloc_result__descriptor,
@@ -372,10 +445,57 @@ static const batch_kind alloc_kind = {"Alloc", &di__kvstore__alloc_result__descr
 static di_status h_alloc(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
 {
     UNPACK(Di__Kvstore__AllocRequest, di__kvstore__alloc_request__unpack, req, err);
-    di_status st =
-        run_batch(svc, req, &alloc_kind, NULL, (void *const *)msg->items, msg->n_items, r, err);
+    batch_arg a = {.tickets = calloc(msg->n_items ? msg->n_items : 1, sizeof(ucxt_ticket))};
+    di_status st = a.tickets ? run_batch(svc, req, &alloc_kind, &a, (void *const *)msg->items,
+                                         msg->n_items, r, err)
+                             : di_fail(err, DI_ENOMEM, "cannot allocate %zu tickets", msg->n_items);
+    free(a.tickets);
     di__kvstore__alloc_request__free_unpacked(msg, NULL);
     return st;
+}
+
+/* Commits the allocations whose bytes landed through their tickets; the others fail. */
+static void commit_landed(kvsvc *s, const uint64_t *ids, size_t n, scratch *sc)
+{
+    uint64_t *ok = malloc(n * sizeof(*ok));
+    size_t *at = malloc(n * sizeof(*at));
+    di_status *ost = malloc(n * sizeof(*ost));
+    di_error *oerr = malloc(n * sizeof(*oerr));
+    size_t m = 0;
+    for (size_t i = 0; i < n; i++) {
+        di_status st = kvt_settle_put(s->tickets, ids[i]);
+        if (st == DI_OK && ok && at && ost && oerr) {
+            ok[m] = ids[i];
+            at[m++] = i;
+            continue;
+        }
+        if (st == DI_OK)
+            sc->st[i] = di_fail(&sc->errs[i], DI_ENOMEM, "cannot allocate the commit");
+        else if (st == DI_EBUSY)
+            sc->st[i] = di_fail(&sc->errs[i], DI_EBUSY,
+                                "allocation %llu: its bytes are still arriving; commit after "
+                                "the store acknowledged them",
+                                (unsigned long long)ids[i]);
+        else {
+            di_error ae;
+            sc->st[i] = di_fail(&sc->errs[i], DI_ESTATE,
+                                "allocation %llu: no bytes arrived with its ticket; the "
+                                "allocation is dropped, put the object again",
+                                (unsigned long long)ids[i]);
+            kvs_abort(s->cfg.store, ids[i], &ae);
+        }
+    }
+    if (m > 0) {
+        kvs_commit(s->cfg.store, ok, m, ost, oerr);
+        for (size_t k = 0; k < m; k++) {
+            sc->st[at[k]] = ost[k];
+            sc->errs[at[k]] = oerr[k];
+        }
+    }
+    free(ok);
+    free(at);
+    free(ost);
+    free(oerr);
 }
 
 static di_status h_commit(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
@@ -388,7 +508,7 @@ static di_status h_commit(void *svc, const rpc_request *req, rpc_reply *r, di_er
     if (st == DI_OK)
         st = scratch_alloc(&sc, n, err);
     if (st == DI_OK) {
-        kvs_commit(s->cfg.store, msg->alloc_ids, n, sc.st, sc.errs);
+        commit_landed(s, msg->alloc_ids, n, &sc);
         for (size_t i = 0; i < n; i++)
             log_item(s, req, "Commit", i, sc.st[i], &sc.errs[i]);
         st = pack_statuses(&di__kvstore__commit_reply__descriptor, n, sc.st, sc.errs, r, err);
@@ -399,7 +519,21 @@ static di_status h_commit(void *svc, const rpc_request *req, rpc_reply *r, di_er
 }
 
 /* Per-id work of Abort and Release. */
-typedef di_status (*id_fn)(kvs_store *store, uint64_t id, di_error *err);
+typedef di_status (*id_fn)(kvsvc *s, uint64_t id, di_error *err);
+
+static di_status abort_one(kvsvc *s, uint64_t id, di_error *err)
+{
+    if (kvt_settle_put(s->tickets, id) == DI_EBUSY)
+        return di_fail(err, DI_EBUSY, "allocation %llu: its bytes are still arriving",
+                       (unsigned long long)id);
+    return kvs_abort(s->cfg.store, id, err);
+}
+
+/* A lease whose get is in flight is released when the get ends. */
+static di_status release_one(kvsvc *s, uint64_t id, di_error *err)
+{
+    return kvt_release_get(s->tickets, id) ? kvs_release(s->cfg.store, id, err) : DI_OK;
+}
 
 /* Runs fn on every id and packs the statuses with the reply descriptor. */
 static di_status id_batch(kvsvc *s, const uint64_t *ids, size_t n, const char *what, id_fn fn,
@@ -412,7 +546,7 @@ static di_status id_batch(kvsvc *s, const uint64_t *ids, size_t n, const char *w
     if (st != DI_OK)
         return st;
     for (size_t i = 0; i < n; i++)
-        sc.st[i] = fn(s->cfg.store, ids[i], &sc.errs[i]);
+        sc.st[i] = fn(s, ids[i], &sc.errs[i]);
     st = pack_statuses(reply, n, sc.st, sc.errs, r, err);
     scratch_free(&sc);
     return st;
@@ -421,7 +555,7 @@ static di_status id_batch(kvsvc *s, const uint64_t *ids, size_t n, const char *w
 static di_status h_abort(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
 {
     UNPACK(Di__Kvstore__AbortRequest, di__kvstore__abort_request__unpack, req, err);
-    di_status st = id_batch(svc, msg->alloc_ids, msg->n_alloc_ids, "allocations", kvs_abort,
+    di_status st = id_batch(svc, msg->alloc_ids, msg->n_alloc_ids, "allocations", abort_one,
                             &di__kvstore__abort_reply__descriptor, r, err);
     di__kvstore__abort_request__free_unpacked(msg, NULL);
     return st;
@@ -432,20 +566,28 @@ static di_status lease_one(kvsvc *s, const rpc_request *req, const void *arg,
 {
     const Di__Kvstore__ObjRef *ref = item;
     Di__Kvstore__LeaseResult *res = result;
-    uint32_t lease_ms = *(const uint32_t *)arg;
+    const batch_arg *a = arg;
     int cls = 0;
     kvkey key;
     di_status st = check_ref(ref, i, &cls, &key, e);
     kvs_lease_info li;
     if (st == DI_OK)
-        st = kvs_lease(s->cfg.store, cls, &key, lease_ms, req->deadline_ns, &li, e);
-    if (st == DI_OK) {
-        res->lease_id = li.lease_id;
-        res->remote_addr = s->cfg.arena_base + li.offset;
-        res->bytes = li.bytes;
-        res->expires_in_ms = (uint32_t)li.expires_in_ms;
+        st = kvs_lease(s->cfg.store, cls, &key, a->lease_ms, req->deadline_ns, &li, e);
+    if (st != DI_OK)
+        return st;
+    ucxt_ticket *t = a->tickets + i;
+    st = kvt_issue(s->tickets, KVT_GET, li.lease_id, li.offset, li.bytes,
+                   ticket_expiry(li.expires_in_ms), a->release, t, e);
+    if (st != DI_OK) {
+        di_error re;
+        kvs_release(s->cfg.store, li.lease_id, &re);
+        return st;
     }
-    return st;
+    res->lease_id = li.lease_id;
+    res->bytes = li.bytes;
+    res->expires_in_ms = (uint32_t)li.expires_in_ms;
+    res->ticket = (ProtobufCBinaryData){sizeof(t->b), t->b};
+    return DI_OK;
 }
 
 static const batch_kind lease_kind = {"Lease", &di__kvstore__lease_result__descriptor,
@@ -456,9 +598,13 @@ static di_status h_lease(void *svc, const rpc_request *req, rpc_reply *r, di_err
 {
     kvsvc *s = svc;
     UNPACK(Di__Kvstore__LeaseRequest, di__kvstore__lease_request__unpack, req, err);
-    uint32_t lease_ms = msg->lease_ms ? msg->lease_ms : s->cfg.lease_default_ms;
-    di_status st =
-        run_batch(s, req, &lease_kind, &lease_ms, (void *const *)msg->items, msg->n_items, r, err);
+    batch_arg a = {.lease_ms = msg->lease_ms ? msg->lease_ms : s->cfg.lease_default_ms,
+                   .release = msg->release_after_transfer,
+                   .tickets = calloc(msg->n_items ? msg->n_items : 1, sizeof(ucxt_ticket))};
+    di_status st = a.tickets ? run_batch(s, req, &lease_kind, &a, (void *const *)msg->items,
+                                         msg->n_items, r, err)
+                             : di_fail(err, DI_ENOMEM, "cannot allocate %zu tickets", msg->n_items);
+    free(a.tickets);
     di__kvstore__lease_request__free_unpacked(msg, NULL);
     return st;
 }
@@ -466,7 +612,7 @@ static di_status h_lease(void *svc, const rpc_request *req, rpc_reply *r, di_err
 static di_status h_release(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
 {
     UNPACK(Di__Kvstore__ReleaseRequest, di__kvstore__release_request__unpack, req, err);
-    di_status st = id_batch(svc, msg->lease_ids, msg->n_lease_ids, "leases", kvs_release,
+    di_status st = id_batch(svc, msg->lease_ids, msg->n_lease_ids, "leases", release_one,
                             &di__kvstore__release_reply__descriptor, r, err);
     di__kvstore__release_request__free_unpacked(msg, NULL);
     return st;

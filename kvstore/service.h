@@ -1,6 +1,8 @@
 /* service.h: the KV store's gRPC service (di.kvstore.KvStore): one method-table row per RPC
  * (handler, default deadline, idempotent or not, largest request, role) and handlers that
- * unpack protobuf-c requests, call the store and pack replies. Malformed messages get
+ * unpack protobuf-c requests, call the store and pack replies; and the checks of the UCX data
+ * path: Alloc and Lease issue one-time tickets (kvstore/tickets.h) that are the only way to
+ * move bytes into or out of the arena. Malformed messages get
  * DI_EPROTO with the message type; wrong key lengths, classes or batch sizes DI_EINVAL. Item
  * failures that point at a fault (corrupt bytes, disk errors, exhaustion) are logged once here
  * with the peer and the key; misses are not logged. */
@@ -11,6 +13,7 @@
 #include <stdint.h>
 
 #include "common/net/rpc.h"
+#include "common/net/ucx_xport.h"
 #include "common/util/log_limit.h"
 #include "kvstore/store.h"
 
@@ -20,10 +23,9 @@ typedef struct kvsvc_config {
     uint64_t object_bytes[KVKEY_CLASS_COUNT];
     const void *worker_addr;     /* UCX worker address (copied) */
     size_t worker_addr_len;
-    const void *rkey;            /* packed remote key of the arena (copied) */
-    size_t rkey_len;
-    uint64_t arena_base;         /* arena address as peers see it */
+    uint8_t *arena;              /* the DRAM arena (private to the store) */
     uint64_t arena_bytes;
+    uint64_t alloc_timeout_ms;   /* tickets of allocations expire with them */
     uint64_t store_id;           /* random per start */
     int durability;              /* kvdisk_durability */
     uint32_t lease_default_ms;   /* lease when a request asks for 0 */
@@ -40,5 +42,9 @@ kvsvc *kvsvc_free(kvsvc *svc);
 void kvsvc_tick(kvsvc *svc);
 /* The method table (static); pass svc as the server's svc pointer. */
 const rpc_method *kvsvc_methods(size_t *n);
+/* The checks of the UCX data path (tickets against the arena), for ucxt_serve. */
+void kvsvc_data_path(kvsvc *svc, ucxt_server_ops *ops);
+/* Tickets held (tests and stats). */
+uint64_t kvsvc_tickets(kvsvc *svc);
 
 #endif

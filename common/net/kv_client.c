@@ -17,8 +17,8 @@
 /* One job of a batch: item `index` of the batch handed to pool_begin. */
 typedef void (*job_fn)(void *batch, size_t index);
 
-/* Helper threads that share a batch's per-item work (verifying after UCX gets, or copying with
- * verification from the store's mapped memory) with the caller's thread. */
+/* Helper threads that share a batch's per-item work (verifying objects as they arrive) with
+ * the caller's thread. */
 typedef struct work_pool {
     pthread_mutex_t mu;
     pthread_cond_t work;         /* an index was queued, or stop */
@@ -35,16 +35,12 @@ typedef struct work_pool {
 
 struct kvc_client {
     kvc_options o;            /* copy; strings point at the copies below */
-    char *target, *token, *tls_ca, *tls_name;
+    char *target, *token, *tls_ca, *tls_name, *tls_cert, *tls_key;
     rpc_client *rpc;          /* control channel */
     ucxt_ctx *ucx;            /* UCX context (created at the first connect) */
     ucxt_peer *peer;          /* endpoint to the store's worker */
-    ucxt_rkey *rkey;          /* the store's arena key */
-    int connected;            /* 1 while peer and rkey match info.store_id */
+    int connected;            /* 1 while peer matches info.store_id */
     kvc_store_info info;      /* from Connect */
-    uint64_t arena_base;      /* store's arena address */
-    uint64_t arena_bytes;
-    uint8_t *mapped;          /* the store's arena mapped here (same host), else NULL */
     work_pool vp;             /* helpers (n_threads may be 0) */
     int vp_started;           /* vp initialised */
 };
@@ -77,51 +73,18 @@ static void verify_item(const kv_geometry *g, kvc_item *it)
     }
 }
 
-/* What the jobs of one get or put batch need. */
+/* What the verification jobs of one get batch need. */
 typedef struct batch_ctx {
     kvc_client *c;
     kvc_item *items;
-    const size_t *which;       /* op index -> item index */
-    const ucxt_op *ops;        /* remote addresses (direct copies) */
+    const size_t *which;       /* transfer index -> item index */
 } batch_ctx;
 
-/* After a UCX get: verify the bytes that arrived. */
+/* After a transfer: verify the bytes that arrived. */
 static void job_verify(void *arg, size_t op)
 {
     batch_ctx *b = arg;
     verify_item(&b->c->info.geometry, &b->items[b->which[op]]);
-}
-
-static const uint8_t *mapped_at(const kvc_client *c, uint64_t remote)
-{
-    return c->mapped + (remote - c->arena_base);
-}
-
-/* Same host: copy from the store's mapped memory, checksumming in the same pass. */
-static void job_copy_in(void *arg, size_t op)
-{
-    batch_ctx *b = arg;
-    kvc_item *it = &b->items[b->which[op]];
-    const uint8_t *src = mapped_at(b->c, b->ops[op].remote);
-    it->status = DI_OK;
-    if (!b->c->o.verify) {
-        memcpy(it->buf, src, it->bytes);
-        return;
-    }
-    di_status st = kvkey_object_copy_verify(it->cls, &it->key, it->buf, src, it->bytes,
-                                            &b->c->info.geometry, &it->error);
-    if (st != DI_OK) {
-        it->status = st;
-        di_error_prefix(&it->error, "%s read from the store failed verification: ",
-                        kvkey_class_name(it->cls));
-    }
-}
-
-/* Same host: copy an object into its allocated slot. */
-static void job_copy_out(void *arg, size_t op)
-{
-    batch_ctx *b = arg;
-    memcpy((void *)mapped_at(b->c, b->ops[op].remote), b->ops[op].local, b->ops[op].len);
 }
 
 static void *pool_main(void *arg)
@@ -213,24 +176,6 @@ static void pool_drain(work_pool *p)
     pthread_mutex_unlock(&p->mu);
 }
 
-/* Runs fn on ops 0..n-1, shared between the caller and the helpers. */
-static void pool_run(work_pool *p, job_fn fn, void *batch, size_t n)
-{
-    pool_begin(p, fn, batch);
-    for (size_t i = 0; i < n; i++)
-        pool_push(p, i);
-    pool_drain(p);
-}
-
-/* UCX get completions feed the verification jobs. */
-static void on_get_done(void *ud, size_t op)
-{
-    batch_ctx *b = ud;
-    b->items[b->which[op]].status = DI_OK;
-    if (b->c->o.verify)
-        pool_push(&b->c->vp, op);
-}
-
 /* ---------------------------------------------------------------- open / close */
 
 static char *dup_or_null(const char *s, int *oom)
@@ -256,6 +201,8 @@ di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
     c->o.token = c->token = dup_or_null(o->token, &oom);
     c->o.tls_ca_pem = c->tls_ca = dup_or_null(o->tls_ca_pem, &oom);
     c->o.tls_target_name = c->tls_name = dup_or_null(o->tls_target_name, &oom);
+    c->o.tls_cert_pem = c->tls_cert = dup_or_null(o->tls_cert_pem, &oom);
+    c->o.tls_key_pem = c->tls_key = dup_or_null(o->tls_key_pem, &oom);
     if (!c->o.deadline_ms)
         c->o.deadline_ms = 10000;
     if (!c->o.lease_ms)
@@ -264,7 +211,17 @@ di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
         kvc_close(c);
         return di_fail(err, DI_ENOMEM, "cannot copy the client options");
     }
+    if (!c->tls_cert != !c->tls_key) {
+        kvc_close(c);
+        return di_fail(err, DI_EINVAL, "a client certificate needs its key, and a key its "
+                                       "certificate");
+    }
+    if (c->tls_cert && !c->tls_ca) {
+        kvc_close(c);
+        return di_fail(err, DI_EINVAL, "a client certificate needs TLS: give the store's CA too");
+    }
     rpc_client_config rc = {.target = c->target, .token = c->token, .tls_ca_pem = c->tls_ca,
+                            .tls_cert_pem = c->tls_cert, .tls_key_pem = c->tls_key,
                             .tls_target_name = c->tls_name};
     di_status st = rpc_client_open(&rc, &c->rpc, err);
     if (st != DI_OK) {
@@ -279,8 +236,6 @@ di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
 
 static void drop_transport(kvc_client *c)
 {
-    c->mapped = NULL;
-    c->rkey = ucxt_rkey_free(c->rkey);
     c->peer = ucxt_peer_close(c->peer);
     c->connected = 0;
 }
@@ -298,6 +253,10 @@ kvc_client *kvc_close(kvc_client *c)
     free(c->token);
     free(c->tls_ca);
     free(c->tls_name);
+    if (c->tls_key)
+        memset(c->tls_key, 0, strlen(c->tls_key));
+    free(c->tls_key);
+    free(c->tls_cert);
     free(c);
     return NULL;
 }
@@ -431,8 +390,6 @@ static void info_from(kvc_client *c, const Di__Kvstore__ConnectReply *r)
     in->object_bytes[KVKEY_HANDOFF] = r->handoff_max_bytes;
     snprintf(in->durability, sizeof(in->durability), "%s", r->durability ? r->durability : "?");
     in->lease_max_ms = r->lease_max_ms;
-    c->arena_base = r->arena_base;
-    c->arena_bytes = r->arena_bytes;
 }
 
 static di_status check_connect_reply(const Di__Kvstore__ConnectReply *r, di_error *err)
@@ -440,24 +397,12 @@ static di_status check_connect_reply(const Di__Kvstore__ConnectReply *r, di_erro
     if (!r)
         return di_fail(err, DI_EPROTO, "malformed ConnectReply from the store");
     if (!r->geometry || r->geometry->n_owner_layer > KV_MAX_OWNERS ||
-        r->geometry->n_owner_layer != r->geometry->n_owner_ratio || r->worker_address.len == 0 ||
-        r->rkey.len == 0 || r->arena_bytes == 0)
+        r->geometry->n_owner_layer != r->geometry->n_owner_ratio || r->worker_address.len == 0)
         return di_fail(err, DI_EPROTO, "incomplete ConnectReply from the store");
     return DI_OK;
 }
 
-/* A UCX endpoint and the arena's key. peer_errors: see ucxt_peer_connect. */
-static di_status connect_ucx(kvc_client *c, const Di__Kvstore__ConnectReply *r, int peer_errors,
-                             di_error *err)
-{
-    di_status st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len,
-                                     peer_errors, &c->peer, err);
-    if (st == DI_OK)
-        st = ucxt_rkey_unpack(c->peer, r->rkey.data, r->rkey.len, &c->rkey, err);
-    return st;
-}
-
-/* Connects (Connect RPC, UCX endpoint and key) unless already connected. */
+/* Connects (Connect RPC and UCX endpoint) unless already connected. */
 static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error *err)
 {
     if (c->connected && !ucxt_peer_failed(c->peer))
@@ -472,25 +417,15 @@ static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error 
         return st;
     st = check_connect_reply(r, err);
     if (st == DI_OK && !c->ucx)
-        st = ucxt_create(0, &c->ucx, err);
-    /* First without peer-failure handling, which UCX's shared-memory transports lack: if the
-     * store's memory then maps here, it is on this host. Otherwise reconnect with it, so that
-     * a dead store fails transfers instead of hanging them. */
-    void *p = NULL;
-    int here = 0;
+        st = ucxt_create(0, c->o.rdma_devices, &c->ucx, err);
+    /* Peer-failure handling where the transports have it (RDMA); shared memory lacks it. */
+    int rdma = c->o.rdma_devices && c->o.rdma_devices[0];
     if (st == DI_OK)
-        st = connect_ucx(c, r, 0, err);
-    if (st == DI_OK)
-        here = ucxt_rkey_ptr(c->rkey, r->arena_base, &p, NULL) == DI_OK;
-    if (st == DI_OK && !here) {
-        drop_transport(c);
-        st = connect_ucx(c, r, 1, err);
-    }
+        st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len, rdma,
+                               &c->peer, err);
     if (st == DI_OK) {
         info_from(c, r);
         c->connected = 1;
-        if (here && !c->o.ucx_rma)
-            c->mapped = p; /* same host: copy straight from the store's memory */
     } else
         drop_transport(c);
     if (r)
@@ -503,14 +438,13 @@ static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error 
 di_status kvc_info(kvc_client *c, kvc_store_info *out, di_error *err)
 {
     di_status st = ensure_connected(c, di_mono_ns() + c->o.deadline_ms * 1000000ull, err);
-    if (st == DI_OK) {
+    if (st == DI_OK)
         *out = c->info;
-        out->mapped = c->mapped != NULL;
-    }
     return st;
 }
 
-/* A reply's store id differs from ours: the store restarted; its new arena needs a new key. */
+/* A reply's store id differs from ours: the store restarted; its new worker needs a new
+ * endpoint. */
 static di_status follow_restart(kvc_client *c, uint64_t store_id, uint64_t deadline_ns,
                                 di_error *err)
 {
@@ -641,10 +575,20 @@ static di_status release_ids(kvc_client *c, const uint64_t *ids, size_t n, kvc_i
     return DI_OK;
 }
 
-/* Lease RPC for a batch; fills ops for the granted items. */
-static di_status lease_batch(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline_ns,
-                             ucxt_op *ops, size_t *which, uint64_t *lease_ids, size_t *n_ops,
-                             uint64_t *store_id, di_error *err)
+/* A ticket from a reply, or an error when it is not one. */
+static di_status take_ticket(const ProtobufCBinaryData *b, ucxt_ticket *t, di_error *err)
+{
+    if (b->len != sizeof(t->b))
+        return di_fail(err, DI_EPROTO, "the store sent a transfer ticket of %zu bytes", b->len);
+    memcpy(t->b, b->data, sizeof(t->b));
+    return DI_OK;
+}
+
+/* Lease RPC for a batch; fills the transfers of the granted items. release: the store releases
+ * each lease once its bytes were sent. */
+static di_status lease_batch(kvc_client *c, kvc_item *items, size_t n, int release,
+                             uint64_t deadline_ns, ucxt_xfer *xs, size_t *which,
+                             uint64_t *lease_ids, size_t *n_xs, uint64_t *store_id, di_error *err)
 {
     Di__Kvstore__ObjRef *refs, **ptrs;
     di_status st = make_refs(items, n, &refs, &ptrs, err);
@@ -654,6 +598,7 @@ static di_status lease_batch(kvc_client *c, kvc_item *items, size_t n, uint64_t 
     req.n_items = n;
     req.items = ptrs;
     req.lease_ms = c->o.lease_ms;
+    req.release_after_transfer = release;
     Di__Kvstore__LeaseReply *r = NULL;
     st = call_msg(c, "Lease", &req.base, &di__kvstore__lease_reply__descriptor, deadline_ns,
                   (ProtobufCMessage **)&r, err);
@@ -672,23 +617,30 @@ static di_status lease_batch(kvc_client *c, kvc_item *items, size_t n, uint64_t 
         lease_ids[m] = lr->lease_id;
         which[m] = i;
         items[i].bytes = lr->bytes;
-        ops[m++] = (ucxt_op){.remote = lr->remote_addr, .local = items[i].buf, .len = lr->bytes};
-        items[i].status = DI_EINTERNAL; /* until its get completes */
+        xs[m] = (ucxt_xfer){.buf = items[i].buf, .len = items[i].cap};
+        items[i].status = take_ticket(&lr->ticket, &xs[m].ticket, &items[i].error);
+        if (items[i].status == DI_OK)
+            items[i].status = DI_EINTERNAL; /* until its transfer completes */
+        else
+            xs[m].len = 0; /* not sent */
+        m++;
     }
     *store_id = r->store_id;
-    *n_ops = m;
+    *n_xs = m;
     di__kvstore__lease_reply__free_unpacked(r, NULL);
     return DI_OK;
 }
 
-/* Checks granted items against their buffers and the store's arena (known once a restart
- * was followed), and drops the ops of those that fail, keeping the lease list whole. */
-static size_t compact_ops(const kvc_client *c, kvc_item *items, ucxt_op *ops, const size_t *which,
-                          size_t n, size_t *get_which)
+/* Items whose buffer cannot take the leased object fail here, before any transfer; the rest
+ * are packed to the front of xs (get_which: their item indices). Returns how many remain. */
+static size_t fitting(kvc_item *items, ucxt_xfer *xs, const size_t *which, size_t n,
+                      size_t *get_which)
 {
     size_t k = 0;
     for (size_t i = 0; i < n; i++) {
         kvc_item *it = &items[which[i]];
+        if (it->status != DI_EINTERNAL)
+            continue; /* no usable ticket */
         if (it->bytes > it->cap) {
             it->status = di_fail(&it->error, DI_ERANGE,
                                  "%s of %llu bytes does not fit a %llu-byte buffer",
@@ -696,16 +648,32 @@ static size_t compact_ops(const kvc_client *c, kvc_item *items, ucxt_op *ops, co
                                  (unsigned long long)it->cap);
             continue;
         }
-        if (ops[i].remote < c->arena_base ||
-            ops[i].remote + ops[i].len > c->arena_base + c->arena_bytes) {
-            it->status = di_fail(&it->error, DI_EPROTO,
-                                 "the store leased an address outside its DRAM tier");
-            continue;
-        }
-        ops[k] = ops[i];
+        xs[k] = xs[i];
         get_which[k++] = which[i];
     }
     return k;
+}
+
+/* The outcome of one transfer on its item. */
+static void xfer_outcome(kvc_item *it, const ucxt_xfer *x, int is_get)
+{
+    if (x->status == DI_OK && is_get && x->got != it->bytes)
+        it->status = di_fail(&it->error, DI_EPROTO, "%s: the store sent %llu bytes for a "
+                             "%llu-byte object", kvkey_class_name(it->cls),
+                             (unsigned long long)x->got, (unsigned long long)it->bytes);
+    else if (x->status != DI_OK)
+        it->status = di_fail(&it->error, x->status, "%s: the store refused or lost the %s (%s)",
+                             kvkey_class_name(it->cls), is_get ? "read" : "write",
+                             di_status_name(x->status));
+}
+
+/* UCX fetch completions feed the verification jobs. */
+static void on_fetched(void *ud, size_t k)
+{
+    batch_ctx *b = ud;
+    b->items[b->which[k]].status = DI_OK;
+    if (b->c->o.verify)
+        pool_push(&b->c->vp, k);
 }
 
 /* One pass of a get: lease, transfer with verification, release. */
@@ -714,47 +682,46 @@ static di_status get_once(kvc_client *c, kvc_item *items, size_t n, uint64_t dea
 {
     di_status st = DI_OK;
     mark_pending(items, n);
-    ucxt_op *ops = calloc(n, sizeof(*ops));
+    ucxt_xfer *xs = calloc(n, sizeof(*xs));
     size_t *which = calloc(n, sizeof(*which)), *get_which = calloc(n, sizeof(*get_which));
-    uint64_t *ids = calloc(n, sizeof(*ids));
-    if (!ops || !which || !get_which || !ids)
+    uint64_t *ids = calloc(n, sizeof(*ids)), *left = calloc(n, sizeof(*left));
+    if (!xs || !which || !get_which || !ids || !left)
         st = di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", n);
-    size_t m = 0;
+    size_t m = 0, g = 0;
     uint64_t store_id = 0;
     if (st == DI_OK)
         st = ensure_connected(c, deadline, err);
     if (st == DI_OK)
-        st = lease_batch(c, items, n, deadline, ops, which, ids, &m, &store_id, err);
+        st = lease_batch(c, items, n, 1, deadline, xs, which, ids, &m, &store_id, err);
     if (st == DI_OK)
         st = follow_restart(c, store_id, deadline, err);
     if (st == DI_OK && m > 0) {
-        size_t g = compact_ops(c, items, ops, which, m, get_which);
-        batch_ctx b = {.c = c, .items = items, .which = get_which, .ops = ops};
-        if (c->mapped)
-            pool_run(&c->vp, job_copy_in, &b, g);
-        else {
-            pool_begin(&c->vp, job_verify, &b);
-            st = ucxt_get(c->peer, c->rkey, ops, g, UCX_WINDOW, deadline, on_get_done, &b, err);
-            pool_drain(&c->vp);
-        }
+        g = fitting(items, xs, which, m, get_which);
+        batch_ctx b = {.c = c, .items = items, .which = get_which};
+        pool_begin(&c->vp, job_verify, &b);
+        st = ucxt_fetch(c->peer, xs, g, UCX_WINDOW, deadline, on_fetched, &b, err);
+        pool_drain(&c->vp);
         if (st != DI_OK)
             drop_transport(c);
+        for (size_t k = 0; st == DI_OK && k < g; k++)
+            xfer_outcome(&items[get_which[k]], &xs[k], 1);
     }
-    /* Release what was granted even after a failed transfer (else it waits for its timeout). */
+    /* The store released every lease whose bytes it sent; release the others now (else they
+     * wait for their timeout). */
+    size_t nl = 0;
+    for (size_t k = 0; k < m; k++)
+        if (items[which[k]].status != DI_OK)
+            left[nl++] = ids[k];
     di_error rerr;
-    di_status rst = st == DI_OK || m == 0
-                        ? release_ids(c, ids, m, items, which, deadline, &rerr)
-                        : release_ids(c, ids, m, NULL, which, deadline, &rerr);
-    if (st == DI_OK && rst != DI_OK) {
-        st = rst;
-        *err = rerr;
-    }
+    if (nl > 0)
+        release_ids(c, left, nl, NULL, NULL, deadline, &rerr);
     if (st != DI_OK)
         mark_all(items, n, st, err);
-    free(ops);
+    free(xs);
     free(which);
     free(get_which);
     free(ids);
+    free(left);
     return st;
 }
 
@@ -814,9 +781,9 @@ di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err)
     return DI_OK;
 }
 
-/* Alloc RPC; fills ops for granted items (EEXIST items are done). */
+/* Alloc RPC; fills the transfers of granted items (EEXIST items are done). */
 static di_status alloc_batch(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline_ns,
-                             ucxt_op *ops, size_t *which, uint64_t *ids, size_t *n_ops,
+                             ucxt_xfer *xs, size_t *which, uint64_t *ids, size_t *n_xs,
                              uint64_t *store_id, di_error *err)
 {
     Di__Kvstore__AllocItem *ai = calloc(n, sizeof(*ai));
@@ -851,12 +818,13 @@ static di_status alloc_batch(kvc_client *c, kvc_item *items, size_t n, uint64_t 
         set_item(&items[i], ar->status, ar->error);
         if (ar->status != DI_OK)
             continue;
-        ops[m] = (ucxt_op){.remote = ar->remote_addr, .local = items[i].buf, .len = items[i].cap};
+        xs[m] = (ucxt_xfer){.buf = items[i].buf, .len = items[i].cap};
         ids[m] = ar->alloc_id;
         which[m++] = i;
+        items[i].status = take_ticket(&ar->ticket, &xs[m - 1].ticket, &items[i].error);
     }
     *store_id = r->store_id;
-    *n_ops = m;
+    *n_xs = m;
     di__kvstore__alloc_reply__free_unpacked(r, NULL);
     return DI_OK;
 }
@@ -865,6 +833,8 @@ static di_status commit_or_abort(kvc_client *c, const char *method, const uint64
                                  kvc_item *items, const size_t *which, uint64_t deadline_ns,
                                  di_error *err)
 {
+    if (m == 0)
+        return DI_OK;
     Di__Kvstore__CommitRequest req = DI__KVSTORE__COMMIT_REQUEST__INIT;
     req.n_alloc_ids = m;
     req.alloc_ids = (uint64_t *)ids;
@@ -887,6 +857,40 @@ static di_status commit_or_abort(kvc_client *c, const char *method, const uint64
     return DI_OK;
 }
 
+/* After the transfers of a put: commit the items the store acknowledged, abort the others. */
+static di_status settle_put(kvc_client *c, kvc_item *items, const ucxt_xfer *xs,
+                            const size_t *which, const uint64_t *ids, size_t m,
+                            uint64_t deadline, di_error *err)
+{
+    uint64_t *ok_ids = calloc(m, sizeof(*ok_ids)), *bad_ids = calloc(m, sizeof(*bad_ids));
+    size_t *ok_which = calloc(m, sizeof(*ok_which));
+    if (!ok_ids || !bad_ids || !ok_which) {
+        free(ok_ids);
+        free(bad_ids);
+        free(ok_which);
+        return di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", m);
+    }
+    size_t nok = 0, nbad = 0;
+    for (size_t k = 0; k < m; k++) {
+        kvc_item *it = &items[which[k]];
+        if (it->status == DI_OK && xs[k].status == DI_OK) {
+            ok_ids[nok] = ids[k];
+            ok_which[nok++] = which[k];
+            continue;
+        }
+        if (it->status == DI_OK)
+            xfer_outcome(it, &xs[k], 0);
+        bad_ids[nbad++] = ids[k];
+    }
+    di_error aerr;
+    commit_or_abort(c, "Abort", bad_ids, nbad, NULL, NULL, deadline, &aerr);
+    di_status st = commit_or_abort(c, "Commit", ok_ids, nok, items, ok_which, deadline, err);
+    free(ok_ids);
+    free(bad_ids);
+    free(ok_which);
+    return st;
+}
+
 di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err)
 {
     if (!c)
@@ -896,38 +900,38 @@ di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err)
         return st;
     mark_pending(items, n);
     uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
-    ucxt_op *ops = calloc(n, sizeof(*ops));
+    ucxt_xfer *xs = calloc(n, sizeof(*xs));
     size_t *which = calloc(n, sizeof(*which));
     uint64_t *ids = calloc(n, sizeof(*ids));
-    if (!ops || !which || !ids)
+    if (!xs || !which || !ids)
         st = di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", n);
     size_t m = 0;
     uint64_t store_id = 0;
     if (st == DI_OK)
         st = ensure_connected(c, deadline, err);
     if (st == DI_OK)
-        st = alloc_batch(c, items, n, deadline, ops, which, ids, &m, &store_id, err);
+        st = alloc_batch(c, items, n, deadline, xs, which, ids, &m, &store_id, err);
     if (st == DI_OK)
         st = follow_restart(c, store_id, deadline, err);
-    if (st == DI_OK && m > 0 && c->mapped) {
-        batch_ctx b = {.c = c, .items = items, .which = which, .ops = ops};
-        pool_run(&c->vp, job_copy_out, &b, m);
-    } else if (st == DI_OK && m > 0) {
-        st = ucxt_put(c->peer, c->rkey, ops, m, UCX_WINDOW, deadline, err);
+    if (st == DI_OK && m > 0) {
+        /* Items without a usable ticket are not sent (their xfer length is cleared). */
+        for (size_t k = 0; k < m; k++)
+            if (items[which[k]].status != DI_OK)
+                xs[k].len = 0;
+        st = ucxt_send(c->peer, xs, m, UCX_WINDOW, deadline, err);
         if (st != DI_OK) {
             drop_transport(c);
             di_error aerr;
             commit_or_abort(c, "Abort", ids, m, NULL, which, deadline, &aerr);
-        }
+        } else
+            st = settle_put(c, items, xs, which, ids, m, deadline, err);
     }
-    if (st == DI_OK && m > 0)
-        st = commit_or_abort(c, "Commit", ids, m, items, which, deadline, err);
     if (st != DI_OK) {
         for (size_t k = 0; k < m; k++) /* allocated: their fate is the batch's */
             items[which[k]].status = DI_EINTERNAL;
         mark_all(items, n, st, err);
     }
-    free(ops);
+    free(xs);
     free(which);
     free(ids);
     return st;
@@ -1046,9 +1050,11 @@ di_status kvc_acquire(kvc_client *c, int cls, const kvkey *key, uint32_t lease_m
     st = (di_status)lr->status;
     if (st != DI_OK)
         di_fail(err, st, "%s", lr->error);
-    else
-        *out = (kvc_lease){.lease_id = lr->lease_id, .remote_addr = lr->remote_addr,
-                           .bytes = lr->bytes, .expires_in_ms = lr->expires_in_ms};
+    else {
+        *out = (kvc_lease){.lease_id = lr->lease_id, .bytes = lr->bytes,
+                           .expires_in_ms = lr->expires_in_ms};
+        st = take_ticket(&lr->ticket, (ucxt_ticket *)out->ticket, err);
+    }
     uint64_t sid = r->store_id;
     di__kvstore__lease_reply__free_unpacked(r, NULL);
     if (st == DI_OK)
@@ -1067,22 +1073,19 @@ di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l,
     uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
     if (!c->connected || ucxt_peer_failed(c->peer))
         return di_fail(err, DI_EUNAVAIL, "the store connection was lost; acquire again");
-    ucxt_op op = {.remote = l->remote_addr, .local = buf, .len = l->bytes};
+    ucxt_xfer x = {.buf = buf, .len = cap};
+    memcpy(x.ticket.b, l->ticket, sizeof(x.ticket.b));
     kvc_item it = {.cls = cls, .key = *key, .buf = buf, .bytes = l->bytes, .status = DI_OK};
-    if (op.remote < c->arena_base || op.remote + op.len > c->arena_base + c->arena_bytes)
-        return di_fail(err, DI_EPROTO, "the lease's address is outside the store's DRAM tier");
-    size_t which = 0;
-    batch_ctx b = {.c = c, .items = &it, .which = &which, .ops = &op};
-    if (c->mapped)
-        job_copy_in(&b, 0);
-    else {
-        di_status st = ucxt_get(c->peer, c->rkey, &op, 1, 1, deadline, NULL, NULL, err);
-        if (st != DI_OK) {
-            drop_transport(c);
-            return st;
-        }
-        if (c->o.verify)
-            job_verify(&b, 0);
+    di_status st = ucxt_fetch(c->peer, &x, 1, 1, deadline, NULL, NULL, err);
+    if (st != DI_OK) {
+        drop_transport(c);
+        return st;
+    }
+    xfer_outcome(&it, &x, 1);
+    if (it.status == DI_OK && c->o.verify) {
+        size_t which = 0;
+        batch_ctx b = {.c = c, .items = &it, .which = &which};
+        job_verify(&b, 0);
     }
     if (it.status == DI_ECORRUPT) {
         di_error re; /* the store drops a bad DRAM copy once this lease ends */

@@ -2,21 +2,21 @@
  * router and di-kvctl.
  *
  * One kvc_client talks to one store: control over gRPC (common/net/rpc.h), KV bytes over UCX
- * one-sided gets and puts straight between the caller's buffers and the store's DRAM tier
- * (common/net/ucx_xport.h). It connects lazily and again after a store restart (the store id
- * changes), so callers just retry a call that returned DI_EUNAVAIL.
+ * active messages between the caller's buffers and the store's DRAM tier
+ * (common/net/ucx_xport.h), each against a one-time ticket the control call returned for that
+ * object. It connects lazily and again after a store restart (the store id changes), so callers
+ * just retry a call that returned DI_EUNAVAIL.
  *
- *   get  = Lease (one RPC for a batch) + one-sided reads into the caller's buffers + checks
- *          of every object's kv_header (checksum, key, model) + Release (one RPC). The store
- *          never sees the bytes move; the lease keeps them from being evicted or reused.
- *   put  = Alloc (one RPC) + one-sided writes + Commit (one RPC); the store verifies each
- *          object and acknowledges it only once durable at its --durability level.
+ *   get  = Lease (one RPC for a batch, a ticket per object) + one UCX request per object that
+ *          the store answers with the object's bytes into the caller's buffer + checks of every
+ *          object's kv_header (checksum, key, model). The store releases each lease once it sent
+ *          the bytes: no Release call unless a transfer failed.
+ *   put  = Alloc (one RPC, a ticket per object) + one UCX message per object that the store
+ *          receives into the allocated slot and acknowledges + Commit (one RPC); the store
+ *          verifies each object and acknowledges it only once durable at its --durability level.
  *
- * One-sided reads and writes: when the store runs on this host, UCX maps its DRAM arena into
- * this process (ucp_rkey_ptr on the store's remote key) and the client copies through that
- * mapping, checksumming in the same pass (di_hash64_copy), so a verified get costs about a
- * memcpy. Otherwise it uses ucp_get_nbx / ucp_put_nbx and verifies what arrived. Either way
- * the copies of a batch are shared between the caller and verify_threads helpers.
+ * The verification of a batch is shared between the caller and verify_threads helpers as the
+ * objects arrive.
  *
  * Every call has a deadline (kvc_options.deadline_ms unless the call takes one) and returns a
  * di_status with a message: DI_EUNAVAIL (store down or unreachable), DI_ETIMEDOUT (deadline),
@@ -47,6 +47,9 @@ typedef struct kvc_options {
     const char *token;           /* engine or admin token; NULL when the store has none */
     const char *tls_ca_pem;      /* NULL: plaintext gRPC */
     const char *tls_target_name; /* name on the store's certificate; NULL: the host */
+    const char *tls_cert_pem;    /* client certificate chain (mutual TLS: a store started with
+                                    --tls-client-ca); NULL: none */
+    const char *tls_key_pem;     /* its private key */
     uint32_t deadline_ms;        /* per call; 0 = 10,000 */
     uint32_t lease_ms;           /* lease asked for by gets; 0 = 10,000 */
     uint64_t model_id;           /* refuse a store holding another model's KV; 0 = any */
@@ -54,8 +57,8 @@ typedef struct kvc_options {
                                     objects after every get */
     int verify_threads;          /* helper threads sharing the per-object copy and verification
                                     work of a batch with the caller; 0 = all on the caller */
-    int ucx_rma;                 /* 1: always ucp_get/ucp_put, even when the store's memory is
-                                    mapped here (tests of the cross-host path) */
+    const char *rdma_devices;    /* UCX verbs ports for stores on other hosts ("mlx5_0:1");
+                                    NULL: stores on this host only */
     const di_logger *log;        /* debug lines; may be NULL */
 } kvc_options;
 
@@ -78,7 +81,6 @@ typedef struct kvc_store_info {
     uint64_t object_bytes[KVKEY_CLASS_COUNT]; /* block, window; handoff maximum */
     char durability[8];         /* "none", "wal", "fsync" */
     uint32_t lease_max_ms;
-    int mapped;                 /* 1: the store's memory is mapped here (same host) */
 } kvc_store_info;
 /* Connects if needed and returns the store's description. DI_OK; DI_EUNAVAIL, DI_ETIMEDOUT,
  * DI_EAUTH, DI_EINVAL (the store holds another model than options.model_id). */
@@ -127,7 +129,7 @@ di_status kvc_delete1(kvc_client *c, int cls, const kvkey *key, di_error *err);
 
 typedef struct kvc_lease {
     uint64_t lease_id;     /* for kvc_release */
-    uint64_t remote_addr;  /* object address in the store's DRAM tier */
+    uint8_t ticket[16];    /* one-time: kvc_read uses it */
     uint64_t bytes;        /* object size */
     uint32_t expires_in_ms;
 } kvc_lease;
@@ -135,10 +137,11 @@ typedef struct kvc_lease {
  * DI_EFULL (no DRAM slot or lease record), and the call's failures. */
 di_status kvc_acquire(kvc_client *c, int cls, const kvkey *key, uint32_t lease_ms, kvc_lease *out,
                       di_error *err);
-/* Copies a leased object into buf with verification (unless verify is off). DI_OK,
- * DI_ERANGE (buf too small), DI_ECORRUPT (failed verification; reported to the store, which
- * drops a bad DRAM copy once the lease ends: acquire again), DI_EUNAVAIL (connection lost:
- * acquire again), DI_ETIMEDOUT. buf is written even on failure. */
+/* Copies a leased object into buf with verification (unless verify is off), once per lease (the
+ * ticket is one-time: a second read is refused with DI_EAUTH). DI_OK, DI_ERANGE (buf too
+ * small), DI_ECORRUPT (failed verification; reported to the store, which drops a bad DRAM copy
+ * once the lease ends: acquire again), DI_EUNAVAIL (connection lost: acquire again),
+ * DI_ETIMEDOUT (the lease expired). buf is written even on failure. */
 di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l, void *buf,
                    uint64_t cap, di_error *err);
 /* Ends a lease. DI_ETIMEDOUT when it had already expired: discard what was read under it. */

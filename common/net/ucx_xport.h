@@ -1,22 +1,35 @@
-/* ucx_xport.h: the UCX transport of KV bytes (UCP RMA, UCX 1.13).
+/* ucx_xport.h: the UCX transport of KV bytes (UCP active messages, UCX 1.13).
  *
- * The store maps its DRAM arena with UCP_MEM_MAP_ALLOCATE, which on one host places it in
- * shared memory that peers read and write one-sidedly (no progress by the store needed); over
- * TCP the gets and puts are emulated with active messages and the store's progress thread
- * serves them. The store hands its worker address and the arena's packed remote key to
- * clients through the gRPC control API; clients move bytes with ucxt_get / ucxt_put.
+ * The store never exposes memory to peers: its context enables active messages only (no RMA or
+ * atomics, so UCX's software RMA handlers, which write or read any address a peer names, are
+ * not registered), it registers and packs no remote key, and it moves bytes only against a
+ * one-time ticket that the authenticated gRPC control call issued for one object:
  *
- * Handles: ucxt_ctx (context + one worker), ucxt_region (mapped memory), ucxt_peer (endpoint to
- * a remote worker), ucxt_rkey (unpacked remote key). Each is created and destroyed explicitly;
- * destroy functions are NULL-safe. A ucxt_ctx and everything made from it is used by one thread
- * at a time, except that ucxt_progress_start runs a thread of its own on a context created with
- * `threaded` set.
+ *   get: the client sends GET {cookie, ticket}; the store checks the ticket (object, length,
+ *        expiry) and answers DATA {cookie, status} carrying exactly that object's bytes, which
+ *        the client receives into the buffer it chose for the cookie.
+ *   put: the client sends PUT {cookie, ticket} with the object's bytes; the store checks the
+ *        ticket and that the length is the allocation's, receives the bytes into the allocated
+ *        slot only, and answers ACK {cookie, status} once they are there.
  *
- * Transfers are requests that complete exactly once: ucxt_get and ucxt_put return only when
- * every operation they started has completed (successfully, in error, or cancelled by a forced
- * close at the deadline), so the caller's buffers are never written after they return.
- * ucs_status_t is translated to di_status here: UCS_ERR_NO_MEMORY -> DI_ENOMEM, timeouts ->
- * DI_ETIMEDOUT, unreachable or reset peers -> DI_EUNAVAIL, everything else -> DI_EIO.
+ * Transports are fixed here, whatever UCX_TLS says: posix shared memory (queues created mode
+ * 0600 and opened through /proc/PID/fd) and self on one host; on other hosts only the verbs
+ * transports rc and ud on rdma_devices. Messages are eager only (rendezvous is off, and the store
+ * drops a rendezvous PUT), so no memory key is exchanged in either direction; endpoint ids on
+ * the wire go through UCX's checked map. UCX's tcp transport is never enabled: its receive path
+ * writes a peer's "put" to any address (no key, no check) and its listener takes every
+ * interface. So the KV data path opens no network socket.
+ *
+ * Handles: ucxt_ctx (context + one worker), ucxt_peer (endpoint to a remote worker). Each is
+ * created and destroyed explicitly; destroy functions are NULL-safe. A ucxt_ctx and everything
+ * made from it is used by one thread at a time, except that ucxt_progress_start runs a thread
+ * of its own on a context created with `threaded` set (the store: it serves from that thread).
+ *
+ * ucxt_fetch and ucxt_send return only when every operation they started has completed
+ * (successfully, in error, or cancelled at the deadline), so the caller's buffers are never
+ * written after they return. ucs_status_t is translated to di_status here: UCS_ERR_NO_MEMORY ->
+ * DI_ENOMEM, timeouts -> DI_ETIMEDOUT, unreachable or reset peers -> DI_EUNAVAIL, everything
+ * else -> DI_EIO.
  */
 #ifndef DI_NET_UCX_XPORT_H
 #define DI_NET_UCX_XPORT_H
@@ -27,85 +40,104 @@
 #include "common/util/status.h"
 
 typedef struct ucxt_ctx ucxt_ctx;
-typedef struct ucxt_region ucxt_region;
 typedef struct ucxt_peer ucxt_peer;
-typedef struct ucxt_rkey ucxt_rkey;
 
-/* Creates a UCP context with RMA (and wakeup, for the progress thread) and one worker.
- * threaded: the worker may be progressed by ucxt_progress_start's thread while other threads
- * use the context. DI_OK, DI_EUNSUPPORTED (UCX refused the features), DI_ENOMEM, DI_EIO. */
-di_status ucxt_create(int threaded, ucxt_ctx **out, di_error *err);
-/* Stops the progress thread if running, then releases the worker and context. Regions, peers
- * and keys made from it must be destroyed first. NULL-safe; returns NULL. */
+#define UCXT_TICKET_BYTES 16
+
+/* A one-time permission to move one object, issued over the authenticated control channel. */
+typedef struct ucxt_ticket {
+    uint8_t b[UCXT_TICKET_BYTES];
+} ucxt_ticket;
+
+/* Creates a UCP context with active messages only (and wakeup, for the progress thread) and one
+ * worker, on the transports above. threaded: the worker may be progressed by
+ * ucxt_progress_start's thread while other threads use the context. rdma_devices: NULL or "" for
+ * this host only, else a UCX_NET_DEVICES list of verbs ports ("mlx5_0:1"). DI_OK,
+ * DI_EUNSUPPORTED (UCX refused the features), DI_ENOMEM, DI_EIO. */
+di_status ucxt_create(int threaded, const char *rdma_devices, ucxt_ctx **out, di_error *err);
+/* Stops the progress thread if running, then releases the worker and context. Peers made from
+ * it must be closed first. NULL-safe; returns NULL. */
 ucxt_ctx *ucxt_destroy(ucxt_ctx *ctx);
 
 /* The worker's address, to give to peers. *buf is malloc'd (free() it). */
 di_status ucxt_worker_address(ucxt_ctx *ctx, void **buf, size_t *len, di_error *err);
 
-/* Starts a thread that progresses the worker (waiting on its event fd while idle). Needed for
- * transports that emulate RMA (TCP) and for endpoint wire-up. DI_ESTATE when already running or
- * the context is not threaded. */
+/* Starts a thread that progresses the worker (waiting on its event fd while idle). The store
+ * serves transfers from it. DI_ESTATE when already running or the context is not threaded. */
 di_status ucxt_progress_start(ucxt_ctx *ctx, di_error *err);
-
 /* Stops the progress thread (no-op when not running). */
 void ucxt_progress_stop(ucxt_ctx *ctx);
 
-/* Allocates and maps `bytes` of memory peers can get from and put into (UCP_MEM_MAP_ALLOCATE;
- * falls back to mapping page-aligned malloc'd memory when UCX cannot allocate). DI_OK, DI_ENOMEM,
- * DI_EIO. */
-di_status ucxt_region_map(ucxt_ctx *ctx, uint64_t bytes, ucxt_region **out, di_error *err);
-void *ucxt_region_base(const ucxt_region *r);
-uint64_t ucxt_region_bytes(const ucxt_region *r);
-/* 1 when UCX allocated the memory (true one-sided access over shared memory). */
-int ucxt_region_allocated(const ucxt_region *r);
-/* Packs the region's remote key. *buf is malloc'd (free() it). */
-di_status ucxt_region_rkey(ucxt_region *r, void **buf, size_t *len, di_error *err);
-/* Unmaps. NULL-safe; returns NULL. */
-ucxt_region *ucxt_region_unmap(ucxt_region *r);
+/* ---- serving (the store) ---- */
 
-/* Connects to a remote worker address. peer_errors selects UCP_ERR_HANDLING_MODE_PEER: a dead
- * peer then fails the requests instead of hanging them, and a deadline can force-close the
- * endpoint; but UCX 1.13's shared-memory transports do not support it, so on one host it would
- * push every transfer onto TCP. Use it for stores on other hosts only; on one host gets and
- * puts are one-sided copies that cannot hang on a dead store. DI_OK, DI_EINVAL, DI_EUNAVAIL,
- * DI_EIO. */
+/* What a ticket grants: len bytes at addr; token goes back to the matching end call. */
+typedef struct ucxt_grant {
+    void *addr;
+    uint64_t len;
+    void *token;
+} ucxt_grant;
+
+/* The store's checks, called on the progress thread. begin calls return DI_OK and fill the
+ * grant, or refuse (the peer gets the status, no byte moves). Every granted begin is followed
+ * by exactly one end call with the outcome (DI_OK once the bytes are sent / have landed). */
+typedef struct ucxt_server_ops {
+    di_status (*get_begin)(void *ud, const ucxt_ticket *t, ucxt_grant *g);
+    void (*get_end)(void *ud, void *token, di_status st);
+    di_status (*put_begin)(void *ud, const ucxt_ticket *t, uint64_t len, ucxt_grant *g);
+    void (*put_end)(void *ud, void *token, di_status st);
+    void *ud;
+} ucxt_server_ops;
+
+/* Registers the GET and PUT handlers (before ucxt_progress_start). ops is copied. */
+di_status ucxt_serve(ucxt_ctx *ctx, const ucxt_server_ops *ops, di_error *err);
+/* Counters of refused requests (bad ticket, wrong length, malformed header), for tests and
+ * logs. */
+uint64_t ucxt_refused(const ucxt_ctx *ctx);
+
+/* ---- client ---- */
+
+/* Connects to a remote worker address. peer_errors selects UCP_ERR_HANDLING_MODE_PEER (a dead
+ * peer then fails requests instead of hanging them); UCX 1.13's shared-memory transports do not
+ * support it, so use it for stores on other hosts only. DI_OK, DI_EINVAL, DI_EUNAVAIL, DI_EIO. */
 di_status ucxt_peer_connect(ucxt_ctx *ctx, const void *addr, size_t len, int peer_errors,
                             ucxt_peer **out, di_error *err);
 /* 1 once the peer has failed (reset, error callback, forced close after a deadline): the caller
  * must connect again. */
 int ucxt_peer_failed(const ucxt_peer *p);
-/* Closes the endpoint (forcibly if it failed). NULL-safe; returns NULL. */
+/* Closes the endpoint. NULL-safe; returns NULL. */
 ucxt_peer *ucxt_peer_close(ucxt_peer *p);
 
-/* Unpacks a remote key received from the peer. DI_OK, DI_EINVAL (bad buffer), DI_EIO. */
-di_status ucxt_rkey_unpack(ucxt_peer *p, const void *buf, size_t len, ucxt_rkey **out,
-                           di_error *err);
-ucxt_rkey *ucxt_rkey_free(ucxt_rkey *k);
-/* A local pointer to the remote address when UCX has mapped the peer's memory into this
- * process (shared-memory transports: the peer is on this host). Loads and stores through it
- * are one-sided accesses to the peer's memory. DI_OK, or DI_EUNSUPPORTED when the memory is
- * not mapped here (the peer is elsewhere: use ucxt_get / ucxt_put). */
-di_status ucxt_rkey_ptr(ucxt_rkey *k, uint64_t remote, void **local, di_error *err);
+/* One object of a batch. */
+typedef struct ucxt_xfer {
+    ucxt_ticket ticket;  /* from the control call */
+    void *buf;           /* fetch: destination; send: source */
+    uint64_t len;        /* fetch: capacity of buf; send: bytes to send */
+    uint64_t got;        /* fetch: bytes received */
+    di_status status;    /* per-object outcome: DI_OK, the store's refusal, DI_ERANGE (the
+                            object does not fit buf), DI_EIO */
+} ucxt_xfer;
 
-/* One transfer of a batch. */
-typedef struct ucxt_op {
-    uint64_t remote;   /* remote virtual address */
-    void *local;       /* local buffer (read by puts, written by gets) */
-    uint64_t len;      /* bytes */
-} ucxt_op;
-
-/* Called as each get of ucxt_get completes successfully, in completion order (so a caller can
- * start verifying while later gets run). */
+/* Called as each fetch completes successfully, in completion order (so a caller can start
+ * verifying while later ones run). */
 typedef void (*ucxt_done_fn)(void *ud, size_t index);
 
-/* Reads n remote ranges into local buffers, at most `window` operations in flight. Returns when
- * all completed: DI_OK; DI_ETIMEDOUT at deadline_ns (di_mono_ns clock; the peer is then closed
- * and marked failed); DI_EUNAVAIL / DI_EIO when the peer failed. done may be NULL. */
-di_status ucxt_get(ucxt_peer *p, ucxt_rkey *k, const ucxt_op *ops, size_t n, uint32_t window,
-                   uint64_t deadline_ns, ucxt_done_fn done, void *ud, di_error *err);
-/* Writes n local buffers to remote ranges, then flushes the endpoint so the bytes are in remote
- * memory when it returns DI_OK. Same codes as ucxt_get. */
-di_status ucxt_put(ucxt_peer *p, ucxt_rkey *k, const ucxt_op *ops, size_t n, uint32_t window,
-                   uint64_t deadline_ns, di_error *err);
+/* Fetches n objects, at most `window` in flight. Returns when all completed: DI_OK (see each
+ * status); DI_ETIMEDOUT at deadline_ns (di_mono_ns clock; the peer is then closed and marked
+ * failed); DI_EUNAVAIL / DI_EIO when the peer failed. done may be NULL. */
+di_status ucxt_fetch(ucxt_peer *p, ucxt_xfer *x, size_t n, uint32_t window, uint64_t deadline_ns,
+                     ucxt_done_fn done, void *ud, di_error *err);
+/* Sends n objects; returns once the store acknowledged each (status per object). Same codes. */
+di_status ucxt_send(ucxt_peer *p, ucxt_xfer *x, size_t n, uint32_t window, uint64_t deadline_ns,
+                    di_error *err);
+
+/* ---- raw messages (tests that attack the store) ---- */
+
+/* Sends one GET (is_put 0) or PUT request with this header and data and waits for the reply:
+ * its status, and for a GET the bytes received (up to cap). The header may be malformed on
+ * purpose (any length). DI_OK when a reply came (see *status); DI_ETIMEDOUT when none came by
+ * the deadline. */
+di_status ucxt_raw_request(ucxt_peer *p, int is_put, const void *header, size_t header_len,
+                           const void *data, size_t len, void *buf, uint64_t cap,
+                           di_status *status, uint64_t *got, uint64_t deadline_ns, di_error *err);
 
 #endif

@@ -1,5 +1,5 @@
-/* The UCX transport (common/net/ucx_xport.h) between two processes: a child maps a region and
- * runs a progress thread like the store; the parent puts and gets bytes with it. */
+/* The UCX transport (common/net/ucx_xport.h) between two processes: a child serves one buffer
+ * through tickets like the store; the parent fetches and sends with good and bad tickets. */
 #include <criterion/criterion.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -10,49 +10,84 @@
 #include "common/net/ucx_xport.h"
 #include "common/util/clock.h"
 
+#define AREA (4u << 20)
+#define OBJ (1u << 20) /* rendezvous-sized */
+
+/* The child's state: one area, two tickets (0: get of [0, OBJ), 1: put into [OBJ, 2 OBJ)). */
+typedef struct served {
+    uint8_t *area;
+    ucxt_ticket t[2];
+    int used[2];
+} served;
+
+static di_status begin(served *sv, int which, const ucxt_ticket *t, ucxt_grant *g)
+{
+    if (memcmp(t->b, sv->t[which].b, sizeof(t->b)) != 0 || sv->used[which])
+        return DI_EAUTH;
+    sv->used[which] = 1;
+    g->addr = sv->area + (size_t)which * OBJ;
+    g->len = OBJ;
+    g->token = sv;
+    return DI_OK;
+}
+
+static di_status get_begin(void *ud, const ucxt_ticket *t, ucxt_grant *g)
+{
+    return begin(ud, 0, t, g);
+}
+
+static di_status put_begin(void *ud, const ucxt_ticket *t, uint64_t len, ucxt_grant *g)
+{
+    return len == OBJ ? begin(ud, 1, t, g) : DI_EINVAL;
+}
+
+static void end(void *ud, void *token, di_status st)
+{
+    (void)ud;
+    (void)token;
+    (void)st;
+}
+
 /* What the child sends through the pipe. */
 typedef struct offer {
-    uint64_t base, bytes;
-    int allocated;
-    size_t addr_len, rkey_len;
-    uint8_t addr[2048], rkey[512];
+    size_t addr_len;
+    uint8_t addr[2048];
+    ucxt_ticket t[2];
 } offer;
 
 static void serve(int wfd, int rfd)
 {
     ucxt_ctx *c;
-    ucxt_region *r;
-    void *addr, *rkey;
+    void *addr;
     offer o = {0};
-    if (ucxt_create(1, &c, NULL) || ucxt_region_map(c, 8 << 20, &r, NULL) ||
-        ucxt_worker_address(c, &addr, &o.addr_len, NULL) ||
-        ucxt_region_rkey(r, &rkey, &o.rkey_len, NULL) || o.addr_len > sizeof(o.addr) ||
-        o.rkey_len > sizeof(o.rkey) || ucxt_progress_start(c, NULL))
+    served sv = {.area = malloc(AREA)};
+    for (int i = 0; i < 2; i++)
+        for (int k = 0; k < UCXT_TICKET_BYTES; k++)
+            sv.t[i].b[k] = (uint8_t)(rand() + i);
+    memcpy(o.t, sv.t, sizeof(o.t));
+    for (size_t i = 0; i < AREA; i++)
+        sv.area[i] = (uint8_t)(i * 7 + 1);
+    ucxt_server_ops ops = {get_begin, end, put_begin, end, &sv};
+    if (!sv.area || ucxt_create(1, NULL, &c, NULL) || ucxt_serve(c, &ops, NULL) ||
+        ucxt_worker_address(c, &addr, &o.addr_len, NULL) || o.addr_len > sizeof(o.addr) ||
+        ucxt_progress_start(c, NULL))
         _exit(2);
-    memset(ucxt_region_base(r), 0xab, 8 << 20);
-    o.base = (uint64_t)(uintptr_t)ucxt_region_base(r);
-    o.bytes = ucxt_region_bytes(r);
-    o.allocated = ucxt_region_allocated(r);
     memcpy(o.addr, addr, o.addr_len);
-    memcpy(o.rkey, rkey, o.rkey_len);
     free(addr);
-    free(rkey);
     if (write(wfd, &o, sizeof(o)) != (ssize_t)sizeof(o))
         _exit(3);
     char b;
     if (read(rfd, &b, 1) != 1) /* parent done */
         _exit(4);
-    ucxt_region_unmap(r);
+    ucxt_progress_stop(c);
+    /* The put landed in the second object, the rest is untouched. */
+    int ok = 1;
+    for (size_t i = 0; i < AREA; i++) {
+        uint8_t want = i >= OBJ && i < 2 * OBJ ? (uint8_t)(i * 3) : (uint8_t)(i * 7 + 1);
+        ok &= sv.area[i] == want;
+    }
     ucxt_destroy(c);
-    _exit(0);
-}
-
-static size_t seen[64];
-
-static void mark(void *ud, size_t i)
-{
-    (void)ud;
-    seen[i]++;
+    _exit(ok ? 0 : 5);
 }
 
 static void read_full(int fd, void *buf, size_t n)
@@ -65,7 +100,7 @@ static void read_full(int fd, void *buf, size_t n)
     }
 }
 
-Test(ucx, put_then_get_between_processes, .timeout = 60)
+Test(ucx, tickets_move_exactly_their_object_and_only_once, .timeout = 60)
 {
     int up[2], down[2];
     cr_assert_eq(pipe(up), 0);
@@ -78,48 +113,61 @@ Test(ucx, put_then_get_between_processes, .timeout = 60)
     }
     close(up[1]);
     close(down[0]);
-    offer *o = malloc(sizeof(*o));
-    read_full(up[0], o, sizeof(*o));
-    cr_assert(o->allocated, "UCP_MEM_MAP_ALLOCATE worked");
-
+    offer o;
+    read_full(up[0], &o, sizeof(o));
     ucxt_ctx *c;
     ucxt_peer *p;
-    ucxt_rkey *k;
     di_error e;
-    cr_assert_eq(ucxt_create(0, &c, &e), DI_OK, "%s", e.msg);
-    cr_assert_eq(ucxt_peer_connect(c, o->addr, o->addr_len, 0, &p, &e), DI_OK, "%s", e.msg);
-    cr_assert_eq(ucxt_rkey_unpack(p, o->rkey, o->rkey_len, &k, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(ucxt_create(0, NULL, &c, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(ucxt_peer_connect(c, o.addr, o.addr_len, 0, &p, &e), DI_OK, "%s", e.msg);
+    uint8_t *buf = malloc(2 * OBJ);
+    uint64_t deadline = di_mono_ns() + 20000000000ull;
 
-    enum { N = 64, LEN = 114048 };
-    uint8_t *src = malloc((size_t)N * LEN), *dst = malloc((size_t)N * LEN);
-    ucxt_op ops[N];
-    for (size_t i = 0; i < N; i++) {
-        memset(src + i * LEN, (int)i + 1, LEN);
-        ops[i] = (ucxt_op){.remote = o->base + i * LEN, .local = src + i * LEN, .len = LEN};
-    }
-    uint64_t deadline = di_mono_ns() + 10000000000ull;
-    cr_assert_eq(ucxt_put(p, k, ops, N, 8, deadline, &e), DI_OK, "%s", e.msg);
-    for (size_t i = 0; i < N; i++)
-        ops[i].local = dst + i * LEN;
-    memset(dst, 0, (size_t)N * LEN);
-    cr_assert_eq(ucxt_get(p, k, ops, N, 4, deadline, mark, NULL, &e), DI_OK, "%s", e.msg);
-    cr_assert_eq(memcmp(src, dst, (size_t)N * LEN), 0, "bytes round-trip");
-    for (size_t i = 0; i < N; i++)
-        cr_assert_eq(seen[i], 1, "op %zu reported %zu times", i, seen[i]);
-    /* Untouched remote memory still holds the child's pattern. */
-    ucxt_op tail = {.remote = o->base + (8 << 20) - 16, .local = dst, .len = 16};
-    cr_assert_eq(ucxt_get(p, k, &tail, 1, 1, deadline, NULL, NULL, &e), DI_OK, "%s", e.msg);
-    cr_assert_eq(dst[0], 0xab);
-    cr_assert_eq(ucxt_get(NULL, k, &tail, 1, 1, deadline, NULL, NULL, &e), DI_EINVAL);
+    /* A forged ticket moves nothing. */
+    ucxt_xfer x = {.buf = buf, .len = 2 * OBJ};
+    memset(buf, 0, 2 * OBJ);
+    cr_assert_eq(ucxt_fetch(p, &x, 1, 1, deadline, NULL, NULL, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(x.status, DI_EAUTH);
+    cr_assert_eq(x.got, 0);
 
-    ucxt_rkey_free(k);
-    ucxt_peer_close(p);
-    ucxt_destroy(c);
-    cr_assert_eq(write(down[1], "x", 1), 1);
-    int status;
-    cr_assert_eq(waitpid(pid, &status, 0), pid);
-    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "server child status %d", status);
-    free(src);
-    free(dst);
-    free(o);
+    /* The get ticket reads exactly its object. */
+    x = (ucxt_xfer){.ticket = o.t[0], .buf = buf, .len = 2 * OBJ};
+    cr_assert_eq(ucxt_fetch(p, &x, 1, 1, deadline, NULL, NULL, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(x.status, DI_OK, "%s", di_status_name(x.status));
+    cr_assert_eq(x.got, OBJ);
+    for (size_t i = 0; i < OBJ; i++)
+        cr_assert_eq(buf[i], (uint8_t)(i * 7 + 1), "byte %zu", i);
+    /* ... once. */
+    cr_assert_eq(ucxt_fetch(p, &x, 1, 1, deadline, NULL, NULL, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(x.status, DI_EAUTH);
+
+    /* A put of the wrong length and a put with the get's ticket are refused. */
+    for (size_t i = 0; i < 2 * OBJ; i++)
+        buf[i] = (uint8_t)(i + OBJ) * 3;
+    x = (ucxt_xfer){.ticket = o.t[1], .buf = buf, .len = OBJ + 64};
+    cr_assert_eq(ucxt_send(p, &x, 1, 1, deadline, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(x.status, DI_EINVAL);
+    x = (ucxt_xfer){.ticket = o.t[0], .buf = buf, .len = OBJ};
+    cr_assert_eq(ucxt_send(p, &x, 1, 1, deadline, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(x.status, DI_EAUTH);
+    /* The put ticket writes its object, acknowledged. */
+    x = (ucxt_xfer){.ticket = o.t[1], .buf = buf, .len = OBJ};
+    cr_assert_eq(ucxt_send(p, &x, 1, 1, deadline, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(x.status, DI_OK, "%s", di_status_name(x.status));
+
+    /* A malformed header gets no reply and moves nothing. */
+    di_status rs = DI_OK;
+    uint64_t got = 0;
+    cr_assert_eq(ucxt_raw_request(p, 0, "xx", 2, NULL, 0, buf, OBJ, &rs, &got,
+                                  di_mono_ns() + 300000000ull, &e),
+                 DI_ETIMEDOUT);
+    p = ucxt_peer_close(p);
+    c = ucxt_destroy(c);
+    free(buf);
+    char b = 1;
+    cr_assert_eq(write(down[1], &b, 1), 1);
+    int status = 0;
+    waitpid(pid, &status, 0);
+    cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "the server's memory outside the put object changed or it failed (%d)", status);
 }
