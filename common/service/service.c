@@ -98,7 +98,7 @@ static int wait_drain(const svc_ctx *ctx, const sigset_t *sigs, drain_job *job)
         int sig = sigtimedwait(sigs, NULL, &ts);
         if (sig == SIGUSR1 && atomic_load(&job->done))
             return 0;
-        if (sig == SIGINT || sig == SIGTERM) {
+        if (sig > 0 && sig != SIGUSR1) {
             di_log(&ctx->log, DI_LOG_ERROR,
                    "second signal %d while draining: exiting with work in flight", sig);
             return 1;
@@ -121,8 +121,8 @@ static void print_usage(const svc_spec *sp)
     if (sp->epilog)
         fputs(sp->epilog, stdout);
     printf("\nSecrets come from files or the environment, never from the command line. Without "
-           "one, only a loopback --listen is allowed.\nSIGTERM or SIGINT drains (up to --drain) "
-           "and exits 0. Exit codes: 0 ok, 1 failure, 2 usage error.\n");
+           "one, only a loopback --listen is allowed.\nSIGTERM, SIGINT, SIGHUP or SIGQUIT "
+           "drains (up to --drain) and exits 0. Exit codes: 0 ok, 1 failure, 2 usage error.\n");
 }
 
 /* 1 when the guard row (the client token) holds a secret. */
@@ -147,6 +147,10 @@ static int parse_options(const svc_spec *sp, int argc, char **argv)
     if (help) {
         print_usage(sp);
         svc_opts_free(sp->rows, sp->n_rows, sp->opts);
+        if (fflush(stdout) != 0 || ferror(stdout)) {
+            fprintf(stderr, "%s: cannot write the help: %s\n", sp->name, strerror(errno));
+            return 1;
+        }
         return 0;
     }
     if (next < argc) {
@@ -176,6 +180,8 @@ int svc_main(const svc_spec *sp, int argc, char **argv)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGHUP);
+    sigaddset(&sigs, SIGQUIT);
     sigaddset(&sigs, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
@@ -205,10 +211,8 @@ int svc_main(const svc_spec *sp, int argc, char **argv)
     }
     di_log(&ctx.log, DI_LOG_INFO, "serving on %s (port %d)", b->listen, port);
 
-    sigset_t stop_sigs;
-    sigemptyset(&stop_sigs);
-    sigaddset(&stop_sigs, SIGINT);
-    sigaddset(&stop_sigs, SIGTERM);
+    sigset_t stop_sigs = sigs;
+    sigdelset(&stop_sigs, SIGUSR1);
     int sig = 0;
     sigwait(&stop_sigs, &sig);
     uint64_t deadline = di_mono_ns() + b->drain_ms * 1000000ull;

@@ -143,6 +143,30 @@ static rpc_stream *count_stream(rpc_client *c, uint32_t n, uint32_t delay_us)
 
 TestSuite(skeleton, .timeout = 90);
 
+Test(skeleton, help_to_a_full_device_exits_1)
+{
+    if (access("/dev/full", W_OK) != 0)
+        cr_skip_test("no /dev/full");
+    /* stdout on /dev/full: the help is lost, and the exit code says so. */
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int full = open("/dev/full", O_WRONLY);
+        int null = open("/dev/null", O_WRONLY);
+        dup2(full, 1);
+        dup2(null, 2);
+        const char *root = getenv("DI_BUILD_ROOT");
+        char exe[1024];
+        snprintf(exe, sizeof(exe), "%s/tests/service/di-svcdemo", root ? root : ".");
+        execl(exe, exe, "--help", (char *)NULL);
+        _exit(127);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    cr_assert(WIFEXITED(st));
+    cr_assert_eq(WEXITSTATUS(st), 1, "help lost on a full device must not exit 0");
+}
+
 Test(skeleton, help_lists_every_option_and_exits_0)
 {
     const char *args[] = {"--help", NULL};
@@ -202,7 +226,7 @@ Test(skeleton, a_port_in_use_fails_to_start_with_exit_1)
     char *out = output(&second);
     cr_assert(strstr(out, "cannot listen on"), "%s", out);
     free(out);
-    kill(first.pid, SIGTERM);
+    kill(first.pid, SIGINT);
     cr_assert_eq(wait_exit(&first, 20000), 0);
     free(output(&first));
 }
@@ -314,7 +338,7 @@ Test(skeleton, token_from_the_environment_guards_every_call)
     cr_assert_eq(rpc_client_call(good, "/demo.Demo/Ping", "x", 1, 5000, &reply, &len, &e), DI_OK,
                  "%s", e.msg);
     free(reply);
-    kill(p.pid, SIGINT);
+    kill(p.pid, SIGHUP);
     cr_assert_eq(wait_exit(&p, 20000), 0);
     rpc_client_close(anon);
     rpc_client_close(wrong);
