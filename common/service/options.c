@@ -196,13 +196,15 @@ static di_status check_path(const svc_opt *o, const char *v, di_error *err)
 {
     if (!*v)
         return di_fail(err, DI_EINVAL, "--%s: an empty path", o->name);
-    if (o->kind == SVC_OPT_FILE) {
+    if (o->kind == SVC_OPT_FILE || o->kind == SVC_OPT_DIR) {
         struct stat sb;
         if (stat(v, &sb) != 0 || access(v, R_OK) != 0)
             return di_fail(err, DI_EINVAL, "--%s: cannot read %s: %s", o->name, v,
                            strerror(errno));
-        if (S_ISDIR(sb.st_mode))
+        if (o->kind == SVC_OPT_FILE && S_ISDIR(sb.st_mode))
             return di_fail(err, DI_EINVAL, "--%s: %s is a directory", o->name, v);
+        if (o->kind == SVC_OPT_DIR && !S_ISDIR(sb.st_mode))
+            return di_fail(err, DI_EINVAL, "--%s: %s is not a directory", o->name, v);
         return DI_OK;
     }
     /* OUTFILE: its directory must exist and be writable. */
@@ -268,6 +270,7 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         *(const char **)f = v;
         return DI_OK;
     case SVC_OPT_FILE:
+    case SVC_OPT_DIR:
     case SVC_OPT_OUTFILE: {
         di_status st = check_path(o, v, err);
         if (st == DI_OK)
