@@ -5,9 +5,9 @@
  * Values: sizes take units (4096, 64KiB, 1.5GiB, 2G: powers of 1024), durations take units
  * (500ms, 60s, 10m, 2h, 3d; a bare number is ms), HOST:PORT is checked (a host, or [v6] in
  * brackets, and a port 0..65535), input files must be readable when parsed, directories must
- * exist, output files must have an existing directory. Secrets never come from argv: a SECRET row's value is the path
- * of a file whose first line is the secret; without the option, the row's environment variable
- * is read. String values point into argv (they live as long as it does); secrets are malloc'd
+ * exist, output files must have an existing directory. Secrets never come from argv: a SECRET
+ * row's value is the path of a file whose first line is the secret; without the option, the
+ * row's environment variable is read. String values point into argv (they live as long as it does); secrets are malloc'd
  * and released by svc_opts_free.
  */
 #ifndef DI_SERVICE_OPTIONS_H
