@@ -7,8 +7,8 @@
  * brackets, and a port 0..65535), input files must be readable when parsed, directories must
  * exist, output files must have an existing directory. Secrets never come from argv: a SECRET
  * row's value is the path of a file whose first line is the secret; without the option, the
- * row's environment variable is read. String values point into argv (they live as long as it does); secrets are malloc'd
- * and released by svc_opts_free.
+ * row's environment variable is read. String values point into argv (they live as long as
+ * it does); secrets are malloc'd and released by svc_opts_free.
  */
 #ifndef DI_SERVICE_OPTIONS_H
 #define DI_SERVICE_OPTIONS_H
