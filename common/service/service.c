@@ -79,6 +79,24 @@ static void *drain_main(void *arg)
     return NULL;
 }
 
+/* Waits for a stop signal, running the tick meanwhile; returns the signal. */
+static int wait_stop(const svc_spec *sp, const svc_ctx *ctx, const sigset_t *stop_sigs)
+{
+    if (!sp->tick || sp->tick_ms == 0) {
+        int sig = 0;
+        sigwait(stop_sigs, &sig);
+        return sig;
+    }
+    const struct timespec every = {.tv_sec = sp->tick_ms / 1000,
+                                   .tv_nsec = (long)(sp->tick_ms % 1000) * 1000000L};
+    for (;;) {
+        int sig = sigtimedwait(stop_sigs, NULL, &every);
+        if (sig > 0)
+            return sig;
+        sp->tick(sp->app, ctx);
+    }
+}
+
 /* Waits for the drain, a second signal or the deadline (plus the margin). Returns 0 when the
  * drain finished in time. */
 static int wait_drain(const svc_ctx *ctx, const sigset_t *sigs, drain_job *job)
@@ -207,14 +225,13 @@ int svc_main(const svc_spec *sp, int argc, char **argv)
         if (b->port_file)
             unlink(b->port_file);
         svc_opts_free(sp->rows, sp->n_rows, sp->opts);
-        return st == DI_EINVAL ? 2 : 1;
+        return st == DI_EINVAL || st == DI_ERANGE ? 2 : 1;
     }
     di_log(&ctx.log, DI_LOG_INFO, "serving on %s (port %d)", b->listen, port);
 
     sigset_t stop_sigs = sigs;
     sigdelset(&stop_sigs, SIGUSR1);
-    int sig = 0;
-    sigwait(&stop_sigs, &sig);
+    int sig = wait_stop(sp, &ctx, &stop_sigs);
     uint64_t deadline = di_mono_ns() + b->drain_ms * 1000000ull;
     di_log(&ctx.log, DI_LOG_INFO, "signal %d: draining (up to %llums)", sig,
            (unsigned long long)b->drain_ms);

@@ -124,6 +124,20 @@ static char *output(proc *p)
     return buf;
 }
 
+/* 1 when the file contains needle. */
+static int file_has(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    char line[512];
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f))
+        found = strstr(line, needle) != NULL;
+    fclose(f);
+    return found;
+}
+
 static rpc_stream *count_stream(rpc_client *c, uint32_t n, uint32_t delay_us)
 {
     uint8_t req[8];
@@ -255,6 +269,11 @@ Test(skeleton, ready_fd_port_file_and_clean_exit_on_sigterm)
                  "%s", e.msg);
     cr_assert_eq(len, 2);
     free(reply);
+    /* The tick runs while serving (every 50 ms, logged at debug level). */
+    uint64_t until = di_mono_ns() + 10000000000ull;
+    while (!file_has(p.out, "tick 2:") && di_mono_ns() < until)
+        usleep(10000);
+    cr_assert(file_has(p.out, "tick 2:"), "no tick while serving");
     kill(p.pid, SIGTERM);
     cr_assert_eq(wait_exit(&p, 20000), 0);
     cr_assert_neq(access(port_file, F_OK), 0, "the port file outlived the service");
