@@ -10,8 +10,13 @@
 #include <unistd.h>
 
 #include "common/model/config.h"
+#include "common/model/shard_sums.h"
 #include "common/net/rpc.h"
+#include "common/util/clock.h"
 #include "common/net/ucx_xport.h"
+#include "common/util/hostport.h"
+#include "common/util/machine.h"
+#include "common/util/outclose.h"
 #include "kvstore/cli.h"
 #include "kvstore/service.h"
 #include "kvstore/store.h"
@@ -27,6 +32,8 @@ typedef struct options {
     double handoff_share;        /* DRAM fraction for handoffs */
     const char *geometry;        /* named geometry */
     const char *model_config;    /* model config file (not in this build) */
+    const char *model_dir;       /* checkpoint: config.json and checksum manifest */
+    const char *yoco;            /* YOCO mode of the engines (part of the KV id) */
     uint64_t nextn;              /* drafts per step: sets the ring size of window states */
     uint64_t block_bytes;        /* override; 0 = from the geometry */
     uint64_t window_bytes;       /* override; 0 = from the geometry */
@@ -55,15 +62,16 @@ typedef struct options {
 #define O(f) offsetof(options, f)
 /* name, kind, offset, default, min, max, metavar, help */
 static const kvcli_opt option_rows[] = {
-    {"listen", KVCLI_STRING, O(listen), "127.0.0.1:9470", 0, 0, "ADDR",
-     "gRPC address (port 0 picks a free one; see --port-file)"},
+    {"listen", KVCLI_LISTEN, O(listen), "127.0.0.1:9470", 0, 0, "HOST:PORT",
+     "gRPC address, port 1..65535 (0 picks a free one; see --port-file)"},
     {"dir", KVCLI_STRING, O(dir), "./kvstore-data", 0, 0, "PATH", "RocksDB directory"},
     {"durability", KVCLI_STRING, O(durability), "wal", 0, 0, "LEVEL",
      "none | wal | fsync: when a commit is acknowledged (below)"},
     {"dram-bytes", KVCLI_SIZE, O(dram_bytes), "1GiB", 1 << 20, 0, "SIZE",
-     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it)"},
+     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it); at most "
+     "the physical memory, with the memtables and the index"},
     {"disk-bytes", KVCLI_SIZE, O(disk_bytes), "64GiB", 4096, 0, "SIZE",
-     "disk tier capacity in object bytes"},
+     "disk tier capacity in object bytes (a warning when above the free space of --dir)"},
     {"dram-window-share", KVCLI_DOUBLE, O(window_share), "0.25", 0.001, 0.9, "F",
      "fraction of the DRAM tier for window states"},
     {"dram-handoff-share", KVCLI_DOUBLE, O(handoff_share), "0.05", 0.001, 0.9, "F",
@@ -71,7 +79,13 @@ static const kvcli_opt option_rows[] = {
     {"geometry", KVCLI_STRING, O(geometry), "v41-flash", 0, 0, "NAME",
      "KV geometry and model id of a shipped model config (v41-flash, tiny, ...)"},
     {"model-config", KVCLI_STRING, O(model_config), NULL, 0, 0, "FILE",
-     "take the KV geometry and model id from this config.json (or its directory)"},
+     "take the KV geometry and a config-only model id from this config.json (or its directory)"},
+    {"model", KVCLI_STRING, O(model_dir), NULL, 0, 0, "DIR",
+     "the checkpoint the engines load: KV geometry and model id (config and weights) from its "
+     "config.json and checksum manifest (no shard is read); engines connect only to a store "
+     "started this way, as --geometry and --model-config ids cover no weights"},
+    {"yoco", KVCLI_STRING, O(yoco), "compact", 0, 0, "MODE",
+     "YOCO mode of the engines, part of the KV id: compact (every engine's default) or mask"},
     {"nextn", KVCLI_UINT, O(nextn), "5", 0, 16, "N", "drafts per step (ring size of windows)"},
     {"block-bytes", KVCLI_SIZE, O(block_bytes), NULL, 0, 0, "N",
      "override the block object size (small test configs)"},
@@ -84,10 +98,10 @@ static const kvcli_opt option_rows[] = {
     {"ttl-window", KVCLI_DURATION, O(ttl_window_ms), "3d", 0, 0, "DUR",
      "cache TTL of window states"},
     {"ttl-handoff", KVCLI_DURATION, O(ttl_handoff_ms), "60s", 0, 0, "DUR", "TTL of handoffs"},
-    {"lease", KVCLI_DURATION, O(lease_ms), "10s", 1, 0, "DUR",
-     "lease given when a client asks for none"},
-    {"lease-max", KVCLI_DURATION, O(lease_max_ms), "60s", 1, 0, "DUR",
-     "longest lease; a lease whose client died ends after it"},
+    {"lease", KVCLI_DURATION, O(lease_ms), "10s", 1, 86400000, "DUR",
+     "lease given when a client asks for none (at most 1d)"},
+    {"lease-max", KVCLI_DURATION, O(lease_max_ms), "60s", 1, 86400000, "DUR",
+     "longest lease (at most 1d); a lease whose client died ends after it"},
     {"alloc-timeout", KVCLI_DURATION, O(alloc_timeout_ms), "30s", 1, 0, "DUR",
      "an allocation not committed by then is reclaimed"},
     {"max-leases", KVCLI_UINT, O(max_leases), "65536", 16, 16777216, "N", "lease records"},
@@ -123,7 +137,8 @@ static void usage(FILE *f)
             "handoffs keyed by hash chain, in a UCX-mapped DRAM tier (clients move bytes with\n"
             "one-sided UCX gets and puts) over a RocksDB tier on disk. Control API over gRPC\n"
             "(di.kvstore.KvStore); administration with di-kvctl. Stops cleanly on SIGTERM or\n"
-            "SIGINT.\n\noptions:\n");
+            "SIGINT (also SIGHUP and SIGQUIT). Exit status: 0 stopped cleanly, 1 failed, 2 bad\n"
+            "usage or a size this machine cannot hold.\n\noptions:\n");
     kvcli_print_options(f, option_rows, N_OPTIONS);
     fprintf(f,
             "\ndurability (when a put is acknowledged, and what survives):\n"
@@ -158,26 +173,85 @@ typedef struct app {
     rpc_server *server;
     void *worker_addr, *rkey;
     size_t worker_addr_len, rkey_len;
+    di_log_limit rpc_warn, rpc_error; /* failed calls: 5 lines per 10 s at each level */
 } app;
 
 static int loopback(const char *listen)
 {
-    return strncmp(listen, "127.", 4) == 0 || strncmp(listen, "localhost:", 10) == 0 ||
-           strncmp(listen, "[::1]:", 6) == 0;
+    di_hostport hp;
+    return di_hostport_parse(listen, true, &hp, NULL) == DI_OK && di_hostport_is_loopback(&hp);
+}
+
+/* Bytes of memory the options commit: the arena, a memtable per class, and the index
+ * (about 200 bytes per object). */
+static uint64_t memory_needed(const options *o)
+{
+    return o->dram_bytes + KVKEY_CLASS_COUNT * o->memtable_bytes + o->max_objects * 200;
+}
+
+/* Sizes against this machine, before anything is allocated: the DRAM tier and what goes with
+ * it must fit in physical memory (a store past it is killed by the kernel mid-run); a disk tier
+ * above the free space of --dir works until the disk is full, so it is only a warning. */
+static di_status check_machine(app *a, di_error *err)
+{
+    di_status st = di_machine_check_memory("--dram-bytes", a->o.dram_bytes, err);
+    if (st == DI_OK)
+        st = di_machine_check_memory("--memtable-bytes", a->o.memtable_bytes, err);
+    if (st == DI_OK) /* each term is bounded now: the sum cannot overflow */
+        st = di_machine_check_memory("--dram-bytes with the memtables (--memtable-bytes) and "
+                                     "the index (--max-objects)",
+                                     memory_needed(&a->o), err);
+    if (st != DI_OK)
+        return st;
+    uint64_t free_bytes;
+    di_error e;
+    if (di_machine_free_bytes(a->o.dir, &free_bytes, &e) == DI_OK &&
+        free_bytes < a->o.disk_bytes) {
+        char want[32], have[32];
+        di_machine_format_bytes(a->o.disk_bytes, want, sizeof(want));
+        di_machine_format_bytes(free_bytes, have, sizeof(have));
+        di_log(&a->log, DI_LOG_WARN,
+               "--disk-bytes %s is above the %s free on %s: writes will fail once the disk is "
+               "full (ignoring)",
+               want, have, a->o.dir);
+    }
+    return DI_OK;
 }
 
 static di_status load_geometry(app *a, di_error *err)
 {
-    /* A model config file wins over a shipped name; both go through the config parser, so the
-     * model id (the KV fingerprint) is the one the engines compute. */
-    const char *src = a->o.model_config ? a->o.model_config : a->o.geometry;
+    /* A checkpoint wins over a config file, which wins over a shipped name; all go through the
+     * config parser. Only a checkpoint's manifest gives the model id the engines compute (it
+     * covers the weights); the other two give a config-only id, for benchmarks. */
+    uint32_t yoco = KV_YOCO_DEFAULT;
+    while (yoco <= KV_YOCO_MASK && strcmp(kv_yoco_name(yoco), a->o.yoco) != 0)
+        yoco++;
+    if (yoco == KV_YOCO_OFF || yoco > KV_YOCO_MASK)
+        return di_fail(err, DI_EINVAL, "--yoco '%s': expected compact or mask (a store hit is "
+                       "exact only with a truncated prefill)", a->o.yoco);
+    if (a->o.model_dir && a->o.model_config)
+        return di_fail(err, DI_EINVAL, "--model and --model-config exclude each other");
+    const char *src = a->o.model_dir      ? a->o.model_dir
+                      : a->o.model_config ? a->o.model_config
+                                          : a->o.geometry;
+    const char *what = a->o.model_dir ? "--model" : a->o.model_config ? "--model-config"
+                                                                      : "--geometry";
     model_config cfg;
+    uint8_t weights[DI_SHA256_BYTES];
     di_status st = model_config_resolve(src, &cfg, err);
+    if (st == DI_OK && a->o.model_dir) {
+        st = shard_sums_read_fingerprint(a->o.model_dir, weights, err);
+        if (st == DI_ENOENT)
+            di_error_prefix(err, "no checksum manifest (write one with di-mkmodel --manifest "
+                            "DIR): ");
+        if (st == DI_OK)
+            cfg.model_id = model_config_id_with_weights(&cfg, weights);
+    }
     if (st != DI_OK) {
-        di_error_prefix(err, "%s %s: ", a->o.model_config ? "--model-config" : "--geometry", src);
+        di_error_prefix(err, "%s %s: ", what, src);
         return st;
     }
-    model_config_kv_geometry(&cfg, (uint32_t)a->o.nextn, &a->geometry);
+    model_config_kv_geometry_yoco(&cfg, (uint32_t)a->o.nextn, yoco, &a->geometry);
     a->object_bytes[KVKEY_BLOCK] =
         a->o.block_bytes ? a->o.block_bytes : kv_block_bytes(&a->geometry);
     a->object_bytes[KVKEY_WINDOW] =
@@ -255,12 +329,16 @@ static di_status open_store(app *a, int durability, di_error *err)
 static void log_rpc_error(void *ud, const char *method, const char *peer, di_status st,
                           const char *msg)
 {
-    const di_logger *lg = ud;
-    di_log_level lv = st == DI_ENOENT || st == DI_EEXIST ? DI_LOG_DEBUG
-                      : st == DI_EINTERNAL || st == DI_EIO || st == DI_ENOMEM ? DI_LOG_ERROR
-                                                                               : DI_LOG_WARN;
-    if (di_log_enabled(lg, lv))
-        di_log(lg, lv, "%s from %s failed: %s (%s)", method, peer, msg, di_status_name(st));
+    app *a = ud;
+    if (st == DI_ENOENT || st == DI_EEXIST) {
+        di_log(&a->log, DI_LOG_DEBUG, "%s from %s failed: %s (%s)", method, peer, msg,
+               di_status_name(st));
+        return;
+    }
+    di_log_limit *l =
+        st == DI_EINTERNAL || st == DI_EIO || st == DI_ENOMEM ? &a->rpc_error : &a->rpc_warn;
+    di_log_limited(&a->log, l, di_mono_ns(), "%s from %s failed: %s (%s)", method, peer, msg,
+                   di_status_name(st));
 }
 
 static di_status start_service(app *a, int durability, uint64_t store_id, int *port,
@@ -284,7 +362,7 @@ static di_status start_service(app *a, int durability, uint64_t store_id, int *p
                             .engine_token = a->engine_token, .admin_token = a->admin_token,
                             .tls_cert_pem = a->tls_cert, .tls_key_pem = a->tls_key,
                             .tls_client_ca_pem = a->tls_ca, .on_error = log_rpc_error,
-                            .on_error_ud = &a->log};
+                            .on_error_ud = a};
     st = rpc_server_start(&rc, &a->server, port, err);
     if (st == DI_OK)
         st = ucxt_progress_start(a->ucx, err);
@@ -329,11 +407,13 @@ static void shutdown_app(app *a)
     free(a->tls_ca);
 }
 
-static int fail(app *a, const char *what, const di_error *e)
+/* Every exit after the options are read goes through here: one line, then the shutdown of
+ * whatever was started. Status 2 for bad flags (DI_EINVAL), 1 for the rest. */
+static int fail(app *a, const char *what, di_status st, const di_error *e)
 {
     fprintf(stderr, "di-kvstore: %s: %s\n", what, e->msg);
     shutdown_app(a);
-    return 1;
+    return st == DI_EINVAL ? 2 : 1;
 }
 
 int main(int argc, char **argv)
@@ -343,6 +423,8 @@ int main(int argc, char **argv)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGHUP);
+    sigaddset(&sigs, SIGQUIT);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
 
@@ -357,7 +439,7 @@ int main(int argc, char **argv)
     }
     if (help) {
         usage(stdout);
-        return 0;
+        return di_close_stdout("di-kvstore", 0);
     }
     if (next < argc) {
         fprintf(stderr, "di-kvstore: unexpected argument \"%s\" (see --help)\n", argv[next]);
@@ -372,20 +454,27 @@ int main(int argc, char **argv)
         return 2;
     }
     a.log = di_logger_stderr((di_log_level)level, "kvstore");
-    if (load_geometry(&a, &e) != DI_OK)
-        return fail(&a, "geometry", &e);
-    if (load_secrets(&a, &e) != DI_OK)
-        return fail(&a, "auth", &e);
-    if (open_store(&a, durability, &e) != DI_OK)
-        return fail(&a, "opening the store", &e);
+    di_log_limit_init(&a.rpc_warn, "calls failed", DI_LOG_WARN, 5, 10000);
+    di_log_limit_init(&a.rpc_error, "calls failed", DI_LOG_ERROR, 5, 10000);
+    if (check_machine(&a, &e) != DI_OK) {
+        fprintf(stderr, "di-kvstore: %s\n", e.msg);
+        return 2;
+    }
+    di_status st;
+    if ((st = load_geometry(&a, &e)) != DI_OK)
+        return fail(&a, "geometry", st, &e);
+    if ((st = load_secrets(&a, &e)) != DI_OK)
+        return fail(&a, "auth", st, &e);
+    if ((st = open_store(&a, durability, &e)) != DI_OK)
+        return fail(&a, "opening the store", st, &e);
     uint64_t store_id = 0;
     if (getrandom(&store_id, sizeof(store_id), 0) != (ssize_t)sizeof(store_id))
         store_id = (uint64_t)getpid() ^ kvs_now_ms(a.store);
     int port = 0;
-    if (start_service(&a, durability, store_id, &port, &e) != DI_OK)
-        return fail(&a, "starting the service", &e);
-    if (announce(&a, port, &e) != DI_OK)
-        return fail(&a, "announcing the port", &e);
+    if ((st = start_service(&a, durability, store_id, &port, &e)) != DI_OK)
+        return fail(&a, "starting the service", st, &e);
+    if ((st = announce(&a, port, &e)) != DI_OK)
+        return fail(&a, "announcing the port", st, &e);
     char dram[32], disk[32];
     kvcli_format_size(a.o.dram_bytes, dram, sizeof(dram));
     kvcli_format_size(a.o.disk_bytes, disk, sizeof(disk));
@@ -396,10 +485,18 @@ int main(int argc, char **argv)
            (unsigned long long)a.object_bytes[KVKEY_BLOCK],
            (unsigned long long)a.object_bytes[KVKEY_WINDOW],
            a.engine_token || a.admin_token ? "tokens" : "none", a.tls_cert ? "on" : "off");
-    int sig = 0;
-    sigwait(&sigs, &sig);
+    int sig = -1;
+    const struct timespec second = {.tv_sec = 1};
+    while (sig < 0) { /* once a second: counts of rate-limited log lines */
+        sig = sigtimedwait(&sigs, NULL, &second);
+        kvsvc_tick(a.svc);
+        di_log_limit_flush(&a.log, &a.rpc_warn, di_mono_ns(), 0);
+        di_log_limit_flush(&a.log, &a.rpc_error, di_mono_ns(), 0);
+    }
     di_log(&a.log, DI_LOG_INFO, "signal %d: stopping (finishing calls in flight)", sig);
     shutdown_app(&a);
+    di_log_limit_flush(&a.log, &a.rpc_warn, di_mono_ns(), 1);
+    di_log_limit_flush(&a.log, &a.rpc_error, di_mono_ns(), 1);
     di_log(&a.log, DI_LOG_INFO, "stopped");
     return 0;
 }

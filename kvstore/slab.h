@@ -18,7 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/net/kv_keys.h"
+#include "common/kvfmt/kv_keys.h"
 #include "common/util/status.h"
 
 #define KVSLAB_ALIGN 64u

@@ -6,8 +6,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
-#include "common/net/kv_keys.h"
+#include "common/kvfmt/kv_layout.h"
+#include "common/kvfmt/kv_keys.h"
 
 /* Fills obj (bytes long, header included): splitmix64 payload seeded by the key's first 8
  * bytes and salt, then a kv_header (magic, g's model id, the key, token_count,

@@ -2,7 +2,7 @@
 
 #include <assert.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 
 uint32_t slots_ring_positions(uint32_t window, uint32_t nextn, uint32_t backtracking)
 {

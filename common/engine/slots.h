@@ -1,7 +1,7 @@
 /* slots.h: the state-slot pool of one rank.
  *
  * A state slot is a running sequence's fixed-size state: one window ring per layer (and per
- * draft stage) plus the compressors' pending tokens (common/model/kv_layout.h gives the bytes).
+ * draft stage) plus the compressors' pending tokens (common/kvfmt/kv_layout.h gives the bytes).
  * Blocks grow with a request; a slot does not, which is why the engine keeps two pools
  * (explainer Pass 2, "The state slot"). Every sequence that runs or holds a prefill
  * reservation owns exactly one slot; slots_check asserts it.
@@ -36,7 +36,7 @@ typedef struct slots {
 } slots;
 
 /* Ring positions for a window: window + max(backtracking, nextn + 1), the KV layout's rule
- * (kv_ring_positions_for in common/model/kv_layout.h). */
+ * (kv_ring_positions_for in common/kvfmt/kv_layout.h). */
 uint32_t slots_ring_positions(uint32_t window, uint32_t nextn, uint32_t backtracking);
 /* Ring entry of position p. ring > 0. */
 static inline uint32_t slots_ring_index(uint64_t position, uint32_t ring)

@@ -3,15 +3,12 @@
 #include <math.h>
 #include <string.h>
 
-#include "common/model/kv_layout.h"
 
-void store_plan_input_defaults(store_plan_input *in)
+void store_plan_input_defaults(store_plan_input *in, const kv_geometry *g)
 {
     memset(in, 0, sizeof(*in));
-    kv_geometry g;
-    kv_geometry_v41_flash(5, &g);
-    in->bytes_per_token = (double)kv_block_bytes(&g) / g.block_tokens;
-    in->window_state_bytes = (double)kv_window_state_bytes(&g);
+    in->bytes_per_token = (double)kv_block_bytes(g) / g->block_tokens;
+    in->window_state_bytes = (double)kv_window_state_bytes(g);
 }
 
 const char *store_plan_limit_name(const store_plan_result *r)

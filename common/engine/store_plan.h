@@ -49,6 +49,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/kvfmt/kv_layout.h"
 #include "common/util/status.h"
 
 #define STORE_PLAN_MAX_RETENTION 16u
@@ -104,9 +105,10 @@ typedef struct store_plan_result {
     uint64_t servers_with_window_state; /* capacity servers for blocks + window states */
 } store_plan_result;
 
-/* Fills bytes_per_token and window_state_bytes with V4.1-Flash's figures (nextn 5) and leaves
- * every other field zero. */
-void store_plan_input_defaults(store_plan_input *in);
+/* Fills bytes_per_token and window_state_bytes with the figures of geometry g (V4.1-Flash with
+ * nextn 5: kv_geometry_v41_flash(5) of common/model/config.h) and leaves every other field
+ * zero. */
+void store_plan_input_defaults(store_plan_input *in, const kv_geometry *g);
 
 /* "capacity" or "bandwidth". */
 const char *store_plan_limit_name(const store_plan_result *r);

@@ -1,5 +1,7 @@
 #include "common/engine/synth.h"
 
+#include <string.h>
+
 di_status synth_create(const synth_config *cfg, uint32_t max_entries, const di_alloc *a,
                        synth **out, di_error *err)
 {
@@ -125,4 +127,22 @@ const sched_seq_result *synth_run(synth *y, const sched_plan *plan)
     for (uint32_t i = 0; i < n; i++)
         synth_one(y, plan, &plan->seqs[i], &y->results[i]);
     return y->results;
+}
+
+static di_status synth_exec_step(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                                 di_error *err)
+{
+    synth *y = ctx;
+    if (plan->n_seqs > y->cap && !plan->placeholder)
+        return di_fail(err, DI_EINVAL, "synthetic runner: plan of %u entries, made for %u",
+                       plan->n_seqs, y->cap);
+    const sched_seq_result *r = synth_run(y, plan);
+    uint32_t n = plan->n_seqs < y->cap ? plan->n_seqs : y->cap;
+    memcpy(results, r, sizeof(*r) * n);
+    return DI_OK;
+}
+
+engine_executor synth_executor(synth *y)
+{
+    return (engine_executor){.ctx = y, .step = synth_exec_step};
 }

@@ -21,6 +21,7 @@
 
 #include <stdint.h>
 
+#include "common/engine/engine.h"
 #include "common/engine/scheduler.h"
 #include "common/util/alloc.h"
 #include "common/util/philox.h"
@@ -62,6 +63,9 @@ di_status synth_create(const synth_config *cfg, uint32_t max_entries, const di_a
 void synth_destroy(synth *y);
 /* Results for every entry of plan (valid until the next call). */
 const sched_seq_result *synth_run(synth *y, const sched_plan *plan);
+/* The synthetic runner as an engine executor (engine.h): step copies synth_run's results; no
+ * per-request state (add and remove are NULL). y must outlive the engine. */
+engine_executor synth_executor(synth *y);
 /* The chance that draft token t passes (see the top). */
 double synth_draft_chance(const synth *y, int32_t t);
 

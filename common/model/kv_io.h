@@ -39,7 +39,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
+#include "common/kvfmt/kv_object.h"
 #include "common/model/state.h"
 #include "common/util/status.h"
 
@@ -50,10 +51,6 @@
 di_status kvio_block_export(const fwd_kv *kv, uint32_t block, const uint8_t key[32],
                             uint64_t first_position, void *dst, size_t cap, di_error *err);
 
-/* Checks that obj (bytes long) is a sound block object for this geometry holding positions
- * first_position .. +127 under key. DI_OK; DI_ECORRUPT naming what failed; DI_EINVAL (NULL). */
-di_status kvio_block_check(const kv_geometry *g, const void *obj, size_t bytes,
-                           const uint8_t key[32], uint64_t first_position, di_error *err);
 
 /* kvio_block_check, then copies the payload into block `block` of kv. DI_OK; DI_ECORRUPT and
  * DI_EINVAL as above (and block out of range) with the block untouched. */
@@ -66,10 +63,6 @@ di_status kvio_block_import(fwd_kv *kv, uint32_t block, const void *obj, size_t 
 di_status kvio_window_export(const fwd_kv *kv, uint32_t slot, uint64_t position,
                              const uint8_t key[32], void *dst, size_t cap, di_error *err);
 
-/* Checks that obj is a sound window state of this geometry at `position` under key. DI_OK;
- * DI_ECORRUPT naming what failed; DI_EINVAL (NULL). */
-di_status kvio_window_check(const kv_geometry *g, const void *obj, size_t bytes,
-                            const uint8_t key[32], uint64_t position, di_error *err);
 
 /* kvio_window_check, then sets state slot `slot`: the stored rings and pending state from the
  * object, every other byte zero. DI_OK; DI_ECORRUPT, DI_EINVAL with the slot untouched. */

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/util/clock.h"
+#include "common/util/machine.h"
 
 #define RX_MAX_ROWS (SEQ_MAX_NEXTN + 1)
 
@@ -98,7 +99,14 @@ di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
     ex->nextn = c->n_mtp ? opt->fwd.nextn : 0;
     ex->max_entries = opt->fwd.max_rows;
     size_t E = ex->max_entries, T = opt->fwd.max_rows, nx = ex->nextn ? ex->nextn : 1;
-    di_status st = fwd_model_create(rm->w, be, &ex->opt.fwd, &ex->m, err);
+    /* The host logits of a full step must fit this machine before any of it is allocated (the
+     * draft rows' buffer is an upper bound a step touches only in part); the forward checks its
+     * own scratch. */
+    char what[64];
+    snprintf(what, sizeof(what), "logits of steps of %zu rows:", T);
+    di_status st = di_machine_check_memory(what, (uint64_t)T * ex->V * 4, err);
+    if (st == DI_OK)
+        st = fwd_model_create(rm->w, be, &ex->opt.fwd, &ex->m, err);
     if (st == DI_OK)
         st = fwd_run_create(ex->m, &ex->run, err);
     if (st == DI_OK)
@@ -559,4 +567,30 @@ di_status runner_exec_time_step(runner_exec *ex, uint32_t rows, uint32_t reps, d
     if (st == DI_OK)
         *ms = best;
     return st;
+}
+
+static di_status exec_add(void *ctx, const sched_request *req, const void *args, di_error *err)
+{
+    const runner_request *rq = args;
+    if (!rq || rq->id != req->id || rq->prompt_len != req->prompt_len)
+        return di_fail(err, DI_EINVAL, "request %llu: the runner needs its runner_request",
+                       (unsigned long long)req->id);
+    return runner_exec_add(ctx, rq, err);
+}
+
+static void exec_remove(void *ctx, uint64_t id)
+{
+    runner_exec_remove(ctx, id);
+}
+
+static di_status exec_step(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                           di_error *err)
+{
+    return runner_exec_step(ctx, plan, results, err);
+}
+
+engine_executor runner_exec_executor(runner_exec *ex)
+{
+    return (engine_executor){.ctx = ex, .add = exec_add, .remove = exec_remove,
+                             .step = exec_step};
 }

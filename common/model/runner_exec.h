@@ -26,6 +26,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
+#include "common/engine/engine.h"
 #include "common/engine/scheduler.h"
 #include "common/model/forward.h"
 #include "common/model/runner.h"
@@ -73,7 +74,9 @@ typedef struct runner_token {
 } runner_token;
 
 /* Creates the forward model, run scratch, KV storage and sampler workspace. DI_EINVAL,
- * DI_ENOMEM, or the forward's codes. rm and be must outlive the executor. */
+ * DI_ERANGE (the host logits or scratch of steps of max_rows rows exceed physical memory,
+ * checked before allocating), DI_ENOMEM, or the forward's codes. rm and be must outlive the
+ * executor. */
 di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
                              const runner_exec_options *opt, runner_exec **out, di_error *err);
 void runner_exec_free(runner_exec *ex); /* NULL-safe */
@@ -95,6 +98,12 @@ di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_re
 const runner_token *runner_exec_tokens(const runner_exec *ex, uint64_t id, uint32_t *n);
 /* The failure message of the request's latest failed step ("" when none). */
 const char *runner_exec_error(const runner_exec *ex, uint64_t id);
+
+/* The executor behind the engine loop (engine.h): add takes the request's runner_request as
+ * engine_add's exec_args (its id and prompt must be the request's; DI_EINVAL when missing or
+ * different), remove is runner_exec_remove, step is runner_exec_step. ex must outlive the
+ * engine. */
+engine_executor runner_exec_executor(runner_exec *ex);
 
 const fwd_model *runner_exec_model(const runner_exec *ex);
 /* The KV storage the plans' block and slot ids address (for exporting KV to the store). */

@@ -1,5 +1,5 @@
 /* CPU ops: cache writes (window rings, compressor pending state, compressed entries) and the
- * ratio-r compressor pooling. Byte layouts: common/model/kv_layout.h. */
+ * ratio-r compressor pooling. Byte layouts: common/kvfmt/kv_layout.h. */
 #include <stdlib.h>
 
 #include "kernels/cpu/cpu_internal.h"

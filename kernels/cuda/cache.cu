@@ -1,5 +1,5 @@
 /* cache.cu: the cache writes of the attention (MODEL.md §2.5-2.7; byte layouts of
- * common/model/kv_layout.h): window ring entries (kern_ring_store), the ratio-r compressor
+ * common/kvfmt/kv_layout.h): window ring entries (kern_ring_store), the ratio-r compressor
  * pooling with its pending-token state (kern_compress_pool) and the compressed entries with
  * their index keys in the paged blocks (kern_compressed_store). C twins:
  * kernels/cpu/ops_cache.c.

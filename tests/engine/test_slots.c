@@ -1,7 +1,7 @@
 #include <criterion/criterion.h>
 
 #include "common/engine/slots.h"
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 
 /* The slot pool's ring size is the KV layout's (the state slot bytes depend on it). */
 Test(slots, ring_rule_agrees_with_kv_layout)

@@ -2,7 +2,8 @@
  * backend against byte-level and double-precision formulations. */
 #include <criterion/criterion.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
+#include "common/model/config.h"
 #include "tests/forward/testutil.h"
 
 /* One sequence's view for the ops. */

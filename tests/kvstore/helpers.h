@@ -6,8 +6,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
-#include "common/net/kv_keys.h"
+#include "common/kvfmt/kv_layout.h"
+#include "common/model/config.h"
+#include "common/kvfmt/kv_keys.h"
 
 /* Creates /tmp/di-kvtest-XXXXXX and writes its path into dir (capacity 256). */
 void th_tmpdir(char *dir);

@@ -1,4 +1,4 @@
-/* Chain keys (common/net/kv_keys.h). Expected digests were computed independently with
+/* Chain keys (common/kvfmt/kv_keys.h). Expected digests were computed independently with
  * Python's hashlib:
  *   h = b'\0' * 32
  *   h = sha256(h + struct.pack('<Q', model_id) + struct.pack('<128i', *tokens)).digest()
@@ -7,7 +7,8 @@
 #include <criterion/criterion.h>
 #include <string.h>
 
-#include "common/net/kv_keys.h"
+#include "common/kvfmt/kv_keys.h"
+#include "common/model/config.h"
 #include "common/util/hash64.h"
 
 #define MID 0x7634312d666c7368ull

@@ -3,7 +3,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
+#include "common/model/config.h"
 #include "common/util/hash64.h"
 
 Test(kv_layout, v41_flash_sizes_match_the_explainer)

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/engine/store_plan.h"
+#include "common/model/config.h"
 
 /* Relative closeness. */
 #define cr_assert_rel(x, want, rel)                                                            \
@@ -15,7 +16,9 @@
 static store_plan_input example(void)
 {
     store_plan_input in;
-    store_plan_input_defaults(&in);
+    kv_geometry g;
+    kv_geometry_v41_flash(5, &g);
+    store_plan_input_defaults(&in, &g);
     in.tokens_per_day = 155e12;
     in.input_share = 0.9;
     in.input_hit_rate = 0.8;
@@ -181,7 +184,9 @@ Test(store_plan, defaults_come_from_the_kv_layout)
 {
     store_plan_input in;
     memset(&in, 0x7f, sizeof(in));
-    store_plan_input_defaults(&in);
+    kv_geometry g;
+    kv_geometry_v41_flash(5, &g);
+    store_plan_input_defaults(&in, &g);
     cr_assert_eq(in.bytes_per_token, 891.0, "114,048-byte block / 128 tokens");
     cr_assert_eq(in.window_state_bytes, 1501184.0);
     cr_assert_eq(in.tokens_per_day, 0.0);

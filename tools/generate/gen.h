@@ -35,11 +35,12 @@ typedef struct gen_args {
     bool ignore_eos;             /* --ignore-eos */
     int32_t nextn;               /* --nextn; -1 = the model's draft block size */
     uint32_t threads;            /* --threads */
-    bool cuda;                   /* --backend cuda: the forward on a CUDA device */
+    const char *backend;         /* --backend: "cpu" or "cuda" (serve_backend_open); borrowed */
     int device;                  /* --device: the CUDA device ordinal */
     uint32_t chunk;              /* --chunk: prefill tokens per step */
     uint64_t max_model_len;      /* --max-model-len; 0 = the config's limit */
-    fwd_yoco yoco;               /* --yoco */
+    fwd_yoco yoco;               /* --yoco; FWD_YOCO_DEFAULT */
+    bool trust_weights;          /* --trust-weights: the checksum manifest is not verified */
     uint32_t keep_tokens;        /* --keep-tokens */
     bool json;                   /* --json */
     bool quiet;                  /* --quiet */

@@ -7,14 +7,12 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "common/engine/scheduler.h"
+#include "common/engine/engine.h"
 #include "common/model/runner.h"
 #include "common/model/runner_exec.h"
 #include "common/util/clock.h"
-#include "kernels/cpu/backend.h"
-#ifdef DI_HAVE_CUDA
-#include "kernels/cuda/backend_cuda.h"
-#endif
+#include "common/serve/backend.h"
+#include "common/serve/model_open.h"
 #include "tools/generate/gen.h"
 #include "tools/generate/kvcache.h"
 #ifdef DI_HAVE_TOKENIZER
@@ -254,75 +252,61 @@ static void load_progress(void *ud, const model_load_progress *p)
         fputc('\n', stderr);
 }
 
-static di_status load_model(const gen_args *a, runner_model *rm, di_error *err)
+/* Model, tokenizer and Engram map in one call: the checkpoint of --model or random weights of
+ * --config; the tokenizer of --tokenizer or the model directory's, or the default one when a
+ * prompt is text. */
+static di_status open_model(const gen_args *a, serve_model *m, di_error *err)
 {
-    model_load_options lo = {.flags = MODEL_LOAD_WO_A_BF16, .progress = load_progress,
-                             .progress_userdata = (void *)a};
-    if (a->model_dir)
-        return runner_model_load(a->model_dir, &lo, rm, err);
-    const char *cfg = a->config ? a->config : "small";
-    if (!a->quiet)
-        fprintf(stderr, "di-generate: building random weights for config %s (seed %llu)\n", cfg,
-                (unsigned long long)a->weights_seed);
-    return runner_model_random(cfg, a->weights_seed, NULL, &lo, rm, err);
+    bool texts = false;
+    for (uint32_t i = 0; i < a->n_prompts; i++)
+        texts |= a->prompts[i].text != NULL;
+    model_load_options lo = {.flags = MODEL_LOAD_WO_A_BF16 |
+                                      (a->trust_weights ? MODEL_LOAD_TRUST_SUMS : 0),
+                             .progress = load_progress, .progress_userdata = (void *)a};
+    serve_model_options o = {.model_dir = a->model_dir, .config = a->config,
+                             .weights_seed = a->weights_seed, .tokenizer = a->tokenizer,
+                             .need_tokenizer = texts, .load = &lo};
+    if (!a->model_dir && !a->quiet)
+        fprintf(stderr, "di-generate: building random weights for config %s (seed %llu)\n",
+                a->config ? a->config : "small", (unsigned long long)a->weights_seed);
+    return serve_model_open(&o, m, err);
+}
+
+/* The start-up line: which model (config and weights) and which YOCO mode, the two things a
+ * KV store hit depends on. */
+static void print_identity(const gen_args *a, const model_weights *w)
+{
+    if (a->quiet)
+        return;
+    const shard_sums_result *s = &w->sums;
+    fprintf(stderr, "di-generate: model id %016llx (config and weights: %s); YOCO %s%s; KV id "
+            "%016llx\n", (unsigned long long)w->config.model_id,
+            s->verified ? "checksum manifest verified"
+            : s->had_manifest ? "checksum manifest trusted, not verified"
+                              : "no checksum manifest, shards hashed",
+            kv_yoco_name((uint32_t)a->yoco),
+            a->yoco == FWD_YOCO_DEFAULT ? " (the default)" : " (not the default: no KV sharing "
+            "with engines that run the default)",
+            (unsigned long long)kv_model_id(w->config.model_id, (uint32_t)a->yoco));
 }
 
 /* ---- tokenizer ---- */
 
-/* Loads the tokenizer (explicit or the model directory's), builds the Engram map from it when
- * the model directory has one (MODEL.md: it takes precedence over engram_token_map.json), and
- * encodes the text prompts. Without a tokenizer, text prompts are refused. */
-static di_status use_tokenizer(gen_args *a, runner_model *rm, gen_ctx *g, di_error *err)
+/* Encodes the text prompts with the model's tokenizer (BOS first unless --no-bos). */
+static di_status encode_prompts(gen_args *a, gen_ctx *g, di_error *err)
 {
-    char path[4096];
-    const char *file = a->tokenizer;
-    if (!file && a->model_dir && rm->has_tokenizer) {
-        snprintf(path, sizeof path, "%s/tokenizer.json", a->model_dir);
-        file = path;
-    }
-    bool texts = false;
-    for (uint32_t i = 0; i < a->n_prompts; i++)
-        texts |= a->prompts[i].text != NULL;
-#ifdef DI_HAVE_TOKENIZER
-    di_status st;
-    if (!file && texts)
-        file = tok_default_path(); /* $DI_TOKENIZER, else the one install-deps.sh fetched */
-    if (file) {
-        tok_tokenizer *t;
-        if ((st = tok_load_file(file, &t, err)) != DI_OK) {
-            di_error_prefix(err, "tokenizer %s: ", file);
-            return st;
-        }
-        g->tok = t;
-        const model_config *c = &rm->w->config;
-        if ((uint32_t)tok_vocab_size(t) > c->vocab_size && texts)
-            return di_fail(err, DI_EINVAL,
-                           "tokenizer %s has %d ids but the model's vocabulary is %u: use a model "
-                           "made for this tokenizer (for random weights, --config demo)",
-                           file, tok_vocab_size(t), c->vocab_size);
-        if (rm->has_tokenizer && c->n_engram_layers) {
-            tok_engram_map *map;
-            if ((st = tok_engram_map_build(t, (int32_t)c->vocab_size, (int32_t)c->engram_pad_id,
-                                           &map, err)) != DI_OK ||
-                (st = runner_model_set_token_map(rm, map->map, (uint32_t)map->vocab_size,
-                                                 map->pad_token_id, err)) != DI_OK) {
-                tok_engram_map_free(map);
-                di_error_prefix(err, "Engram token map from %s: ", file);
-                return st;
-            }
-            tok_engram_map_free(map);
-        }
-    }
     for (uint32_t i = 0; i < a->n_prompts; i++) {
         gen_ids *p = &a->prompts[i];
         if (!p->text)
             continue;
+#ifdef DI_HAVE_TOKENIZER
         if (!g->tok)
             return di_fail(err, DI_EINVAL, "prompt %u is text but there is no tokenizer: give "
                            "--tokenizer FILE, a --model directory with tokenizer.json, set "
                            "DI_TOKENIZER, or run deploy/local/install-deps.sh", i + 1);
         tok_ids ids = {0};
         int32_t bos = tok_bos_id(g->tok);
+        di_status st;
         if (!a->no_bos && bos >= 0 && (st = tok_ids_push(&ids, bos, err)) != DI_OK)
             return st;
         if ((st = tok_encode(g->tok, p->text, strlen(p->text), &ids, err)) != DI_OK) {
@@ -334,15 +318,12 @@ static di_status use_tokenizer(gen_args *a, runner_model *rm, gen_ctx *g, di_err
         p->n = (uint32_t)ids.n;
         if (p->n == 0)
             return di_fail(err, DI_EINVAL, "prompt %u: empty prompt (no tokens)", i + 1);
+#else
+        (void)g;
+        return di_fail(err, DI_EUNSUPPORTED, "text prompts need the tokenizer module");
+#endif
     }
     return DI_OK;
-#else
-    (void)g;
-    (void)file;
-    if (texts)
-        return di_fail(err, DI_EUNSUPPORTED, "text prompts need the tokenizer module");
-    return DI_OK;
-#endif
 }
 
 /* ---- the run ---- */
@@ -371,31 +352,26 @@ static di_status check_prompts(const gen_args *a, const model_config *c, uint64_
 }
 
 typedef struct run_state {
-    sched *s;
-    runner_exec *ex;
+    engine *e;                   /* the engine loop over the scheduler and the executor */
+    runner_exec *ex;             /* the model runner */
+    engine_executor rx;          /* ex as an executor (run_step wraps its step) */
     gen_kv *kv;                  /* --kvstore client, or NULL */
-    sched_seq_result *results;
-    uint32_t max_results;
+    gen_ctx *g;                  /* where outputs go */
+    di_status out_st;            /* the first failure while taking outputs */
+    di_error out_err;
     uint64_t prefill_tokens, decode_steps, decode_tokens;
     double prefill_s, decode_s;
 } run_state;
 
-static di_status step_once(gen_ctx *g, run_state *rs, di_error *err)
+/* The executor: the model runner's step, then the store writes of what it computed, timed. */
+static di_status run_step(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                          di_error *err)
 {
-    sched_plan *plan;
-    di_status st = sched_schedule(rs->s, &plan, err);
-    if (st != DI_OK)
-        return st;
-    if (plan->n_seqs > rs->max_results) {
-        sched_seq_result *n = realloc(rs->results, plan->n_seqs * sizeof(*n));
-        if (!n)
-            return di_fail(err, DI_ENOMEM, "step results");
-        rs->results = n;
-        rs->max_results = plan->n_seqs;
-    }
+    run_state *rs = ctx;
     uint64_t t0 = di_mono_ns();
-    if ((st = runner_exec_step(rs->ex, plan, rs->results, err)) != DI_OK ||
-        (st = gen_kv_after_step(rs->kv, runner_exec_kv(rs->ex), plan, rs->results, err)) != DI_OK)
+    di_status st;
+    if ((st = runner_exec_step(rs->ex, plan, results, err)) != DI_OK ||
+        (st = gen_kv_after_step(rs->kv, runner_exec_kv(rs->ex), plan, results, err)) != DI_OK)
         return st;
     double dt = (double)(di_mono_ns() - t0) / 1e9;
     if (plan->prompt_run) {
@@ -405,36 +381,51 @@ static di_status step_once(gen_ctx *g, run_state *rs, di_error *err)
         rs->decode_steps++;
         rs->decode_s += dt;
     }
-    for (uint32_t i = 0; i < plan->n_seqs; i++)
-        if (rs->results[i].status == SCHED_RESULT_FAILED) {
-            uint64_t id = plan->seqs[i].request_id;
-            snprintf(g->outs[id - 1].error, sizeof g->outs[id - 1].error, "%s",
-                     runner_exec_error(rs->ex, id));
-        }
-    const sched_output *outs;
-    size_t n_outs;
-    if ((st = sched_process_outputs(rs->s, plan, rs->results, plan->n_seqs, &outs, &n_outs,
-                                    err)) != DI_OK)
-        return st;
-    for (size_t k = 0; k < n_outs; k++) {
-        const sched_output *o = &outs[k];
-        gen_out *go = &g->outs[o->request_id - 1];
-        uint32_t nr;
-        const runner_token *rt = runner_exec_tokens(rs->ex, o->request_id, &nr);
-        for (uint32_t t = 0; t < o->n_tokens; t++) {
-            const sampler_result *res = t < nr && rt[t].token == o->tokens[t] ? &rt[t].res : NULL;
-            if ((st = out_append(go, o->tokens[t], res, g->a->params.n_logprobs, err)) != DI_OK)
-                return st;
-        }
-        if (!plan->prompt_run)
-            rs->decode_tokens += o->n_tokens;
-        if (o->finish != SCHED_FINISH_NONE) {
-            go->finish = o->finish;
-            gen_kv_finished(rs->kv, o->request_id, o->finish);
-            runner_exec_remove(rs->ex, o->request_id);
-        }
-    }
     return DI_OK;
+}
+
+static di_status run_add(void *ctx, const sched_request *req, const void *args, di_error *err)
+{
+    run_state *rs = ctx;
+    return rs->rx.add(rs->rx.ctx, req, args, err);
+}
+
+static void run_remove(void *ctx, uint64_t id)
+{
+    run_state *rs = ctx;
+    rs->rx.remove(rs->rx.ctx, id);
+}
+
+/* Each output: its tokens with their logprobs, the finish reason, a failed request's error. */
+static void take_output(void *ud, const engine_output *o)
+{
+    run_state *rs = ud;
+    gen_ctx *g = rs->g;
+    gen_out *go = &g->outs[o->request_id - 1];
+    if (o->result && o->result->status == SCHED_RESULT_FAILED)
+        snprintf(go->error, sizeof go->error, "%s", runner_exec_error(rs->ex, o->request_id));
+    uint32_t nr;
+    const runner_token *rt = runner_exec_tokens(rs->ex, o->request_id, &nr);
+    for (uint32_t t = 0; t < o->n_tokens && rs->out_st == DI_OK; t++) {
+        const sampler_result *res = t < nr && rt[t].token == o->tokens[t] ? &rt[t].res : NULL;
+        rs->out_st = out_append(go, o->tokens[t], res, g->a->params.n_logprobs, &rs->out_err);
+    }
+    if (o->plan && !o->plan->prompt_run)
+        rs->decode_tokens += o->n_tokens;
+    if (o->finish != SCHED_FINISH_NONE) {
+        go->finish = o->finish;
+        gen_kv_finished(rs->kv, o->request_id, o->finish);
+    }
+}
+
+static di_status step_once(run_state *rs, di_error *err)
+{
+    di_status st = engine_step(rs->e, NULL, err);
+    if (st == DI_OK && rs->out_st != DI_OK) {
+        *err = rs->out_err;
+        st = rs->out_st;
+    }
+    return st;
 }
 
 /* Warnings and per-prompt store lines on stderr ("di-generate: ..."). */
@@ -452,7 +443,7 @@ static di_status open_kvstore(const gen_args *a, const model_config *c, uint32_t
     if (!a->kvstore)
         return DI_OK;
     kv_geometry geo;
-    model_config_kv_geometry(c, nextn, &geo);
+    model_config_kv_geometry_yoco(c, nextn, (uint32_t)a->yoco, &geo);
     gen_kv_options ko = {.target = a->kvstore, .token = a->kvstore_token,
                          .deadline_ms = a->kvstore_deadline_ms, .allow_replay = a->kvstore_replay,
                          .window_every = a->kvstore_window_every,
@@ -533,7 +524,12 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
     if ((st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK ||
         (st = setup_varlen(a, rs->ex, seqs, &sc, err)) != DI_OK)
         return st;
-    st = sched_create(&sc, &rs->s, err);
+    rs->rx = runner_exec_executor(rs->ex);
+    engine_config ec = {.sched = sc, .exec = {.ctx = rs, .add = run_add, .remove = run_remove,
+                                              .step = run_step},
+                        .on_output = take_output, .userdata = rs};
+    rs->g = g;
+    st = engine_create(&ec, &rs->e, err);
     free((void *)sc.step_ms);
     if (st != DI_OK) {
         if (a->step_ms && strncmp(err->msg, "step_ms", 7) == 0)
@@ -549,41 +545,14 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
         sched_request sr = {.id = i + 1, .prompt = a->prompts[i].ids,
                             .prompt_len = a->prompts[i].n, .max_tokens = max_tokens,
                             .ignore_eos = a->ignore_eos};
-        if ((st = runner_exec_add(rs->ex, &rq, err)) != DI_OK ||
-            (rs->kv && (st = gen_kv_admit(rs->kv, sr.id, sr.prompt, sr.prompt_len, &sr, err)) !=
+        if ((rs->kv && (st = gen_kv_admit(rs->kv, sr.id, sr.prompt, sr.prompt_len, &sr, err)) !=
                            DI_OK) ||
-            (st = sched_add_request(rs->s, &sr, err)) != DI_OK) {
+            (st = engine_add(rs->e, &sr, &rq, NULL, err)) != DI_OK) {
             di_error_prefix(err, "prompt %u: ", i + 1);
             return st;
         }
     }
     return DI_OK;
-}
-
-/* The backend of --backend: the CPU one with --threads, or a CUDA device. */
-static di_status backend_create(const gen_args *a, kern_backend *be, di_error *err)
-{
-#ifdef DI_HAVE_CUDA
-    if (a->cuda) {
-        kern_cuda_config c = {.device = a->device};
-        di_status st = kern_cuda_create(&c, be, err);
-        if (st != DI_OK)
-            di_error_prefix(err, "--backend cuda: ");
-        return st;
-    }
-#endif
-    return kern_cpu_create(a->threads, be, err);
-}
-
-static void backend_destroy(const gen_args *a, kern_backend *be)
-{
-#ifdef DI_HAVE_CUDA
-    if (a->cuda) {
-        kern_cuda_destroy(be);
-        return;
-    }
-#endif
-    kern_cpu_destroy(be);
 }
 
 di_status gen_run(gen_args *a, di_error *err)
@@ -595,19 +564,24 @@ di_status gen_run(gen_args *a, di_error *err)
     if (st != DI_OK)
         return st; /* before loading anything */
     kern_backend be = {0};
-    runner_model rm = {0};
+    serve_model sm = {0};
+    const runner_model *rm = &sm.rm;
     gen_ctx g = {.a = a, .log = {.fn = log_line, .level = a->quiet ? DI_LOG_WARN : DI_LOG_INFO}};
     run_state rs = {0};
     json_t *stats = NULL;
-    if ((st = backend_create(a, &be, err)) != DI_OK)
+    serve_backend_options bo = {.threads = a->threads, .device = a->device};
+    if ((st = serve_backend_open(a->backend, &bo, &be, err)) != DI_OK) {
+        di_error_prefix(err, "--backend %s: ", a->backend);
         return st;
+    }
     uint64_t t0 = di_mono_ns();
-    if ((st = load_model(a, &rm, err)) != DI_OK)
+    if ((st = open_model(a, &sm, err)) != DI_OK)
         goto done;
     double load_s = (double)(di_mono_ns() - t0) / 1e9;
-    g.vocab = rm.w->config.vocab_size;
-    if ((st = use_tokenizer(a, &rm, &g, err)) != DI_OK ||
-        (st = runner_model_check_token_map(&rm, a->model_dir, err)) != DI_OK)
+    print_identity(a, rm->w);
+    g.vocab = rm->w->config.vocab_size;
+    g.tok = sm.tok;
+    if ((st = encode_prompts(a, &g, err)) != DI_OK)
         goto done;
     g.outs = calloc(a->n_prompts ? a->n_prompts : 1, sizeof(gen_out));
     if (!g.outs) {
@@ -618,10 +592,10 @@ di_status gen_run(gen_args *a, di_error *err)
         st = di_fail(err, DI_EIO, "%s: %s", a->dump_logits, strerror(errno));
         goto done;
     }
-    if ((st = setup(a, &rm, &be, &g, &rs, err)) != DI_OK)
+    if ((st = setup(a, rm, &be, &g, &rs, err)) != DI_OK)
         goto done;
-    while (sched_has_work(rs.s) && st == DI_OK)
-        st = step_once(&g, &rs, err);
+    while (engine_has_work(rs.e) && st == DI_OK)
+        st = step_once(&rs, err);
     if (st != DI_OK)
         goto done;
     stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:I}", "load_s", load_s,
@@ -629,7 +603,7 @@ di_status gen_run(gen_args *a, di_error *err)
                       "decode_steps", (json_int_t)rs.decode_steps, "decode_tokens",
                       (json_int_t)rs.decode_tokens, "decode_s", rs.decode_s,
                       "logit_rows_dumped", (json_int_t)g.dumped, "varlen", a->varlen,
-                      "decode_rows", (json_int_t)sched_get_stats(rs.s)->decode_rows);
+                      "decode_rows", (json_int_t)sched_get_stats(engine_sched(rs.e))->decode_rows);
     if (rs.kv) {
         gen_kv_stats ks = gen_kv_get_stats(rs.kv);
         json_object_set_new(stats, "kvstore", json_pack(
@@ -665,14 +639,10 @@ done:
         json_decref(g.outs[i].tops);
     }
     free(g.outs);
-    free(rs.results);
+    engine_destroy(rs.e);
     runner_exec_free(rs.ex);
     gen_kv_close(rs.kv);
-    sched_destroy(rs.s);
-    runner_model_free(&rm);
-#ifdef DI_HAVE_TOKENIZER
-    tok_free(g.tok);
-#endif
-    backend_destroy(a, &be);
+    serve_model_close(&sm);
+    serve_backend_close(&be);
     return st;
 }

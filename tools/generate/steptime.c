@@ -62,7 +62,8 @@ static di_status measure(const gen_args *a, runner_exec *ex, const graph_sizes *
 {
     if (!a->quiet)
         fprintf(stderr, "di-generate: varlen: timing decode steps at %zu graph sizes (up to %u "
-                "rows) on the %s backend\n", g->count, g->max_rows, a->cuda ? "CUDA" : "CPU");
+                "rows) on the %s backend\n", g->count, g->max_rows,
+                strcmp(a->backend, "cuda") == 0 ? "CUDA" : "CPU");
     for (size_t i = 0; i < g->count; i++) {
         double ms;
         di_status st = runner_exec_time_step(ex, g->sizes[i], GEN_TIME_RUNS, &ms, err);
@@ -78,7 +79,7 @@ static di_status measure(const gen_args *a, runner_exec *ex, const graph_sizes *
             "row's logits; sampler %g ms):", GEN_TIME_RUNS, a->sampler_ms);
     for (size_t i = 0; i < g->count; i++)
         fprintf(stderr, " %u:%.3g", t[i].rows, t[i].step_ms);
-    if (a->cuda)
+    if (strcmp(a->backend, "cuda") == 0)
         fprintf(stderr, "\ndi-generate: varlen: steps run without recorded graphs here, so "
                 "launch costs are in every size\n");
     else

@@ -4,7 +4,7 @@
 #include <stdio.h>
 
 #include "common/model/config.h"
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 #include "common/util/json_read.h"
 #include "tools/plan/plan_cmd.h"
 

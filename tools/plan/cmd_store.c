@@ -2,6 +2,7 @@
 #include <stdio.h>
 
 #include "common/engine/store_plan.h"
+#include "common/model/config.h"
 #include "common/util/json_read.h"
 #include "tools/plan/plan_cmd.h"
 
@@ -107,7 +108,9 @@ static di_status result_json(const store_plan_result *r, json_t **out, di_error 
 di_status plan_cmd_store(const json_t *in, json_t **out, di_error *err)
 {
     store_plan_input p;
-    store_plan_input_defaults(&p);
+    kv_geometry g;
+    kv_geometry_v41_flash(5, &g);
+    store_plan_input_defaults(&p, &g);
     di_status st;
     if ((st = di_json_num(in, "tokens_per_day", &p.tokens_per_day, err)) ||
         (st = di_json_num(in, "input_share", &p.input_share, err)) ||

@@ -7,6 +7,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/engine/engine.h"
 #include "common/engine/graphs.h"
 #include "common/engine/synth.h"
 #include "common/engine/vote.h"
@@ -89,14 +90,11 @@ typedef struct sim_shared {
 struct sim_rank {
     sim_shared *sh;
     uint32_t rank;
-    sched *s;
+    engine *e;                  /* the engine loop over the scheduler and the runner below */
     synth *y;
     uint32_t next;              /* next of this rank's requests to add: rank + k * ranks */
     uint64_t now;               /* simulated ns, equal on every rank */
     uint64_t steps;
-    sched_plan *prev;           /* async: plan in flight */
-    uint64_t prev_end;          /* when it ended */
-    sched_seq_result *keep;     /* [max_num_seqs] results of the plan in flight */
     int32_t *tok;               /* [max_model_len + 1] prompt buffer */
     double usage_sum, usage_max;
     uint64_t empty_prompt, empty_decode, real_decode, rows, padding, entries;
@@ -155,7 +153,7 @@ static di_status sim_arrivals(sim_rank *r)
     while (r->next < c->requests && r->sh->reqs[r->next].arrival_ns <= r->now) {
         sched_request q;
         sim_request_of(r, r->next, &q);
-        di_status st = sched_add_request(r->s, &q, &r->err);
+        di_status st = engine_add(r->e, &q, NULL, NULL, &r->err);
         if (st == DI_EFULL)
             break;
         if (st == DI_EINVAL) { /* e.g. longer than this rank's cache */
@@ -169,24 +167,25 @@ static di_status sim_arrivals(sim_rank *r)
     return DI_OK;
 }
 
-static void sim_take(sim_rank *r, const sched_output *o, size_t n, uint64_t t)
+/* Every output, stamped with the simulated time: the end of the step that made it (under
+ * async, outputs of step N come before N+1 runs, while r->now is still N's end). */
+static void sim_output(void *ud, const engine_output *o)
 {
-    for (size_t i = 0; i < n; i++) {
-        sim_req *w = &r->sh->reqs[o[i].request_id];
-        if (o[i].n_tokens) {
-            if (!w->tokens)
-                w->first_ns = t;
-            w->last_ns = t;
-            w->tokens += o[i].n_tokens;
-        }
-        if (o[i].finish == SCHED_FINISH_NONE)
-            continue;
-        w->finish = o[i].finish;
-        w->done = true;
-        atomic_fetch_add(&r->sh->done, 1);
-        if (o[i].finish == SCHED_FINISH_HANDOFF) /* saved to the store at once */
-            sched_release(r->s, o[i].request_id, NULL);
+    sim_rank *r = ud;
+    sim_req *w = &r->sh->reqs[o->request_id];
+    if (o->n_tokens) {
+        if (!w->tokens)
+            w->first_ns = r->now;
+        w->last_ns = r->now;
+        w->tokens += o->n_tokens;
     }
+    if (o->finish == SCHED_FINISH_NONE)
+        return;
+    w->finish = o->finish;
+    w->done = true;
+    atomic_fetch_add(&r->sh->done, 1);
+    if (o->finish == SCHED_FINISH_HANDOFF) /* saved to the store at once */
+        engine_release(r->e, o->request_id, NULL);
 }
 
 static void sim_sample(sim_rank *r, uint64_t ns)
@@ -199,22 +198,6 @@ static void sim_sample(sim_rank *r, uint64_t ns)
             r->samples[k] = ns;
     }
     r->cpu_n++;
-}
-
-/* Processes p with its outputs stamped at time t; adds the scheduler's CPU ns to *cpu. */
-static di_status sim_process(sim_rank *r, sched_plan *p, const sched_seq_result *res,
-                             uint64_t t, uint64_t *cpu)
-{
-    const sched_output *o;
-    size_t n;
-    uint64_t t0 = di_thread_cpu_ns();
-    di_status st = sched_process_outputs(r->s, p, res, p->placeholder ? 0 : p->n_seqs, &o, &n,
-                                         &r->err);
-    *cpu += di_thread_cpu_ns() - t0;
-    if (st != DI_OK)
-        return sim_fail(r, st, "processing");
-    sim_take(r, o, n, t);
-    return DI_OK;
 }
 
 /* ---- one lockstep step ---- */
@@ -241,38 +224,32 @@ static void sim_count(sim_rank *r, const sched_plan *p)
     }
 }
 
-static di_status sim_step(sim_rank *r)
+/* The rank's executor: the synthetic runner, then the step-time collective (every rank's step
+ * takes as long as the slowest). */
+static di_status sim_exec_step(void *ctx, const sched_plan *p, sched_seq_result *res,
+                               di_error *err)
 {
-    const sim_config *c = r->sh->cfg;
-    sched_plan *p;
-    uint64_t t0 = di_thread_cpu_ns();
-    di_status st = sched_schedule(r->s, &p, &r->err);
-    uint64_t cpu = di_thread_cpu_ns() - t0;
-    if (st != DI_OK)
-        return sim_fail(r, st, "scheduling");
+    sim_rank *r = ctx;
     sim_count(r, p);
-    if (r->prev) { /* async: step N is processed while N+1 runs */
-        if (sim_process(r, r->prev, r->keep, r->prev_end, &cpu))
-            return r->st;
-        sched_plan_fixup(p, r->prev, r->keep);
-        r->prev = NULL;
-    }
-    const sched_seq_result *res = synth_run(r->y, p);
+    engine_executor sx = synth_executor(r->y);
+    di_status st = sx.step(sx.ctx, p, res, err);
+    if (st != DI_OK)
+        return sim_fail(r, st, "the runner");
     uint64_t group_ns;
-    if ((st = sim_reduce(r, VOTE_REDUCE_MAX, sim_step_ns(c, p), &group_ns)) != DI_OK)
+    if ((st = sim_reduce(r, VOTE_REDUCE_MAX, sim_step_ns(r->sh->cfg, p), &group_ns)) != DI_OK)
         return sim_fail(r, st, "the step-time collective");
     r->now += group_ns;
     r->steps++;
-    if (!c->engine.async || p->process_now) {
-        if (sim_process(r, p, res, r->now, &cpu))
-            return r->st;
-    } else {
-        memcpy(r->keep, res, sizeof(sched_seq_result) * p->n_seqs);
-        r->prev = p;
-        r->prev_end = r->now;
-    }
-    sim_sample(r, cpu);
-    double u = sched_cache_usage(r->s);
+    return DI_OK;
+}
+
+static di_status sim_step(sim_rank *r)
+{
+    di_status st = engine_step(r->e, NULL, &r->err);
+    if (st != DI_OK)
+        return sim_fail(r, st, "stepping");
+    sim_sample(r, engine_get_stats(r->e)->last_sched_ns);
+    double u = sched_cache_usage(engine_sched(r->e));
     r->usage_sum += u;
     if (u > r->usage_max)
         r->usage_max = u;
@@ -284,15 +261,12 @@ static di_status sim_step(sim_rank *r)
 static di_status sim_idle(sim_rank *r, bool *stop)
 {
     const sim_config *c = r->sh->cfg;
-    if (r->prev) {
-        uint64_t cpu = 0;
-        if (sim_process(r, r->prev, r->keep, r->prev_end, &cpu))
-            return r->st;
-        r->prev = NULL;
-    }
+    di_status st = engine_flush(r->e, &r->err);
+    if (st != DI_OK)
+        return sim_fail(r, st, "processing");
     uint64_t mine = r->next < c->requests ? r->sh->reqs[r->next].arrival_ns : UINT64_MAX;
     uint64_t neg;
-    di_status st = sim_reduce(r, VOTE_REDUCE_MAX, UINT64_MAX - mine, &neg);
+    st = sim_reduce(r, VOTE_REDUCE_MAX, UINT64_MAX - mine, &neg);
     if (st != DI_OK)
         return sim_fail(r, st, "the next-arrival collective");
     uint64_t next = UINT64_MAX - neg;
@@ -309,7 +283,7 @@ static di_status sim_loop(sim_rank *r)
         if (sim_arrivals(r))
             return r->st;
         uint64_t work;
-        di_status st = sim_reduce(r, VOTE_REDUCE_WORK, sched_has_work(r->s), &work);
+        di_status st = sim_reduce(r, VOTE_REDUCE_WORK, engine_has_work(r->e), &work);
         if (st != DI_OK)
             return sim_fail(r, st, "the work collective");
         if (!work) {
@@ -342,21 +316,21 @@ static di_status sim_rank_init(sim_rank *r)
         v = vote_group_rank(r->sh->group, r->rank);
         e.vote = &v;
     }
-    di_status st = sched_create(&e, &r->s, &r->err);
-    if (st != DI_OK)
-        return sim_fail(r, st, "creating the scheduler");
     synth_config sc = {.seed = c->seed * 1000003 + r->rank, .nextn = e.nextn,
                        .vocab_size = 32000, .eos_token = -1, .pad_token = e.pad_token,
                        .accept_rate = c->accept_rate, .accept_spread = c->accept_spread,
                        .confidences = e.varlen, .conf_bias = c->conf_bias,
                        .conf_noise = c->conf_noise};
-    st = synth_create(&sc, e.max_num_seqs, NULL, &r->y, &r->err);
+    di_status st = synth_create(&sc, e.max_num_seqs, NULL, &r->y, &r->err);
     if (st != DI_OK)
         return sim_fail(r, st, "creating the runner");
+    engine_config ec = {.sched = e, .exec = {.ctx = r, .step = sim_exec_step},
+                        .on_output = sim_output, .userdata = r, .clock_ns = di_thread_cpu_ns};
+    if ((st = engine_create(&ec, &r->e, &r->err)) != DI_OK)
+        return sim_fail(r, st, "creating the scheduler");
     r->samples = calloc(SIM_SAMPLES, sizeof(uint64_t));
-    r->keep = calloc(e.max_num_seqs, sizeof(sched_seq_result));
     r->tok = calloc((size_t)e.max_model_len + 1, sizeof(int32_t));
-    if (!r->samples || !r->keep || !r->tok)
+    if (!r->samples || !r->tok)
         return sim_fail(r, di_fail(&r->err, DI_ENOMEM, "out of memory"), "samples");
     di_rng_init(&r->res_rng, c->seed + 17 * r->rank);
     r->next = r->rank;
@@ -586,7 +560,7 @@ static di_status sim_gather(const sim_shared *sh, sim_result *out)
     double usage = 0, checked = 0, accepted = 0;
     for (uint32_t k = 0; k < c->ranks; k++) {
         const sim_rank *r = &sh->ranks[k];
-        const sched_stats *st = sched_get_stats(r->s);
+        const sched_stats *st = sched_get_stats(engine_sched(r->e));
         out->prompt_steps += st->prompt_steps;
         out->decode_steps += st->decode_steps;
         out->preempted_stop += st->preempted_stop;
@@ -646,10 +620,9 @@ static di_status sim_first_error(const sim_shared *sh, di_error *err)
 static void sim_free(sim_shared *sh)
 {
     for (uint32_t k = 0; sh->ranks && k < sh->cfg->ranks; k++) {
-        sched_destroy(sh->ranks[k].s);
+        engine_destroy(sh->ranks[k].e);
         synth_destroy(sh->ranks[k].y);
         free(sh->ranks[k].samples);
-        free(sh->ranks[k].keep);
         free(sh->ranks[k].tok);
     }
     free(sh->ranks);

@@ -1,5 +1,6 @@
 /* kv_layout.h: the byte formats of KV state shared by the engine, the store and transfers
- * (DESIGN.md §5, MODEL.md §3.3).
+ * (DESIGN.md §5, MODEL.md §3.3). Part of common/kvfmt, the KV formats leaf module: it depends
+ * on common/util only.
  *
  * Three objects:
  *
@@ -26,8 +27,8 @@
  * little-endian. The header carries a checksum of itself and the payload, verified on every
  * read.
  */
-#ifndef DI_MODEL_KV_LAYOUT_H
-#define DI_MODEL_KV_LAYOUT_H
+#ifndef DI_KVFMT_KV_LAYOUT_H
+#define DI_KVFMT_KV_LAYOUT_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -40,9 +41,26 @@
 #define KV_FORMAT_VERSION 2u /* 2: the checksum covers the header too */
 #define KV_BLOCK_MAGIC 0x424b4944u  /* "DIKB" little-endian */
 #define KV_WINDOW_MAGIC 0x574b4944u /* "DIKW" */
+#define KV_HANDOFF_MAGIC 0x484b4944u /* "DIKH": kv_handoff.h */
+
+/* YOCO modes of the prefill (MODEL.md; fwd_yoco has the same values). The mode changes the KV
+ * bytes of the layers above the YOCO boundary, so it is part of the KV id. Every engine uses
+ * KV_YOCO_DEFAULT unless told otherwise: compact, the mode a store hit needs for an exact
+ * resume (the window state holds only the layers below the boundary). */
+#define KV_YOCO_OFF 0u
+#define KV_YOCO_COMPACT 1u
+#define KV_YOCO_MASK 2u
+#define KV_YOCO_DEFAULT KV_YOCO_COMPACT
+
+/* "off", "compact", "mask", or "?". */
+const char *kv_yoco_name(uint32_t yoco);
+/* The id KV headers, checksums and keys carry: the model id (config and weights) mixed with
+ * everything else that changes the KV bytes, the YOCO mode and KV_FORMAT_VERSION. */
+uint64_t kv_model_id(uint64_t model_id, uint32_t yoco);
 
 /* What the KV formats need to know about a model. Filled from a model config
- * (model_config_kv_geometry) or by kv_geometry_v41_flash. */
+ * (model_config_kv_geometry, or kv_geometry_v41_flash for the shipped v41-flash config, both in
+ * common/model/config.h): this module knows no model. */
 typedef struct kv_geometry {
     uint32_t block_tokens;                 /* token positions per block; 128 */
     uint32_t head_dim;                     /* main KV width (numbers); 512; multiple of 32 */
@@ -55,7 +73,8 @@ typedef struct kv_geometry {
     uint32_t owner_layer[KV_MAX_OWNERS];   /* their layer ids, ascending; 2, 8, 14, 20 */
     uint32_t owner_ratio[KV_MAX_OWNERS];   /* their compression ratios; 2, 2, 2, 1 */
     uint32_t yoco_boundary;                /* rings of layers below this are persisted; 20 */
-    uint64_t model_id;                     /* fingerprint of the model that writes the KV */
+    uint64_t model_id;                     /* kv_model_id of the model and YOCO mode that
+                                              write the KV */
 } kv_geometry;
 
 /* The on-disk/on-wire header of blocks and window states (exactly 128 bytes). */
@@ -76,10 +95,6 @@ typedef struct kv_header {
 } kv_header;
 
 _Static_assert(sizeof(kv_header) == KV_HEADER_BYTES, "kv_header must be 128 bytes");
-
-/* DeepSeek-V4.1-Flash with the given nextn (drafts per step; 5 in production), from the shipped
- * v41-flash config (model_config_kv_geometry), model id included. */
-void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out);
 
 /* Ring size for a window, nextn and optional extra backtracking (0 = none):
  * window + max(backtracking, nextn + 1). */

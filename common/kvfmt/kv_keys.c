@@ -1,4 +1,4 @@
-#include "common/net/kv_keys.h"
+#include "common/kvfmt/kv_keys.h"
 
 #include <openssl/evp.h>
 #include <stdlib.h>
@@ -162,7 +162,8 @@ static di_status check_object(int cls, const kvkey *key, const void *obj, size_t
         magic = KV_WINDOW_MAGIC;
         break;
     case KVKEY_HANDOFF:
-        magic = h.magic == KV_WINDOW_MAGIC ? KV_WINDOW_MAGIC : KV_BLOCK_MAGIC;
+        magic = h.magic == KV_WINDOW_MAGIC || h.magic == KV_HANDOFF_MAGIC ? h.magic
+                                                                          : KV_BLOCK_MAGIC;
         break;
     default:
         return di_fail(err, DI_EINVAL, "unknown object class %d", cls);

@@ -1,11 +1,28 @@
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 
 #include <string.h>
 
-#include "common/model/config.h"
 #include "common/util/hash64.h"
 
 #include <assert.h>
+
+const char *kv_yoco_name(uint32_t yoco)
+{
+    static const char *const names[] = {"off", "compact", "mask"};
+    return yoco < 3 ? names[yoco] : "?";
+}
+
+uint64_t kv_model_id(uint64_t model_id, uint32_t yoco)
+{
+    uint8_t in[16];
+    for (int i = 0; i < 8; i++)
+        in[i] = (uint8_t)(model_id >> (8 * i));
+    for (int i = 0; i < 4; i++) {
+        in[8 + i] = (uint8_t)(yoco >> (8 * i));
+        in[12 + i] = (uint8_t)(KV_FORMAT_VERSION >> (8 * i));
+    }
+    return di_hash64(in, sizeof in, 0x64696b766b657931ull /* "dikvkey1" */);
+}
 
 uint32_t kv_ring_positions_for(uint32_t window, uint32_t nextn, uint32_t backtracking)
 {
@@ -13,17 +30,6 @@ uint32_t kv_ring_positions_for(uint32_t window, uint32_t nextn, uint32_t backtra
     if (backtracking > spare)
         spare = backtracking;
     return window + spare;
-}
-
-void kv_geometry_v41_flash(uint32_t nextn, kv_geometry *out)
-{
-    /* The shipped config is the one source of the geometry and of the model id, so blocks
-     * written through either path carry the same fingerprint. */
-    model_config cfg;
-    di_status st = model_config_builtin("v41-flash", &cfg, NULL);
-    assert(st == DI_OK);
-    (void)st;
-    model_config_kv_geometry(&cfg, nextn, out);
 }
 
 di_status kv_geometry_validate(const kv_geometry *g, di_error *err)
@@ -213,7 +219,8 @@ di_status kv_header_check(const void *object, size_t bytes, uint32_t magic, cons
     if (hdr.model_id != g->model_id)
         return di_fail(err, DI_ECORRUPT, "written by model 0x%016llx, expected 0x%016llx",
                        (unsigned long long)hdr.model_id, (unsigned long long)g->model_id);
-    if (magic == KV_WINDOW_MAGIC && hdr.ring_positions != g->ring_positions)
+    if ((magic == KV_WINDOW_MAGIC || magic == KV_HANDOFF_MAGIC) &&
+        hdr.ring_positions != g->ring_positions)
         return di_fail(err, DI_ECORRUPT, "window state has %u ring positions, expected %u",
                        hdr.ring_positions, g->ring_positions);
     return DI_OK;

@@ -12,13 +12,13 @@
  *
  * The router, the engines, the store and di-kvctl all compute keys with these functions.
  */
-#ifndef DI_NET_KV_KEYS_H
-#define DI_NET_KV_KEYS_H
+#ifndef DI_KVFMT_KV_KEYS_H
+#define DI_KVFMT_KV_KEYS_H
 
 #include <stddef.h>
 #include <stdint.h>
 
-#include "common/model/kv_layout.h"
+#include "common/kvfmt/kv_layout.h"
 #include "common/util/status.h"
 
 #define KVKEY_BYTES 32u
@@ -63,8 +63,8 @@ di_status kvkey_handoff(uint64_t model_id, const char *request_id, kvkey *out, d
 
 /* Verifies a stored object: its kv_header (magic of the class, version, size, model id,
  * checksum of the payload: kv_object_verify) and that the header names `key`. Blocks carry the
- * block magic, window states the window magic; a handoff may carry either. DI_OK, or
- * DI_ECORRUPT with what failed. */
+ * block magic, window states the window magic; a handoff its own (kv_handoff.h) or either.
+ * DI_OK, or DI_ECORRUPT with what failed. */
 di_status kvkey_object_verify(int cls, const kvkey *key, const void *obj, size_t bytes,
                               const kv_geometry *g, di_error *err);
 
