@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/util/hostport.h"
+
 /* ------------------------------------------------------------------ values */
 
 /* A number followed by one of the unit suffixes, scaled. */
@@ -63,36 +65,17 @@ di_status svc_parse_duration(const char *s, uint64_t *ms, di_error *err)
 di_status svc_parse_hostport(const char *s, char *host, size_t host_len, int *port,
                              di_error *err)
 {
-    if (!s || !*s)
-        return di_fail(err, DI_EINVAL, "an empty HOST:PORT");
-    const char *h = s, *colon;
-    size_t hn;
-    if (s[0] == '[') {
-        const char *close = strchr(s, ']');
-        if (!close || close[1] != ':')
-            return di_fail(err, DI_EINVAL, "\"%s\" is not [IPv6]:PORT", s);
-        h = s + 1;
-        hn = (size_t)(close - h);
-        colon = close + 1;
-    } else {
-        colon = strrchr(s, ':');
-        if (!colon)
-            return di_fail(err, DI_EINVAL, "\"%s\" has no :PORT", s);
-        if (memchr(s, ':', (size_t)(colon - s)))
-            return di_fail(err, DI_EINVAL, "\"%s\": write an IPv6 host in brackets", s);
-        hn = (size_t)(colon - s);
+    di_hostport hp;
+    di_status st = di_hostport_parse(s, true, &hp, err);
+    if (st != DI_OK)
+        return st;
+    /* The host without the brackets of an IPv6 address. */
+    const char *h = hp.host;
+    size_t hn = strlen(h);
+    if (h[0] == '[') {
+        h++;
+        hn -= 2;
     }
-    if (hn == 0)
-        return di_fail(err, DI_EINVAL, "\"%s\" has no host", s);
-    for (size_t i = 0; i < hn; i++)
-        if (!isalnum((unsigned char)h[i]) && !strchr(".-_:", h[i]))
-            return di_fail(err, DI_EINVAL, "\"%s\": bad character in the host", s);
-    const char *p = colon + 1;
-    if (!*p || strspn(p, "0123456789") != strlen(p) || strlen(p) > 5)
-        return di_fail(err, DI_EINVAL, "\"%s\": the port must be a number 0..65535", s);
-    long v = strtol(p, NULL, 10);
-    if (v > 65535)
-        return di_fail(err, DI_ERANGE, "\"%s\": port %ld is outside 0..65535", s, v);
     if (host) {
         if (hn + 1 > host_len)
             return di_fail(err, DI_ERANGE, "\"%s\": the host is too long", s);
@@ -100,17 +83,14 @@ di_status svc_parse_hostport(const char *s, char *host, size_t host_len, int *po
         host[hn] = '\0';
     }
     if (port)
-        *port = (int)v;
+        *port = hp.port;
     return DI_OK;
 }
 
 int svc_hostport_is_loopback(const char *s)
 {
-    char host[256];
-    if (svc_parse_hostport(s, host, sizeof(host), NULL, NULL) != DI_OK)
-        return 0;
-    return strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0 ||
-           strcmp(host, "localhost") == 0;
+    di_hostport hp;
+    return di_hostport_parse(s, true, &hp, NULL) == DI_OK && di_hostport_is_loopback(&hp);
 }
 
 /* ------------------------------------------------------------------ secrets */

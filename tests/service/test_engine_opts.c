@@ -85,9 +85,9 @@ Test(engine_opts, bad_combinations_each_get_one_line)
             (const char *[]){"--config", "demo", "--rank", "4", "--world", "4", NULL});
     refused("--world: 0 is outside 1..1024", (const char *[]){"--config", "demo", "--world",
                                                                 "0", NULL});
-    refused("--kvstore 127.0.0.1:0: the store's port cannot be 0",
+    refused("--kvstore: \"127.0.0.1:0\": port 0 outside 1..65535",
             (const char *[]){"--config", "demo", "--kvstore", "127.0.0.1:0", NULL});
-    refused("--kvstore: \"nohost\" has no :PORT",
+    refused("--kvstore: \"nohost\" has no port",
             (const char *[]){"--config", "demo", "--kvstore", "nohost", NULL});
     refused("--backend: \"tpu\" is not one of cpu|cuda",
             (const char *[]){"--config", "demo", "--backend", "tpu", NULL});

@@ -210,7 +210,7 @@ static void usage_error(const char *want, const char *const *args)
 
 Test(skeleton, usage_errors_exit_2_with_one_line)
 {
-    usage_error("port 70000 is outside 0..65535",
+    usage_error("port 70000 outside 0..65535",
                 (const char *[]){"--listen", "127.0.0.1:70000", NULL});
     usage_error("unknown option --bogus", (const char *[]){"--bogus", NULL});
     usage_error("--ready-fd 987 is not an open descriptor",
