@@ -149,15 +149,18 @@ static void *field(const svc_opt *o, void *opts)
     return (char *)opts + o->offset;
 }
 
-static di_status in_bounds(const svc_opt *o, double v, const char *text, di_error *err)
+/* The value in the unit of the field (the form every binary's range errors take). */
+static di_status in_bounds(const svc_opt *o, double v, di_error *err)
 {
     if (v >= o->min && (o->max == 0 || v <= o->max))
         return DI_OK;
+    const char *unit = o->kind == SVC_OPT_DURATION ? " ms" : o->kind == SVC_OPT_SIZE ? " bytes"
+                                                                                      : "";
     if (o->max == 0)
-        return di_fail(err, DI_ERANGE, "--%s: %s is below the least value %.15g", o->name, text,
-                       o->min);
-    return di_fail(err, DI_ERANGE, "--%s: %s is outside %.15g..%.15g", o->name, text, o->min,
-                   o->max);
+        return di_fail(err, DI_ERANGE, "--%s: %.15g%s is below the least, %.15g%s", o->name, v,
+                       unit, o->min, unit);
+    return di_fail(err, DI_ERANGE, "--%s: %.15g%s is outside [%.15g, %.15g]", o->name, v, unit,
+                   o->min, o->max);
 }
 
 static int choice_ok(const char *choices, const char *v)
@@ -274,7 +277,7 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         long long x = strtoll(v, &end, 10);
         if (!*v || *end || errno)
             return di_fail(err, DI_EINVAL, "--%s: \"%s\" is not an integer", o->name, v);
-        di_status st = in_bounds(o, (double)x, v, err);
+        di_status st = in_bounds(o, (double)x, err);
         if (st == DI_OK)
             *(int64_t *)f = x;
         return st;
@@ -285,7 +288,7 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         double x = strtod(v, &end);
         if (!*v || *end || errno || !isfinite(x))
             return di_fail(err, DI_EINVAL, "--%s: \"%s\" is not a number", o->name, v);
-        di_status st = in_bounds(o, x, v, err);
+        di_status st = in_bounds(o, x, err);
         if (st == DI_OK)
             *(double *)f = x;
         return st;
@@ -296,7 +299,7 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         uint64_t u = 0;
         di_status st = unsigned_value(o, v, &u, err);
         if (st == DI_OK)
-            st = in_bounds(o, (double)u, v, err);
+            st = in_bounds(o, (double)u, err);
         if (st == DI_OK)
             *(uint64_t *)f = u;
         return st;

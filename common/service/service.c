@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/util/clock.h"
+#include "common/util/outclose.h"
 
 /* After the drain deadline, how long stop may take to cancel what is left before the process
  * gives up on it, ms. */
@@ -165,11 +166,7 @@ static int parse_options(const svc_spec *sp, int argc, char **argv)
     if (help) {
         print_usage(sp);
         svc_opts_free(sp->rows, sp->n_rows, sp->opts);
-        if (fflush(stdout) != 0 || ferror(stdout)) {
-            fprintf(stderr, "%s: cannot write the help: %s\n", sp->name, strerror(errno));
-            return 1;
-        }
-        return 0;
+        return di_close_stdout(sp->name, 0); /* 1 when the help could not be written */
     }
     if (next < argc) {
         di_fail(&e, DI_EINVAL, "unexpected argument \"%s\" (see --help)", argv[next]);

@@ -131,20 +131,20 @@ Test(options, bad_values_each_get_one_clear_line)
     refuse("unknown option --nope", "--nope", "1", NULL);
     refuse("--count needs a value (N)", "--count", NULL);
     refuse("--verbose takes no value", "--verbose=1", NULL);
-    refuse("--count: 65 is outside 1..64", "--count", "65", NULL);
-    refuse("--count: 0 is outside 1..64", "--count", "0", NULL);
+    refuse("--count: 65 is outside [1, 64]", "--count", "65", NULL);
+    refuse("--count: 0 is outside [1, 64]", "--count", "0", NULL);
     refuse("--count: \"-3\" is not a non-negative integer", "--count", "-3", NULL);
     refuse("--count: \"3x\" is not a non-negative integer", "--count", "3x", NULL);
-    refuse("--delta: -2 is outside -1..100", "--delta", "-2", NULL);
+    refuse("--delta: -2 is outside [-1, 100]", "--delta", "-2", NULL);
     refuse("--delta: \"1.5\" is not an integer", "--delta", "1.5", NULL);
     refuse("--ratio: \"nan\" is not a number", "--ratio", "nan", NULL);
-    refuse("--ratio: 1.5 is outside 0..1", "--ratio", "1.5", NULL);
+    refuse("--ratio: 1.5 is outside [0, 1]", "--ratio", "1.5", NULL);
     refuse("--bytes: \"12XB\" is not a size (unknown unit \"XB\")", "--bytes", "12XB", NULL);
     refuse("--bytes: \"-1\" is not a size", "--bytes", "-1", NULL);
-    refuse("--bytes: 1KiB is outside 4096..", "--bytes", "1KiB", NULL);
+    refuse("--bytes: 1024 bytes is outside [4096, ", "--bytes", "1KiB", NULL);
     refuse("--bytes: size \"1e30\" is too large", "--bytes", "1e30", NULL);
     refuse("--wait: \"soon\" is not a duration", "--wait", "soon", NULL);
-    refuse("--wait: 0s is outside 1..604800000", "--wait", "0s", NULL);
+    refuse("--wait: 0 ms is outside [1, 604800000]", "--wait", "0s", NULL);
     refuse("--backend: \"tpu\" is not one of cpu|cuda", "--backend", "tpu", NULL);
     refuse("--listen: \"127.0.0.1:65536\": port 65536 outside 0..65535", "--listen",
            "127.0.0.1:65536", NULL);

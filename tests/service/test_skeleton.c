@@ -218,7 +218,7 @@ Test(skeleton, usage_errors_exit_2_with_one_line)
     usage_error("--listen 0.0.0.0:0 is not a loopback address",
                 (const char *[]){"--listen", "0.0.0.0:0", NULL});
     usage_error("unexpected argument \"serve\"", (const char *[]){"serve", NULL});
-    usage_error("--threads: 0 is outside 1..64", (const char *[]){"--threads", "0", NULL});
+    usage_error("--threads: 0 is outside [1, 64]", (const char *[]){"--threads", "0", NULL});
     usage_error("--drain: \"later\" is not a duration", (const char *[]){"--drain", "later",
                                                                           NULL});
     usage_error("--token-file: cannot read /nonexistent/token",
