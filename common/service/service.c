@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/util/clock.h"
+#include "common/util/outclose.h"
 
 /* After the drain deadline, how long stop may take to cancel what is left before the process
  * gives up on it, ms. */
@@ -79,6 +80,24 @@ static void *drain_main(void *arg)
     return NULL;
 }
 
+/* Waits for a stop signal, running the tick meanwhile; returns the signal. */
+static int wait_stop(const svc_spec *sp, const svc_ctx *ctx, const sigset_t *stop_sigs)
+{
+    if (!sp->tick || sp->tick_ms == 0) {
+        int sig = 0;
+        sigwait(stop_sigs, &sig);
+        return sig;
+    }
+    const struct timespec every = {.tv_sec = sp->tick_ms / 1000,
+                                   .tv_nsec = (long)(sp->tick_ms % 1000) * 1000000L};
+    for (;;) {
+        int sig = sigtimedwait(stop_sigs, NULL, &every);
+        if (sig > 0)
+            return sig;
+        sp->tick(sp->app, ctx);
+    }
+}
+
 /* Waits for the drain, a second signal or the deadline (plus the margin). Returns 0 when the
  * drain finished in time. */
 static int wait_drain(const svc_ctx *ctx, const sigset_t *sigs, drain_job *job)
@@ -98,7 +117,7 @@ static int wait_drain(const svc_ctx *ctx, const sigset_t *sigs, drain_job *job)
         int sig = sigtimedwait(sigs, NULL, &ts);
         if (sig == SIGUSR1 && atomic_load(&job->done))
             return 0;
-        if (sig == SIGINT || sig == SIGTERM) {
+        if (sig > 0 && sig != SIGUSR1) {
             di_log(&ctx->log, DI_LOG_ERROR,
                    "second signal %d while draining: exiting with work in flight", sig);
             return 1;
@@ -121,8 +140,8 @@ static void print_usage(const svc_spec *sp)
     if (sp->epilog)
         fputs(sp->epilog, stdout);
     printf("\nSecrets come from files or the environment, never from the command line. Without "
-           "one, only a loopback --listen is allowed.\nSIGTERM or SIGINT drains (up to --drain) "
-           "and exits 0. Exit codes: 0 ok, 1 failure, 2 usage error.\n");
+           "one, only a loopback --listen is allowed.\nSIGTERM, SIGINT, SIGHUP or SIGQUIT "
+           "drains (up to --drain) and exits 0. Exit codes: 0 ok, 1 failure, 2 usage error.\n");
 }
 
 /* 1 when the guard row (the client token) holds a secret. */
@@ -147,7 +166,7 @@ static int parse_options(const svc_spec *sp, int argc, char **argv)
     if (help) {
         print_usage(sp);
         svc_opts_free(sp->rows, sp->n_rows, sp->opts);
-        return 0;
+        return di_close_stdout(sp->name, 0); /* 1 when the help could not be written */
     }
     if (next < argc) {
         di_fail(&e, DI_EINVAL, "unexpected argument \"%s\" (see --help)", argv[next]);
@@ -176,6 +195,8 @@ int svc_main(const svc_spec *sp, int argc, char **argv)
     sigemptyset(&sigs);
     sigaddset(&sigs, SIGINT);
     sigaddset(&sigs, SIGTERM);
+    sigaddset(&sigs, SIGHUP);
+    sigaddset(&sigs, SIGQUIT);
     sigaddset(&sigs, SIGUSR1);
     pthread_sigmask(SIG_BLOCK, &sigs, NULL);
     signal(SIGPIPE, SIG_IGN);
@@ -201,16 +222,13 @@ int svc_main(const svc_spec *sp, int argc, char **argv)
         if (b->port_file)
             unlink(b->port_file);
         svc_opts_free(sp->rows, sp->n_rows, sp->opts);
-        return st == DI_EINVAL ? 2 : 1;
+        return st == DI_EINVAL || st == DI_ERANGE ? 2 : 1;
     }
     di_log(&ctx.log, DI_LOG_INFO, "serving on %s (port %d)", b->listen, port);
 
-    sigset_t stop_sigs;
-    sigemptyset(&stop_sigs);
-    sigaddset(&stop_sigs, SIGINT);
-    sigaddset(&stop_sigs, SIGTERM);
-    int sig = 0;
-    sigwait(&stop_sigs, &sig);
+    sigset_t stop_sigs = sigs;
+    sigdelset(&stop_sigs, SIGUSR1);
+    int sig = wait_stop(sp, &ctx, &stop_sigs);
     uint64_t deadline = di_mono_ns() + b->drain_ms * 1000000ull;
     di_log(&ctx.log, DI_LOG_INFO, "signal %d: draining (up to %llums)", sig,
            (unsigned long long)b->drain_ms);

@@ -1,17 +1,18 @@
 /* service.h: the skeleton every service binary runs (di-kvstore, di-prefill, di-decode).
  *
- * svc_main does, in order: block SIGINT/SIGTERM in every thread (they are taken by sigwait),
- * ignore SIGPIPE; parse the options table (common/service/options.h) with the rows every
- * service shares (SVC_BASE_ROWS) and the program's own; print --help generated from the rows;
- * read secrets from files or the environment (never argv); refuse a non-loopback --listen
- * when the client token (the spec's guard row) is not configured; build the stderr logger; call the program's
- * start; announce the bound port (--port-file written atomically, --ready-fd written and
- * closed); wait for SIGINT or SIGTERM; call the program's drain with a deadline (--drain), in
- * a thread so that the deadline holds; call stop; remove the port file.
+ * svc_main does, in order: block SIGINT, SIGTERM, SIGHUP and SIGQUIT in every thread (they
+ * are taken by sigwait, and each starts the drain), ignore SIGPIPE; parse the options table
+ * (common/service/options.h) with the rows every service shares (SVC_BASE_ROWS) and the
+ * program's own; print --help generated from the rows; read secrets from files or the
+ * environment (never argv); refuse a non-loopback --listen when the client token (the spec's
+ * guard row) is not configured; build the stderr logger; call the program's start; announce
+ * the bound port (--port-file written atomically, --ready-fd written and closed); wait for a
+ * stop signal; call the program's drain with a deadline (--drain), in a thread so that the
+ * deadline holds; call stop; remove the port file.
  *
  * Exit codes (returned by svc_main; main returns them): 0 after a clean drain, 1 for a
  * failure while starting or a drain that missed its deadline (or a second signal during it),
- * 2 for a usage error (bad option or value). Every failure prints one line
+ * 2 for a usage error (bad option or value, or a start that fails with DI_EINVAL/DI_ERANGE). Every failure prints one line
  * "NAME: what: why" on stderr.
  */
 #ifndef DI_SERVICE_SERVICE_H
@@ -44,7 +45,7 @@ typedef struct svc_base_opts {
     {"log-level", SVC_OPT_CHOICE, offsetof(T, m.log_level), "info", 0, 0, "LEVEL",            \
      "least severe log lines written to stderr", "error|warn|info|debug"},                    \
     {"drain", SVC_OPT_DURATION, offsetof(T, m.drain_ms), drain_def, 0, 3600000, "DURATION",   \
-     "on SIGTERM or SIGINT, time to finish or fail the work in flight before exiting", NULL}
+     "on SIGTERM (or INT, HUP, QUIT), time to finish or fail the work in flight", NULL}
 
 /* What the program's callbacks receive. */
 typedef struct svc_ctx {
@@ -65,9 +66,14 @@ typedef struct svc_spec {
     size_t base_offset;     /* offsetof the svc_base_opts member in it */
     void *app;              /* handed to the callbacks */
     /* Checks options beyond the table, opens resources and starts serving; *port receives the
-     * bound port. DI_EINVAL is reported as a usage error (exit 2), anything else exit 1. The
+     * bound port. DI_EINVAL and DI_ERANGE (a bad value, or a size this machine cannot hold)
+     * are usage errors (exit 2), anything else exit 1. The
      * message is printed once by svc_main; start must not print it. May be NULL. */
     di_status (*start)(void *app, const svc_ctx *ctx, int *port, di_error *err);
+    /* Periodic work while serving (load reports, counts of rate-limited logs), every tick_ms on
+     * the main thread; not during the drain. May be NULL. */
+    void (*tick)(void *app, const svc_ctx *ctx);
+    uint32_t tick_ms;       /* 0: no tick */
     /* Stops taking work, finishes or fails the work in flight with a clear status by
      * deadline_ns (di_mono_ns time), and returns. Runs on its own thread. May be NULL. */
     void (*drain)(void *app, const svc_ctx *ctx, uint64_t deadline_ns);

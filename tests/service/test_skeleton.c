@@ -124,6 +124,20 @@ static char *output(proc *p)
     return buf;
 }
 
+/* 1 when the file contains needle. */
+static int file_has(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    char line[512];
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f))
+        found = strstr(line, needle) != NULL;
+    fclose(f);
+    return found;
+}
+
 static rpc_stream *count_stream(rpc_client *c, uint32_t n, uint32_t delay_us)
 {
     uint8_t req[8];
@@ -142,6 +156,30 @@ static rpc_stream *count_stream(rpc_client *c, uint32_t n, uint32_t delay_us)
 }
 
 TestSuite(skeleton, .timeout = 90);
+
+Test(skeleton, help_to_a_full_device_exits_1)
+{
+    if (access("/dev/full", W_OK) != 0)
+        cr_skip_test("no /dev/full");
+    /* stdout on /dev/full: the help is lost, and the exit code says so. */
+    pid_t pid = fork();
+    cr_assert_geq(pid, 0);
+    if (pid == 0) {
+        int full = open("/dev/full", O_WRONLY);
+        int null = open("/dev/null", O_WRONLY);
+        dup2(full, 1);
+        dup2(null, 2);
+        const char *root = getenv("DI_BUILD_ROOT");
+        char exe[1024];
+        snprintf(exe, sizeof(exe), "%s/tests/service/di-svcdemo", root ? root : ".");
+        execl(exe, exe, "--help", (char *)NULL);
+        _exit(127);
+    }
+    int st = 0;
+    waitpid(pid, &st, 0);
+    cr_assert(WIFEXITED(st));
+    cr_assert_eq(WEXITSTATUS(st), 1, "help lost on a full device must not exit 0");
+}
 
 Test(skeleton, help_lists_every_option_and_exits_0)
 {
@@ -172,7 +210,7 @@ static void usage_error(const char *want, const char *const *args)
 
 Test(skeleton, usage_errors_exit_2_with_one_line)
 {
-    usage_error("port 70000 is outside 0..65535",
+    usage_error("port 70000 outside 0..65535",
                 (const char *[]){"--listen", "127.0.0.1:70000", NULL});
     usage_error("unknown option --bogus", (const char *[]){"--bogus", NULL});
     usage_error("--ready-fd 987 is not an open descriptor",
@@ -180,7 +218,7 @@ Test(skeleton, usage_errors_exit_2_with_one_line)
     usage_error("--listen 0.0.0.0:0 is not a loopback address",
                 (const char *[]){"--listen", "0.0.0.0:0", NULL});
     usage_error("unexpected argument \"serve\"", (const char *[]){"serve", NULL});
-    usage_error("--threads: 0 is outside 1..64", (const char *[]){"--threads", "0", NULL});
+    usage_error("--threads: 0 is outside [1, 64]", (const char *[]){"--threads", "0", NULL});
     usage_error("--drain: \"later\" is not a duration", (const char *[]){"--drain", "later",
                                                                           NULL});
     usage_error("--token-file: cannot read /nonexistent/token",
@@ -202,7 +240,7 @@ Test(skeleton, a_port_in_use_fails_to_start_with_exit_1)
     char *out = output(&second);
     cr_assert(strstr(out, "cannot listen on"), "%s", out);
     free(out);
-    kill(first.pid, SIGTERM);
+    kill(first.pid, SIGINT);
     cr_assert_eq(wait_exit(&first, 20000), 0);
     free(output(&first));
 }
@@ -231,6 +269,11 @@ Test(skeleton, ready_fd_port_file_and_clean_exit_on_sigterm)
                  "%s", e.msg);
     cr_assert_eq(len, 2);
     free(reply);
+    /* The tick runs while serving (every 50 ms, logged at debug level). */
+    uint64_t until = di_mono_ns() + 10000000000ull;
+    while (!file_has(p.out, "tick 2:") && di_mono_ns() < until)
+        usleep(10000);
+    cr_assert(file_has(p.out, "tick 2:"), "no tick while serving");
     kill(p.pid, SIGTERM);
     cr_assert_eq(wait_exit(&p, 20000), 0);
     cr_assert_neq(access(port_file, F_OK), 0, "the port file outlived the service");
@@ -314,7 +357,7 @@ Test(skeleton, token_from_the_environment_guards_every_call)
     cr_assert_eq(rpc_client_call(good, "/demo.Demo/Ping", "x", 1, 5000, &reply, &len, &e), DI_OK,
                  "%s", e.msg);
     free(reply);
-    kill(p.pid, SIGINT);
+    kill(p.pid, SIGHUP);
     cr_assert_eq(wait_exit(&p, 20000), 0);
     rpc_client_close(anon);
     rpc_client_close(wrong);
