@@ -49,7 +49,9 @@ install -m 0755 deploy/docker/healthcheck.sh "$out/usr/local/bin/di-healthcheck"
 install -m 0644 data/tokenizer/deepseek-v3/tokenizer.json "$out/usr/local/share/deepinfer/tokenizer.json"
 
 # the packages owning every shared library the binaries load (the runtime stage installs them)
-ldd "${bins[@]}" | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u >"$out/libs.txt"
+# (and of UCX's transport modules, which it opens at run time: RDMA needs libibverbs)
+mapfile -t ucx_modules < <(ls /usr/lib/*/ucx/*.so.0 2>/dev/null || true)
+ldd "${bins[@]}" "${ucx_modules[@]}" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $3}' | sort -u >"$out/libs.txt"
 : >"$out/runtime-packages.txt.tmp"
 while read -r lib; do
   real=$(readlink -f "$lib")

@@ -164,6 +164,7 @@ function render(dir, seen = new Set()) {
     for (const o of objs) o.metadata.labels = { ...(o.metadata.labels || {}), ...l.pairs };
   }
   for (const im of k.images || []) {
+    if (!isObj(im) || typeof im.name !== 'string') throw new RenderError(`${kfile}: an images entry is not {name, newName, newTag}`);
     for (const o of objs) {
       const spec = o.spec && o.spec.template && o.spec.template.spec;
       if (!spec) continue;
