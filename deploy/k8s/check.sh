@@ -27,7 +27,7 @@ command -v node >/dev/null || { echo "check.sh: node is not installed: run deplo
   { echo "check.sh: $here/tools/node_modules is missing: run deploy/local/install-deps.sh" >&2; exit 1; }
 
 rc=0
-node "$here/tools/check.js" --k8s "$k8s" --docker "$docker" --build "$build" --out "$build/k8s" || rc=$?
+node "$here/tools/check.js" --k8s "$k8s" --docker "$docker" --context "$root" --build "$build" --out "$build/k8s" || rc=$?
 if [ "$rc" != 0 ] && [ "$rc" != 77 ]; then exit 1; fi
 
 if command -v kubectl >/dev/null 2>&1; then

@@ -100,8 +100,8 @@ printf 'client %s generate\n' "$key" >"$work/secrets/api-keys"
 export UCX_TLS=tcp UCX_NET_DEVICES=eth0
 
 wait_port() { # host, port file, pid
-  local i
-  for i in $(seq 1 600); do
+  local _
+  for _ in $(seq 1 600); do
     [ -s "$2" ] && return 0
     kill -0 "$3" 2>/dev/null || { echo "netns-test: $1 exited:" >&2; cat "$work/$1.log" >&2; return 1; }
     sleep 0.1
@@ -259,8 +259,7 @@ fi
 # 5. end to end through prefill and decode, then prefill1's link cut
 if [ "$services" = 1 ]; then
   send() { # n, out prefix: n requests one after another; one status a line
-    local i
-    for i in $(seq 1 "$1"); do
+    for _ in $(seq 1 "$1"); do
       on client curl -s -m 120 -o /dev/null -w '%{http_code}\n' -H "Authorization: Bearer $key" \
         -H 'Content-Type: application/json' -d "$body" "$url/v1/completions" || echo 000
     done >"$work/$2.codes"

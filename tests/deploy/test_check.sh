@@ -7,8 +7,10 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 build=$(cd "${1:?usage: test_check.sh BUILDDIR}" && pwd)
-[ -x "$build/kvstore/di-kvstore" ] && [ -x "$build/router/di-router" ] ||
-  { echo "test_check: di-kvstore and di-router are not built in $build"; exit 77; }
+if [ ! -x "$build/kvstore/di-kvstore" ] || [ ! -x "$build/router/di-router" ]; then
+  echo "test_check: di-kvstore and di-router are not built in $build"
+  exit 77
+fi
 [ -d "$root/deploy/k8s/tools/node_modules" ] || { echo "test_check: run deploy/local/install-deps.sh"; exit 1; }
 work=$(mktemp -d /tmp/deploy-check.XXXXXX)
 trap 'rm -rf "$work"' EXIT
@@ -85,6 +87,7 @@ sed -i 's|containerPort: 9470|containerPort: "grpc"|' "$work/deploy/k8s/base/kvs
 expect "a value of the wrong type" 1 "containerPort must be integer"
 
 fresh
+# shellcheck disable=SC2016 # $(VAR) is Kubernetes' syntax, not the shell's
 sed -i 's|            - \$(TTL_BLOCK)|            - $(TTL_BLOK)|' "$work/deploy/k8s/base/kvstore.yaml"
 expect "an undefined \$(VAR)" 1 "\$(TTL_BLOK) in its arguments is not defined"
 
@@ -115,6 +118,10 @@ expect "a runtime image running as root" 1 "does not end as a non-root USER"
 fresh
 sed -i 's|^HEALTHCHECK|HEALTHCHEK|' "$work/deploy/docker/Dockerfile.cuda"
 expect "a Dockerfile that does not lint" 1 "Unknown instruction: HEALTHCHEK"
+
+fresh
+sed -i 's|^COPY deploy/local/install-deps.sh |COPY deploy/local/install-dep.sh |' "$work/deploy/docker/Dockerfile"
+expect "a COPY of a file that is not there" 1 "COPY deploy/local/install-dep.sh: not in the build context"
 
 fresh # last: it removes a stand-in
 rm "$work/build/decode/di-decode"

@@ -10,7 +10,8 @@
 //      period covers --drain and the preStop pause; ConfigMaps referenced exist;
 //   4. lints the Dockerfiles (dockerfile-utils) and checks their stages: non-root USER,
 //      HEALTHCHECK, build steps that are the scripts CI runs.
-// usage: node check.js --k8s DIR --docker DIR --build BUILDDIR --out OUTDIR
+// usage: node check.js --k8s DIR --docker DIR --context DIR --build BUILDDIR --out OUTDIR
+// (--context: the image build context, the repository root)
 // exit 0: all good; 1: a problem (each printed); 77: no problem, but a binary is not built
 // (its flags could not be checked; each one named).
 'use strict';
@@ -39,13 +40,13 @@ function args() {
   const a = {};
   const v = process.argv.slice(2);
   for (let i = 0; i < v.length; i += 2) {
-    if (!['--k8s', '--docker', '--build', '--out'].includes(v[i]) || v[i + 1] === undefined) {
-      process.stderr.write('usage: node check.js --k8s DIR --docker DIR --build BUILDDIR --out OUTDIR\n');
+    if (!['--k8s', '--docker', '--build', '--out', '--context'].includes(v[i]) || v[i + 1] === undefined) {
+      process.stderr.write('usage: node check.js --k8s DIR --docker DIR --context DIR --build BUILDDIR --out OUTDIR\n');
       process.exit(2);
     }
     a[v[i].slice(2)] = v[i + 1];
   }
-  for (const k of ['k8s', 'docker', 'build', 'out']) {
+  for (const k of ['k8s', 'docker', 'build', 'out', 'context']) {
     if (!a[k]) { process.stderr.write(`check: --${k} is required\n`); process.exit(2); }
   }
   return a;
@@ -266,6 +267,15 @@ function checkDocker(a) {
     const text = fs.readFileSync(p, 'utf8');
     for (const d of du.validate(text)) {
       problem(`${p}:${d.range.start.line + 1}`, `${d.message} (dockerfile-utils, severity ${d.severity})`);
+    }
+    // every COPY source (from the build context, the repository root) exists
+    const context = a.context;
+    for (const m of text.matchAll(/^COPY\s+(?!--from)(.+)$/gm)) {
+      const words = m[1].trim().split(/\s+/).filter((w) => !w.startsWith('--'));
+      for (const src of words.slice(0, -1)) {
+        if (/[*?[]/.test(src) || src === '.') continue;
+        if (!fs.existsSync(path.join(context, src))) problem(p, `COPY ${src}: not in the build context`);
+      }
     }
     const stages = text.split(/^FROM\s/m).slice(1);
     if (stages.length < 2) { problem(p, 'is not multi-stage (a build stage and a runtime stage)'); continue; }
