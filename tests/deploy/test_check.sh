@@ -123,6 +123,10 @@ fresh
 sed -i 's|^COPY deploy/local/install-deps.sh |COPY deploy/local/install-dep.sh |' "$work/deploy/docker/Dockerfile"
 expect "a COPY of a file that is not there" 1 "COPY deploy/local/install-dep.sh: not in the build context"
 
+fresh
+sed -i 's|terminationGracePeriodSeconds: 75|terminationGracePeriodSecond: 75|' "$work/deploy/k8s/base/router.yaml"
+expect "a misspelt field" 1 "spec.template.spec.terminationGracePeriodSecond: unknown field"
+
 fresh # last: it removes a stand-in
 rm "$work/build/decode/di-decode"
 expect "a binary not built is exit 77, named" 77 "not built: di-decode"

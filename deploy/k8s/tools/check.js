@@ -2,6 +2,7 @@
 //   1. renders every overlay (render.js) into OUT/<overlay>.yaml;
 //   2. validates every object against the Kubernetes OpenAPI schemas (kubernetes-models;
 //      ServiceMonitor with @kubernetes-models/prometheus-operator); an unknown kind is an error;
+//      a field that the built-in kinds do not declare is an error too (fields.js);
 //   3. checks what the schemas cannot: every $(VAR) in args is defined; every flag and every
 //      environment variable a container gets is in its binary's --help (library variables
 //      UCX_* and NCCL_* excepted, and variables only used for $(VAR) in args); the engines'
@@ -20,6 +21,7 @@ const path = require('path');
 const { execFileSync } = require('child_process');
 const YAML = require('yaml');
 const { render, RenderError } = require('./render.js');
+const { unknownFields } = require('./fields.js');
 
 const BINARIES = {
   'di-kvstore': 'kvstore/di-kvstore',
@@ -250,6 +252,7 @@ async function checkK8s(a) {
         problem(where, `invalid: ${e.message}`);
         continue;
       }
+      for (const u of unknownFields(o, __dirname) || []) problem(where, u);
       checkObject(where, o, objs);
       if (podSpecOf(o)) checkContainers(where, o, objs, a.build);
     }
