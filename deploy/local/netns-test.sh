@@ -68,19 +68,20 @@ bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
 ns() { echo "$tag-$1"; }
 on() { local h=$1; shift; ip netns exec "$(ns "$h")" "$@"; }
 
-# the namespaces, the bridge and the links
-ip netns add "$sw" 2>"$work/netns.err" || skip "cannot make a network namespace: $(head -n 1 "$work/netns.err")"
+# the namespaces, the bridge and the links; a sandbox that cannot make them is a skip
+net() { ip "$@" 2>>"$work/netns.err" || skip "cannot build the test network: ip $*: $(tail -n 1 "$work/netns.err")"; }
+net netns add "$sw"
 made+=("$sw")
-ip -n "$sw" link add br0 type bridge
-ip -n "$sw" link set br0 up
+net -n "$sw" link add br0 type bridge
+net -n "$sw" link set br0 up
 for h in "${hosts[@]}"; do
-  ip netns add "$(ns "$h")"
+  net netns add "$(ns "$h")"
   made+=("$(ns "$h")")
-  ip -n "$sw" link add "to-$h" type veth peer name eth0 netns "$(ns "$h")"
-  ip -n "$sw" link set "to-$h" master br0 up
-  ip -n "$(ns "$h")" addr add "$net.${addr[$h]}/24" dev eth0
-  ip -n "$(ns "$h")" link set eth0 up
-  ip -n "$(ns "$h")" link set lo up
+  net -n "$sw" link add "to-$h" type veth peer name eth0 netns "$(ns "$h")"
+  net -n "$sw" link set "to-$h" master br0 up
+  net -n "$(ns "$h")" addr add "$net.${addr[$h]}/24" dev eth0
+  net -n "$(ns "$h")" link set eth0 up
+  net -n "$(ns "$h")" link set lo up
 done
 echo "netns-test: ${#hosts[@]} hosts on bridge br0 in $sw: $(for h in "${hosts[@]}"; do printf '%s=%s.%s ' "$h" "$net" "${addr[$h]}"; done)"
 
