@@ -88,9 +88,8 @@ echo "netns-test: ${#hosts[@]} hosts on bridge br0 in $sw: $(for h in "${hosts[@
 # secrets, as the deepinfer-tokens Secret holds them
 rand() { head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
 mkdir -p "$work/secrets" && chmod 700 "$work/secrets"
-rand >"$work/secrets/kvstore-engine.token"
+rand >"$work/secrets/engine.token"
 rand >"$work/secrets/kvstore-admin.token"
-rand >"$work/secrets/service.token"
 key=$(rand)
 printf 'client %s generate\n' "$key" >"$work/secrets/api-keys"
 
@@ -116,7 +115,7 @@ wait_port() { # host, port file, pid
 on kvstore "$build/kvstore/di-kvstore" --listen "$net.5:9470" --port-file "$work/kvstore.port" \
   --dir "$work/kv" --model "$work/model" --durability wal --dram-bytes 256MiB --disk-bytes 8GiB \
   --ttl-block 3d --ttl-window 3d --ttl-handoff 60s \
-  --token-file "$work/secrets/kvstore-engine.token" \
+  --token-file "$work/secrets/engine.token" \
   --admin-token-file "$work/secrets/kvstore-admin.token" --log-level info >"$work/kvstore.log" 2>&1 &
 pids+=($!)
 wait_port kvstore "$work/kvstore.port" $!
@@ -133,8 +132,8 @@ if [ "$services" = 1 ]; then
   start_engine() { # host, role, port, rank, world
     on "$1" "$build/$2/di-$2" --listen "$net.${addr[$1]}:$3" --port-file "$work/$1.port" \
       --drain 60s --rank "$4" --world "$5" --model "$work/model" --backend cpu --threads 1 \
-      --kvstore "$net.5:9470" --kvstore-token-file "$work/secrets/kvstore-engine.token" \
-      --token-file "$work/secrets/service.token" >"$work/$1.log" 2>&1 &
+      --kvstore "$net.5:9470" --kvstore-token-file "$work/secrets/engine.token" \
+      --token-file "$work/secrets/engine.token" >"$work/$1.log" 2>&1 &
     pids+=($!)
     eval "pid_$1=$!"
   }
@@ -146,6 +145,10 @@ if [ "$services" = 1 ]; then
 fi
 if [ "$services" = 1 ] && [ "$router_ranks" = 1 ]; then
   rank_flags=(--prefill "$net.2:9480" --prefill "$net.3:9480" --decode "$net.4:9490")
+  # the token the ranks (and the store) want from the router
+  if "$build/router/di-router" --help 2>&1 | grep -q -- '--engine-token-file'; then
+    rank_flags+=(--engine-token-file "$work/secrets/engine.token")
+  fi
   backend=()
 elif [ "$services" = 1 ]; then
   backend=(--test-backend --test-delay 2ms)
@@ -227,7 +230,7 @@ if kvctl client "$work/wrong.token" stats >"$work/kvctl.out" 2>&1; then
 else
   ok "the store refuses a wrong admin token: $(head -n 1 "$work/kvctl.out")"
 fi
-if kvctl client "$work/secrets/kvstore-engine.token" stats >"$work/kvctl.out" 2>&1; then
+if kvctl client "$work/secrets/engine.token" stats >"$work/kvctl.out" 2>&1; then
   bad "the store served stats (an admin call) to the engine token"
 else
   ok "the store refuses the engine token on an admin call: $(head -n 1 "$work/kvctl.out")"
@@ -237,7 +240,7 @@ fi
 bytes() { on "$1" cat "/sys/class/net/eth0/statistics/$2_bytes"; }
 tx0=$(bytes prefill0 tx)
 rx0=$(bytes prefill0 rx)
-if on prefill0 "$build/kvstore/kvdemo" --store "$net.5:9470" --token "$(cat "$work/secrets/kvstore-engine.token")" \
+if on prefill0 "$build/kvstore/kvdemo" --store "$net.5:9470" --token "$(cat "$work/secrets/engine.token")" \
      --tokens 1000 --prompts 3 --shared 512 --ids-dir "$work" >"$work/kvdemo.log" 2>&1; then
   ok "kvdemo on prefill0 wrote and read 3 prompts' KV in the store over UCX"
 else
