@@ -56,7 +56,11 @@ made=()
 cleanup() {
   local p
   for p in "${pids[@]}"; do kill -TERM "$p" 2>/dev/null || true; done
-  for p in "${pids[@]}"; do wait "$p" 2>/dev/null || true; done
+  for p in "${pids[@]}"; do
+    for _ in $(seq 1 100); do kill -0 "$p" 2>/dev/null || break; sleep 0.1; done
+    kill -KILL "$p" 2>/dev/null || true
+    wait "$p" 2>/dev/null || true
+  done
   for p in "${made[@]}"; do ip netns del "$p" 2>/dev/null || true; done
   if [ "$keep" = 1 ]; then echo "kept $work"; else rm -rf "$work"; fi
 }
@@ -67,6 +71,7 @@ ok() { echo "ok: $*"; }
 bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
 ns() { echo "$tag-$1"; }
 on() { local h=$1; shift; ip netns exec "$(ns "$h")" "$@"; }
+# (services start with `ip netns exec ... &` itself, so that $! is the service and cleanup stops it)
 
 # the namespaces, the bridge and the links; a sandbox that cannot make them is a skip
 net() { ip "$@" 2>>"$work/netns.err" || skip "cannot build the test network: ip $*: $(tail -n 1 "$work/netns.err")"; }
@@ -112,7 +117,7 @@ wait_port() { # host, port file, pid
 }
 
 # the store: the flags of deploy/k8s/base/kvstore.yaml
-on kvstore "$build/kvstore/di-kvstore" --listen "$net.5:9470" --port-file "$work/kvstore.port" \
+ip netns exec "$(ns kvstore)" "$build/kvstore/di-kvstore" --listen "$net.5:9470" --port-file "$work/kvstore.port" \
   --dir "$work/kv" --model "$work/model" --durability wal --dram-bytes 256MiB --disk-bytes 8GiB \
   --ttl-block 3d --ttl-window 3d --ttl-handoff 60s \
   --token-file "$work/secrets/engine.token" \
@@ -130,7 +135,7 @@ router_ranks=1
 rank_flags=()
 if [ "$services" = 1 ]; then
   start_engine() { # host, role, port, rank, world
-    on "$1" "$build/$2/di-$2" --listen "$net.${addr[$1]}:$3" --port-file "$work/$1.port" \
+    ip netns exec "$(ns "$1")" "$build/$2/di-$2" --listen "$net.${addr[$1]}:$3" --port-file "$work/$1.port" \
       --drain 60s --rank "$4" --world "$5" --model "$work/model" --backend cpu --threads 1 \
       --kvstore "$net.5:9470" --kvstore-token-file "$work/secrets/engine.token" \
       --token-file "$work/secrets/engine.token" >"$work/$1.log" 2>&1 &
@@ -159,7 +164,7 @@ else
 fi
 
 # the router: the flags of deploy/k8s/base/router.yaml
-on router "$build/router/di-router" --listen-http "$net.1:8000" \
+ip netns exec "$(ns router)" "$build/router/di-router" --listen-http "$net.1:8000" \
   --port-file "$work/router.port" --drain 60s --api-key-file "$work/secrets/api-keys" \
   --tokenizer "$tok" --model deepseek-v4.1 --kvstore "$net.5:9470" "${rank_flags[@]}" "${backend[@]}" \
   >"$work/router.log" 2>&1 &
