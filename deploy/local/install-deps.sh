@@ -51,3 +51,11 @@ mkdir -p "$root/data/tokenizer/deepseek-v3"
 cp -f "$tok_json" "$root/data/tokenizer/deepseek-v3/tokenizer.json"
 cp -f "$(dirname "$tok_json")/tokenizer_config.json" "$root/data/tokenizer/deepseek-v3/" 2>/dev/null || true
 echo "install-deps: tokenizer at data/tokenizer/deepseek-v3/tokenizer.json"
+
+# What deploy/k8s/check.sh renders and validates with (pinned by its package-lock.json).
+k8s_tools="$root/deploy/k8s/tools"
+if [ ! -d "$k8s_tools/node_modules/kubernetes-models" ]; then
+  echo "install-deps: fetching the manifest and Dockerfile checkers from the npm registry"
+  (cd "$k8s_tools" && npm ci --no-audit --no-fund --silent >/dev/null)
+fi
+echo "install-deps: deploy/k8s/tools ready"
