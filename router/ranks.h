@@ -28,7 +28,7 @@ typedef struct rk_config {
     pl_policy policy;
     const char *engine_token;  /* bearer token the ranks want; NULL: none */
     const char *tls_ca_pem;    /* NULL: plaintext gRPC to the ranks */
-    const di_logger *log;      /* health changes at info, decisions at debug; may be NULL */
+    const di_logger *log;      /* new ranks at info; health and decisions at debug; may be NULL */
 } rk_config;
 
 typedef struct rk_table rk_table;
