@@ -24,6 +24,7 @@ struct pd_backend {
     bool have_geometry;
     uint64_t model_id;       /* the store's model id, for the chain keys */
     uint32_t store_block;    /* the store's tokens per block */
+    uint64_t store_hits;     /* cached tokens found, summed */
 };
 
 /* What a request has when its calls end. */
@@ -78,6 +79,7 @@ static uint32_t cached_tokens(pd_backend *b, const int32_t *p, size_t n)
         free(keys);
         free(win);
     }
+    b->store_hits += cached;
     pthread_mutex_unlock(&b->store_mu);
     if (e.msg[0] && b->cfg.log)
         di_log(b->cfg.log, DI_LOG_DEBUG, "store lookup: %s (counting 0 cached tokens)", e.msg);
@@ -466,6 +468,14 @@ void pd_free(pd_backend *b)
     pthread_mutex_destroy(&b->store_mu);
     pthread_mutex_destroy(&b->mu);
     free(b);
+}
+
+uint64_t pd_store_hits(pd_backend *b)
+{
+    pthread_mutex_lock(&b->store_mu);
+    uint64_t n = b->store_hits;
+    pthread_mutex_unlock(&b->store_mu);
+    return n;
 }
 
 rt_backend pd_backend_iface(pd_backend *b)

@@ -47,5 +47,7 @@ void pd_free(pd_backend *b);
 rt_backend pd_backend_iface(pd_backend *b);
 /* Requests started, prefill retries, requests running now (for tests). */
 void pd_counts(pd_backend *b, uint64_t *started, uint64_t *retries, uint64_t *running);
+/* Prompt tokens the store lookups found cached, summed over requests (for tests). */
+uint64_t pd_store_hits(pd_backend *b);
 
 #endif
