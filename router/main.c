@@ -1,6 +1,8 @@
-/* di-router: the OpenAI-compatible front end of the cluster (router/api.c over a backend).
- * Thin: the options table, then common/service's skeleton. --prefill and --decode repeat, so
- * they are taken out of argv here before the table parses the rest. */
+/* di-router: the OpenAI-compatible front end of the cluster (router/api.c) and its gRPC API
+ * (router/grpc_api.c), both over one backend: the prefill/decode client (router/pd_backend.c)
+ * on the ranks of --prefill/--decode and of RegisterRank, or --test-backend. Thin: the options
+ * table, then common/service's skeleton. --prefill and --decode repeat, so they are taken out
+ * of argv here before the table parses the rest. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,8 +11,10 @@
 #include "common/tokenizer/tokenizer.h"
 #include "common/util/clock.h"
 #include "router/api.h"
+#include "router/grpc_api.h"
 #include "router/http.h"
-#include "router/placement.h"
+#include "router/pd_backend.h"
+#include "router/ranks.h"
 #include "router/testbackend.h"
 
 typedef struct router_opts {
@@ -32,6 +36,12 @@ typedef struct router_opts {
     int no_bos;
     int test_backend;
     uint64_t test_delay_ms;
+    char *grpc_token;
+    char *admin_token;
+    char *engine_token;
+    uint64_t heartbeat_ms;
+    uint64_t prefill_timeout_ms;
+    uint64_t grpc_threads;
 } router_opts;
 
 static const svc_opt rows[] = {
@@ -71,6 +81,21 @@ static const svc_opt rows[] = {
      "TESTING ONLY: answer from an in-process backend of deterministic tokens", NULL},
     {"test-delay", SVC_OPT_DURATION, offsetof(router_opts, test_delay_ms), "0", 0, 60000,
      "DURATION", "with --test-backend: time per token", NULL},
+    {"token-file", SVC_OPT_SECRET, offsetof(router_opts, grpc_token), NULL, 0, 0, "FILE",
+     "bearer token gRPC clients of Generate/Abort must present; needed for a non-loopback "
+     "--listen", "DI_ROUTER_TOKEN"},
+    {"admin-token-file", SVC_OPT_SECRET, offsetof(router_opts, admin_token), NULL, 0, 0, "FILE",
+     "bearer token of RegisterRank (ranks announcing themselves); without it RegisterRank is "
+     "open only when no --token-file is set", "DI_ROUTER_ADMIN_TOKEN"},
+    {"engine-token-file", SVC_OPT_SECRET, offsetof(router_opts, engine_token), NULL, 0, 0,
+     "FILE", "bearer token the prefill/decode ranks and the KV store want", "DI_ENGINE_TOKEN"},
+    {"heartbeat", SVC_OPT_DURATION, offsetof(router_opts, heartbeat_ms), "1s", 10, 60000,
+     "DURATION", "interval of the GetLoad polls that are each rank's heartbeat", NULL},
+    {"prefill-timeout", SVC_OPT_DURATION, offsetof(router_opts, prefill_timeout_ms), "120s",
+     100, 3600000, "DURATION", "deadline of one Prefill call (a failure is retried once on "
+     "another rank)", NULL},
+    {"grpc-threads", SVC_OPT_UINT, offsetof(router_opts, grpc_threads), "4", 1, 64, "N",
+     "worker threads of the gRPC API", NULL},
 };
 
 #define MAX_RANK_FLAGS 64
@@ -82,10 +107,60 @@ typedef struct router_app {
     size_t n_prefill, n_decode;
     tok_tokenizer *tok;
     tb_backend *tb;
+    rk_table *ranks;
+    kvc_client *store;
+    pd_backend *pd;
     api_ctx *api;
     http_server *http;
-    pl_table placement;
+    gapi_server *grpc;
 } router_app;
+
+/* RegisterRank: a rank joins the table the flags fill. */
+static di_status on_register(void *ud, int role, const char *addr, uint32_t *heartbeat_ms,
+                             uint32_t *ranks, di_error *err)
+{
+    router_app *a = ud;
+    if (!a->ranks)
+        return di_fail(err, DI_EUNSUPPORTED, "this router serves --test-backend: no ranks");
+    *heartbeat_ms = (uint32_t)a->o.heartbeat_ms;
+    return rk_add(a->ranks, role == 0 ? PL_PREFILL : PL_DECODE, addr, true, ranks, err);
+}
+
+/* The prefill/decode client: ranks from the flags, the store when given. */
+static di_status start_pd(router_app *a, const svc_ctx *ctx, rt_backend *out, di_error *err)
+{
+    router_opts *o = &a->o;
+    if ((a->n_prefill == 0 || a->n_decode == 0) && !o->admin_token)
+        return di_fail(err, DI_EINVAL, "give --prefill and --decode ranks, or "
+                       "--admin-token-file for ranks that register (or --test-backend)");
+    rk_config rc = {.placement = pl_config_default(),
+                    .policy = strcmp(o->policy, "round-robin") == 0 ? PL_POLICY_ROUND_ROBIN
+                                                                    : PL_POLICY_ESTIMATE,
+                    .engine_token = o->engine_token, .log = &ctx->log};
+    rc.placement.heartbeat_ns = o->heartbeat_ms * 1000000ull;
+    di_status st = rk_new(&rc, &a->ranks, err);
+    for (size_t i = 0; st == DI_OK && i < a->n_prefill; i++)
+        st = rk_add(a->ranks, PL_PREFILL, a->prefill[i], false, NULL, err);
+    for (size_t i = 0; st == DI_OK && i < a->n_decode; i++)
+        st = rk_add(a->ranks, PL_DECODE, a->decode[i], false, NULL, err);
+    if (st == DI_OK)
+        rk_poll_once(a->ranks); /* loads before the first request */
+    if (st == DI_OK && o->kvstore) {
+        kvc_options ko;
+        kvc_options_default(&ko);
+        ko.target = o->kvstore;
+        ko.token = o->engine_token;
+        ko.log = &ctx->log;
+        st = kvc_open(&ko, &a->store, err);
+    }
+    pd_config pc = {.ranks = a->ranks, .store = a->store,
+                    .prefill_timeout_ms = (uint32_t)o->prefill_timeout_ms,
+                    .decode_timeout_ms = (uint32_t)o->request_timeout_ms, .block_tokens = 128,
+                    .log = &ctx->log};
+    if (st == DI_OK && (st = pd_new(&pc, &a->pd, err)) == DI_OK)
+        *out = pd_backend_iface(a->pd);
+    return st;
+}
 
 static di_status router_start(void *app, const svc_ctx *ctx, int *port, di_error *err)
 {
@@ -94,34 +169,27 @@ static di_status router_start(void *app, const svc_ctx *ctx, int *port, di_error
     if (!o->api_key_file && !svc_hostport_is_loopback(o->listen_http))
         return di_fail(err, DI_EINVAL, "--listen-http %s is not loopback: give --api-key-file",
                        o->listen_http);
-    if (!o->test_backend)
-        return di_fail(err, DI_EINVAL, "the prefill/decode client is not built yet; only "
-                       "--test-backend can serve (for testing)");
-    pl_config pc = pl_config_default();
-    di_status st = pl_init(&a->placement, &pc,
-                           strcmp(o->policy, "round-robin") == 0 ? PL_POLICY_ROUND_ROBIN
-                                                                 : PL_POLICY_ESTIMATE,
-                           &ctx->log, err);
-    size_t idx;
-    for (size_t i = 0; st == DI_OK && i < a->n_prefill; i++)
-        st = pl_add(&a->placement, PL_PREFILL, a->prefill[i], false, di_mono_ns(), &idx, err);
-    for (size_t i = 0; st == DI_OK && i < a->n_decode; i++)
-        st = pl_add(&a->placement, PL_DECODE, a->decode[i], false, di_mono_ns(), &idx, err);
-    if (st != DI_OK)
-        return st;
     const char *tp = o->tokenizer ? o->tokenizer : tok_default_path();
+    di_status st;
     if (!tp)
         return di_fail(err, DI_EINVAL, "no tokenizer: give --tokenizer or set DI_TOKENIZER");
     if ((st = tok_load_file(tp, &a->tok, err)) != DI_OK) {
         di_error_prefix(err, "--tokenizer %s: ", tp);
         return st;
     }
-    tb_config tc = {.delay_ms = (uint32_t)o->test_delay_ms, .first_id = 1000, .span = 20000,
-                    .eos_id = tok_eos_id(a->tok), .eos_at = -1, .fail_at = -1};
-    if ((st = tb_new(&tc, &a->tb, err)) != DI_OK)
+    rt_backend be;
+    if (o->test_backend) {
+        tb_config tc = {.delay_ms = (uint32_t)o->test_delay_ms, .first_id = 1000,
+                        .span = 20000, .eos_id = tok_eos_id(a->tok), .eos_at = -1,
+                        .fail_at = -1};
+        if ((st = tb_new(&tc, &a->tb, err)) != DI_OK)
+            return st;
+        be = tb_backend_iface(a->tb);
+    } else if ((st = start_pd(a, ctx, &be, err)) != DI_OK) {
         return st;
+    }
     api_config ac = {.tok = a->tok,
-                     .backend = tb_backend_iface(a->tb),
+                     .backend = be,
                      .limits = {.max_body_bytes = o->max_body,
                                 .max_depth = (int)o->max_depth,
                                 .max_prompt_tokens = (uint32_t)o->max_prompt,
@@ -141,8 +209,20 @@ static di_status router_start(void *app, const svc_ctx *ctx, int *port, di_error
                       .api_key_file = o->api_key_file};
     if ((st = http_start(&hc, &a->http, port, err)) != DI_OK)
         return st;
-    di_log(&ctx->log, DI_LOG_INFO, "serving the OpenAI API on %s (port %d), model %s, test "
-           "backend", o->listen_http, *port, o->model);
+    gapi_config gc = {.listen = o->base.listen, .tok = a->tok, .backend = be,
+                      .limits = ac.limits, .add_bos = ac.add_bos,
+                      .request_timeout_ms = (uint32_t)o->request_timeout_ms,
+                      .token = o->grpc_token, .admin_token = o->admin_token,
+                      .on_register = on_register, .register_ud = a,
+                      .threads = (unsigned)o->grpc_threads, .log = &ctx->log};
+    int gport = 0;
+    if ((st = gapi_start(&gc, &a->grpc, &gport, err)) != DI_OK) {
+        di_error_prefix(err, "--listen %s: ", o->base.listen);
+        return st;
+    }
+    di_log(&ctx->log, DI_LOG_INFO, "serving the OpenAI API on %s (port %d) and the gRPC API "
+           "on %s (port %d), model %s, %s", o->listen_http, *port, o->base.listen, gport,
+           o->model, o->test_backend ? "test backend" : "prefill/decode ranks");
     return DI_OK;
 }
 
@@ -151,10 +231,15 @@ static void router_stop(void *app, const svc_ctx *ctx)
     router_app *a = app;
     (void)ctx;
     http_stop(a->http); /* ends every stream: their backend requests are aborted */
+    gapi_stop(a->grpc, 0);
     tb_free(a->tb);
+    pd_free(a->pd);
+    kvc_close(a->store);
+    rk_free(a->ranks);
     api_free(a->api);
     tok_free(a->tok);
-    a->http = NULL, a->tb = NULL, a->api = NULL, a->tok = NULL;
+    a->http = NULL, a->grpc = NULL, a->tb = NULL, a->pd = NULL, a->store = NULL;
+    a->ranks = NULL, a->api = NULL, a->tok = NULL;
 }
 
 /* Takes every "--prefill X" / "--decode X" (or =X) out of argv into the app. Returns the new
@@ -209,15 +294,17 @@ int main(int argc, char **argv)
     svc_spec spec = {
         .name = "di-router",
         .summary = "The OpenAI-compatible front end: POST /v1/completions, POST "
-                   "/v1/chat/completions,\nGET /v1/models, GET /health, GET /metrics "
-                   "(docs/router.md).",
+                   "/v1/chat/completions,\nGET /v1/models, GET /health, GET /metrics on "
+                   "--listen-http, and the gRPC API\n(di.router.Router: Generate, Abort, "
+                   "RegisterRank) on --listen (docs/router.md).",
         .epilog = "  --prefill HOST:PORT  a prefill rank (repeat for more)\n"
                   "  --decode HOST:PORT   a decode rank (repeat for more)\n\n"
-                  "The prefill/decode client is not built yet: only --test-backend serves, "
-                  "with deterministic\ntokens, for testing. --listen is reserved for the gRPC "
-                  "API (Generate, Abort), not served\nyet; --port-file and --ready-fd announce "
-                  "the HTTP port.",
-        .guard = NULL,
+                  "Requests are served by the prefill and decode ranks given here or "
+                  "registered through\nRegisterRank (with --admin-token-file), "
+                  "polled with GetLoad every --heartbeat;\n--test-backend serves "
+                  "deterministic tokens instead, for testing. --port-file and\n--ready-fd "
+                  "announce the HTTP port; the gRPC port is logged.",
+        .guard = "token-file",
         .rows = rows,
         .n_rows = sizeof rows / sizeof rows[0],
         .opts = &app.o,

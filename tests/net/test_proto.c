@@ -41,6 +41,7 @@ Test(proto, every_field_has_its_unit_or_bounds)
     cr_assert_eq(undocumented_fields("engine.proto"), 0);
     cr_assert_eq(undocumented_fields("prefill.proto"), 0);
     cr_assert_eq(undocumented_fields("decode.proto"), 0);
+    cr_assert_eq(undocumented_fields("router.proto"), 0);
 }
 
 Test(proto, prefill_request_and_manifest_round_trip)

@@ -1,11 +1,14 @@
 /* proc.c: see proc.h. */
 #include "proc.h"
 
+#include <arpa/inet.h>
 #include <criterion/criterion.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,13 +23,20 @@ const char *proc_bin(const char *rel)
 
 pid_t proc_start_router(char *const *extra, int *port)
 {
+    return proc_start_router_backend(true, extra, port);
+}
+
+pid_t proc_start_router_backend(bool test_backend, char *const *extra, int *port)
+{
     int ready[2];
     cr_assert_eq(pipe(ready), 0);
     char fdarg[16];
     snprintf(fdarg, sizeof fdarg, "%d", ready[1]);
-    char *args[24] = {"di-router", "--test-backend", "--listen-http", "127.0.0.1:0",
-                      "--ready-fd", fdarg, "--log-level", "warn"};
-    int n = 8;
+    char *args[24] = {"di-router", "--listen-http", "127.0.0.1:0", "--ready-fd", fdarg,
+                      "--log-level", "warn"};
+    int n = 7;
+    if (test_backend)
+        args[n++] = "--test-backend";
     for (int i = 0; extra && extra[i] && n < 23; i++)
         args[n++] = extra[i];
     args[n] = NULL;
@@ -81,4 +91,22 @@ int proc_run(const char *path, char *const *args, char *out, size_t outlen)
     int st;
     waitpid(pid, &st, 0);
     return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+int proc_http(int port, const char *req, char *out, size_t cap)
+{
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
+    cr_assert_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
+    size_t n = 0;
+    ssize_t k;
+    while (n + 1 < cap && (k = read(fd, out + n, cap - n - 1)) > 0)
+        n += (size_t)k;
+    out[n] = '\0';
+    close(fd);
+    int status = 0;
+    sscanf(out, "HTTP/1.%*d %d", &status);
+    return status;
 }

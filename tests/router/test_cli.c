@@ -24,10 +24,13 @@ Test(cli, help_and_usage_errors, .timeout = 60)
     char *help[] = {"di-router", "--help", NULL};
     cr_expect_eq(run(help, out, sizeof out), 0);
     cr_expect(strstr(out, "--test-backend") && strstr(out, "--prefill HOST:PORT") &&
-              strstr(out, "not built yet"), "%s", out);
+              strstr(out, "RegisterRank") && strstr(out, "--heartbeat"), "%s", out);
     char *no_backend[] = {"di-router", "--listen-http", "127.0.0.1:0", NULL};
     cr_expect_eq(run(no_backend, out, sizeof out), 2, "%s", out);
-    cr_expect(strstr(out, "--test-backend") != NULL, "%s", out);
+    cr_expect(strstr(out, "--test-backend") && strstr(out, "--prefill"), "%s", out);
+    char *open_grpc[] = {"di-router", "--test-backend", "--listen", "0.0.0.0:0", NULL};
+    cr_expect_eq(run(open_grpc, out, sizeof out), 2, "%s", out);
+    cr_expect(strstr(out, "--token-file") != NULL, "%s", out);
     char *open_http[] = {"di-router", "--test-backend", "--listen-http", "0.0.0.0:0", NULL};
     cr_expect_eq(run(open_http, out, sizeof out), 2, "%s", out);
     cr_expect(strstr(out, "--api-key-file") != NULL, "%s", out);
@@ -44,21 +47,8 @@ Test(cli, help_and_usage_errors, .timeout = 60)
 
 static int http_get_status(int port, const char *req)
 {
-    int fd = socket(AF_INET, SOCK_STREAM, 0);
-    struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
-    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    cr_assert_eq(connect(fd, (struct sockaddr *)&a, sizeof a), 0);
-    cr_assert_eq(write(fd, req, strlen(req)), (ssize_t)strlen(req));
     char buf[4096];
-    size_t n = 0;
-    ssize_t k;
-    while (n + 1 < sizeof buf && (k = read(fd, buf + n, sizeof buf - n - 1)) > 0)
-        n += (size_t)k;
-    buf[n] = '\0';
-    close(fd);
-    int status = 0;
-    sscanf(buf, "HTTP/1.%*d %d", &status);
-    return status;
+    return proc_http(port, req, buf, sizeof buf);
 }
 
 Test(cli, serves_with_the_test_backend_and_drains, .timeout = 90)

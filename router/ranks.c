@@ -1,0 +1,258 @@
+/* ranks.c: placement under a lock, a channel per rank, and the heartbeat poller (ranks.h). */
+#include "router/ranks.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "common/util/clock.h"
+#include "engine.pb-c.h"
+
+struct rk_table {
+    rk_config cfg;
+    pthread_mutex_t mu;                 /* guards pl, clients, stop, polls */
+    pthread_cond_t cv;                  /* wakes the poller to stop */
+    pl_table pl;
+    rpc_client *clients[PL_MAX_RANKS];  /* one channel per rank, index as pl.ranks */
+    bool stop;
+    uint64_t polls;
+    pthread_t poller;
+};
+
+/* GetLoad of one rank: DI_OK with *load and *draining. */
+static di_status get_load(rpc_client *c, pl_role role, uint32_t timeout_ms, pl_load *load,
+                          bool *draining, di_error *err)
+{
+    Di__Engine__LoadRequest rq = DI__ENGINE__LOAD_REQUEST__INIT;
+    uint8_t buf[16];
+    size_t n = di__engine__load_request__pack(&rq, buf);
+    uint8_t *rep = NULL;
+    size_t rn = 0;
+    di_status st = rpc_client_call(c, role == PL_PREFILL ? "/di.prefill.Prefill/GetLoad"
+                                                         : "/di.decode.Decode/GetLoad",
+                                   buf, n, timeout_ms, &rep, &rn, err);
+    if (st != DI_OK)
+        return st;
+    Di__Engine__Load *l = di__engine__load__unpack(NULL, rn, rep);
+    free(rep);
+    if (!l)
+        return di_fail(err, DI_EPROTO, "GetLoad reply does not parse");
+    load->queued_tokens = l->queued_prompt_tokens;
+    load->running = l->running;
+    load->free_blocks = l->free_blocks;
+    *draining = l->draining;
+    di__engine__load__free_unpacked(l, NULL);
+    return DI_OK;
+}
+
+/* One round: every rank's GetLoad, then missed heartbeats applied. */
+static void poll_round(rk_table *t, uint32_t timeout_ms)
+{
+    pthread_mutex_lock(&t->mu);
+    size_t n = t->pl.n;
+    pthread_mutex_unlock(&t->mu);
+    for (size_t i = 0; i < n; i++) {
+        pthread_mutex_lock(&t->mu);
+        rpc_client *c = t->clients[i];
+        pl_role role = t->pl.ranks[i].role;
+        bool stop = t->stop;
+        pthread_mutex_unlock(&t->mu);
+        if (stop)
+            return;
+        pl_load load;
+        bool draining = false;
+        di_error e = {0};
+        di_status st = get_load(c, role, timeout_ms, &load, &draining, &e);
+        pthread_mutex_lock(&t->mu);
+        if (st == DI_OK && !draining) {
+            pl_heartbeat(&t->pl, i, di_mono_ns(), &load);
+        } else if (st == DI_OK) {
+            pl_call_result(&t->pl, i, false);
+        } else if (t->cfg.log && di_log_enabled(t->cfg.log, DI_LOG_DEBUG)) {
+            di_log(t->cfg.log, DI_LOG_DEBUG, "rank %s: GetLoad: %s", t->pl.ranks[i].addr, e.msg);
+        }
+        pthread_mutex_unlock(&t->mu);
+    }
+    pthread_mutex_lock(&t->mu);
+    pl_tick(&t->pl, di_mono_ns());
+    t->polls++;
+    pthread_mutex_unlock(&t->mu);
+}
+
+static void *poller(void *arg)
+{
+    rk_table *t = arg;
+    uint64_t every = t->cfg.placement.heartbeat_ns;
+    uint32_t timeout_ms = (uint32_t)(every / 1000000);
+    if (timeout_ms < 1)
+        timeout_ms = 1;
+    uint64_t next = di_mono_ns(); /* the first round at once: decode needs a report */
+    pthread_mutex_lock(&t->mu);
+    while (!t->stop) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        uint64_t now = di_mono_ns();
+        uint64_t wait = next > now ? next - now : 0;
+        uint64_t abs_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + wait;
+        ts.tv_sec = (time_t)(abs_ns / 1000000000ull);
+        ts.tv_nsec = (long)(abs_ns % 1000000000ull);
+        if (wait > 0) {
+            pthread_cond_timedwait(&t->cv, &t->mu, &ts);
+            continue;
+        }
+        pthread_mutex_unlock(&t->mu);
+        poll_round(t, timeout_ms);
+        next += every;
+        now = di_mono_ns();
+        if (next < now) /* a slow round: keep the rhythm from now */
+            next = now + every;
+        pthread_mutex_lock(&t->mu);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+di_status rk_new(const rk_config *cfg, rk_table **out, di_error *err)
+{
+    rk_table *t = calloc(1, sizeof *t);
+    if (!t)
+        return di_fail(err, DI_ENOMEM, "cannot allocate the rank table");
+    t->cfg = *cfg;
+    di_status st = pl_init(&t->pl, &cfg->placement, cfg->policy, cfg->log, err);
+    if (st != DI_OK) {
+        free(t);
+        return st;
+    }
+    pthread_mutex_init(&t->mu, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_cond_init(&t->cv, &ca);
+    pthread_condattr_destroy(&ca);
+    if (pthread_create(&t->poller, NULL, poller, t) != 0) {
+        pthread_cond_destroy(&t->cv);
+        pthread_mutex_destroy(&t->mu);
+        free(t);
+        return di_fail(err, DI_ENOMEM, "cannot start the heartbeat poller");
+    }
+    *out = t;
+    return DI_OK;
+}
+
+void rk_free(rk_table *t)
+{
+    if (!t)
+        return;
+    pthread_mutex_lock(&t->mu);
+    t->stop = true;
+    pthread_cond_broadcast(&t->cv);
+    pthread_mutex_unlock(&t->mu);
+    pthread_join(t->poller, NULL);
+    for (size_t i = 0; i < t->pl.n; i++)
+        rpc_client_close(t->clients[i]);
+    pthread_cond_destroy(&t->cv);
+    pthread_mutex_destroy(&t->mu);
+    free(t);
+}
+
+di_status rk_add(rk_table *t, pl_role role, const char *addr, bool registered, uint32_t *n_role,
+                 di_error *err)
+{
+    pthread_mutex_lock(&t->mu);
+    size_t before = t->pl.n, idx;
+    di_status st = pl_add(&t->pl, role, addr, registered, di_mono_ns(), &idx, err);
+    if (st == DI_OK && t->pl.n > before) {
+        rpc_client_config cc = {.target = addr, .token = t->cfg.engine_token,
+                                .tls_ca_pem = t->cfg.tls_ca_pem};
+        st = rpc_client_open(&cc, &t->clients[idx], err);
+        if (st != DI_OK)
+            t->pl.n = before; /* the rank was the last one added: forget it */
+    }
+    if (st == DI_OK && n_role) {
+        uint32_t k = 0;
+        for (size_t i = 0; i < t->pl.n; i++)
+            k += t->pl.ranks[i].role == role;
+        *n_role = k;
+    }
+    if (st == DI_OK && t->pl.n > before && t->cfg.log)
+        di_log(t->cfg.log, DI_LOG_INFO, "%s rank %s added%s", role == PL_PREFILL ? "prefill"
+               : "decode", addr, registered ? " (registered)" : "");
+    pthread_mutex_unlock(&t->mu);
+    return st;
+}
+
+static rk_pick picked(rk_table *t, long idx)
+{
+    rk_pick p = {.idx = idx};
+    if (idx >= 0) {
+        memcpy(p.addr, t->pl.ranks[idx].addr, sizeof p.addr);
+        p.client = t->clients[idx];
+    }
+    return p;
+}
+
+rk_pick rk_pick_prefill(rk_table *t, uint64_t prompt, uint64_t cached, size_t exclude)
+{
+    pthread_mutex_lock(&t->mu);
+    rk_pick p = picked(t, pl_pick_prefill(&t->pl, prompt, cached, exclude, NULL));
+    pthread_mutex_unlock(&t->mu);
+    return p;
+}
+
+rk_pick rk_pick_decode(rk_table *t, uint32_t blocks, size_t exclude)
+{
+    pthread_mutex_lock(&t->mu);
+    rk_pick p = picked(t, pl_pick_decode(&t->pl, blocks, exclude));
+    pthread_mutex_unlock(&t->mu);
+    return p;
+}
+
+void rk_prefill_done(rk_table *t, size_t idx, uint64_t computed, double seconds, bool ok)
+{
+    pthread_mutex_lock(&t->mu);
+    pl_prefill_done(&t->pl, idx, computed);
+    pl_call_result(&t->pl, idx, ok);
+    if (ok && computed > 0 && seconds > 0)
+        pl_observe_prefill(&t->pl, idx, computed, seconds);
+    pthread_mutex_unlock(&t->mu);
+}
+
+void rk_decode_done(rk_table *t, size_t idx, uint32_t blocks, bool ok)
+{
+    pthread_mutex_lock(&t->mu);
+    pl_decode_done(&t->pl, idx, blocks);
+    pl_call_result(&t->pl, idx, ok);
+    pthread_mutex_unlock(&t->mu);
+}
+
+size_t rk_usable(rk_table *t, pl_role role)
+{
+    pthread_mutex_lock(&t->mu);
+    size_t k = 0;
+    for (size_t i = 0; i < t->pl.n; i++)
+        k += t->pl.ranks[i].role == role && t->pl.ranks[i].health != PL_OUT;
+    pthread_mutex_unlock(&t->mu);
+    return k;
+}
+
+pl_health rk_health(rk_table *t, size_t idx)
+{
+    pthread_mutex_lock(&t->mu);
+    pl_health h = idx < t->pl.n ? t->pl.ranks[idx].health : PL_OUT;
+    pthread_mutex_unlock(&t->mu);
+    return h;
+}
+
+void rk_poll_once(rk_table *t)
+{
+    uint64_t ms = t->cfg.placement.heartbeat_ns / 1000000;
+    poll_round(t, ms < 1 ? 1 : (uint32_t)ms);
+}
+
+uint64_t rk_polls(rk_table *t)
+{
+    pthread_mutex_lock(&t->mu);
+    uint64_t n = t->polls;
+    pthread_mutex_unlock(&t->mu);
+    return n;
+}
