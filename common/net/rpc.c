@@ -6,6 +6,7 @@
 #include <grpc/grpc_security.h>
 #include <grpc/support/alloc.h>
 #include <grpc/support/time.h>
+#include <assert.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -138,8 +139,22 @@ di_status rpc_load_file(const char *path, char **out, di_error *err)
 
 /* ================================================================== server */
 
+/* What a completion-queue tag points at: a call slot or one batch of an asynchronous call. */
+typedef enum tag_kind {
+    TAG_SLOT = 1,   /* call_ctx: a new call arrived, or its reply batch completed */
+    TAG_SEND = 2,   /* rpc_call: one stream message went out (or failed) */
+    TAG_CLOSE = 3,  /* rpc_call: RECV_CLOSE_ON_SERVER: the call is over, cancelled or not */
+    TAG_STATUS = 4, /* rpc_call: the final status batch completed */
+} tag_kind;
+
+typedef struct rpc_tag {
+    tag_kind kind;
+    struct rpc_call *call; /* NULL for TAG_SLOT */
+} rpc_tag;
+
 /* One call slot: requested from gRPC, then handled, then its reply sent. */
 typedef struct call_ctx {
+    rpc_tag tag;               /* first member: the slot's completion tag */
     struct rpc_server *srv;    /* owner */
     size_t method;             /* row of the method table */
     int sending;               /* 0: waiting for a call; 1: reply batch in flight */
@@ -156,7 +171,7 @@ typedef struct call_ctx {
 } call_ctx;
 
 struct rpc_server {
-    rpc_method *methods;       /* copy of the table */
+    struct method_row *methods; /* both tables, synchronous rows first */
     size_t n_methods;
     void *svc;                 /* handed to handlers */
     char *engine_token;        /* copies; NULL when not configured */
@@ -175,6 +190,58 @@ struct rpc_server {
     unsigned running;          /* calls being handled (until their reply batch started) */
     unsigned sending;          /* reply batches started and not yet completed */
     char shutdown_tag;         /* its address is the tag */
+    struct rpc_call *live;     /* asynchronous calls not yet freed (guarded by mu) */
+    unsigned n_live;           /* their number */
+    pthread_cond_t timer_cv;   /* wakes the deadline thread (CLOCK_MONOTONIC) */
+    pthread_t timer;           /* the deadline thread */
+    int timer_started;
+    int timer_stop;            /* set under mu to end the deadline thread */
+};
+
+/* A method of either table, as the server keeps it. */
+typedef struct method_row {
+    rpc_method m;        /* name, limits and role (handler NULL for asynchronous rows) */
+    rpc_start_fn start;  /* asynchronous rows */
+    int streaming;       /* 1: server stream */
+} method_row;
+
+/* A message waiting to go out on a stream. */
+typedef struct msg_node {
+    grpc_byte_buffer *bb;
+    struct msg_node *next;
+} msg_node;
+
+/* An asynchronous call (rpc.h has its state diagram). Fields below `mu` are guarded by it. */
+struct rpc_call {
+    struct rpc_server *srv;     /* owner */
+    grpc_call *call;            /* the gRPC call (one reference, dropped at free) */
+    const rpc_method *m;        /* its table row */
+    int streaming;              /* 1: server stream */
+    uint64_t deadline_ns;       /* di_mono_ns() time at which the server cancels it */
+    rpc_tag send_tag, close_tag, status_tag;
+    pthread_mutex_t mu;
+    unsigned refs;              /* handler (until finish) + each batch in flight */
+    int finished;               /* rpc_call_finish was called */
+    int cancelled;              /* a cancel was seen; nothing more is sent */
+    di_status cancel_why;       /* DI_ECANCELED, DI_ETIMEDOUT or DI_EUNAVAIL (server stop) */
+    int cancel_ran;             /* the cancel function was claimed to run */
+    int cancel_running;         /* it is running now, on cancel_thread */
+    pthread_t cancel_thread;
+    pthread_cond_t cv;          /* signalled when cancel_running drops */
+    void (*on_cancel)(void *, di_status);
+    void *cancel_ud;
+    int md_sent;                /* initial metadata went out with the first batch */
+    int send_busy;              /* a message batch is in flight (gRPC allows one) */
+    int status_started;         /* the status batch was started */
+    msg_node *head, *tail;      /* queued messages */
+    unsigned queued;            /* their number */
+    grpc_byte_buffer *in_flight; /* the message being sent */
+    di_status final_st;         /* what finish asked for */
+    grpc_byte_buffer *final_reply; /* unary reply message (DI_OK only) */
+    grpc_slice details;         /* status text */
+    grpc_metadata trailer;      /* "di-status" */
+    int close_cancelled;        /* RECV_CLOSE_ON_SERVER result */
+    struct rpc_call *prev, *next; /* the server's live list (guarded by srv->mu) */
 };
 
 static void free_ctx(call_ctx *c)
@@ -200,6 +267,7 @@ static void request_call(struct rpc_server *s, size_t m)
     call_ctx *c = calloc(1, sizeof(*c));
     if (!c)
         return; /* one fewer slot for this method; the others still serve it */
+    c->tag.kind = TAG_SLOT;
     c->srv = s;
     c->method = m;
     c->details = grpc_empty_slice();
@@ -218,6 +286,7 @@ static void request_unknown(struct rpc_server *s)
     call_ctx *c = calloc(1, sizeof(*c));
     if (!c)
         return;
+    c->tag.kind = TAG_SLOT;
     c->srv = s;
     c->unknown = 1;
     c->details = grpc_empty_slice();
@@ -286,10 +355,376 @@ static int64_t ms_left(gpr_timespec deadline)
     return (int64_t)left.tv_sec * 1000 + left.tv_nsec / 1000000;
 }
 
-static di_status run_handler(call_ctx *c, const char *peer, rpc_reply *reply, di_error *err)
+/* ------------------------------------------------------- asynchronous calls */
+
+static void free_msgs(struct rpc_call *c)
+{
+    while (c->head) {
+        msg_node *n = c->head;
+        c->head = n->next;
+        grpc_byte_buffer_destroy(n->bb);
+        free(n);
+    }
+    c->tail = NULL;
+    c->queued = 0;
+}
+
+static void call_free(struct rpc_call *c)
 {
     struct rpc_server *s = c->srv;
-    const rpc_method *m = &s->methods[c->method];
+    pthread_mutex_lock(&s->mu);
+    if (c->prev)
+        c->prev->next = c->next;
+    else
+        s->live = c->next;
+    if (c->next)
+        c->next->prev = c->prev;
+    s->n_live--;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    free_msgs(c);
+    if (c->in_flight)
+        grpc_byte_buffer_destroy(c->in_flight);
+    if (c->final_reply)
+        grpc_byte_buffer_destroy(c->final_reply);
+    grpc_slice_unref(c->details);
+    grpc_slice_unref(c->trailer.value);
+    grpc_call_unref(c->call);
+    pthread_mutex_destroy(&c->mu);
+    pthread_cond_destroy(&c->cv);
+    free(c);
+}
+
+static void call_unref(struct rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu);
+    assert(c->refs > 0);
+    unsigned left = --c->refs;
+    pthread_mutex_unlock(&c->mu);
+    if (left == 0)
+        call_free(c);
+}
+
+/* Records a cancel (mu held). Returns 1 when the caller must run the cancel function (after
+ * unlocking, holding a reference). */
+static int mark_cancelled(struct rpc_call *c, di_status why)
+{
+    if (c->cancelled)
+        return 0;
+    c->cancelled = 1;
+    c->cancel_why = why;
+    free_msgs(c);
+    if (!c->on_cancel || c->cancel_ran || c->finished)
+        return 0;
+    c->cancel_ran = 1;
+    c->cancel_running = 1;
+    c->cancel_thread = pthread_self();
+    return 1;
+}
+
+/* Starts the next batch if none is in flight (mu held): the next queued message, else the
+ * status once the handler finished. Initial metadata rides on the first batch. */
+static void pump(struct rpc_call *c)
+{
+    if (c->send_busy || c->status_started || c->cancelled)
+        return;
+    grpc_op ops[3];
+    memset(ops, 0, sizeof(ops));
+    size_t n = 0;
+    if (!c->md_sent)
+        ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
+    if (c->head) {
+        msg_node *node = c->head;
+        c->head = node->next;
+        if (!c->head)
+            c->tail = NULL;
+        c->queued--;
+        c->in_flight = node->bb;
+        free(node);
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = c->in_flight;
+        c->send_busy = 1;
+        c->md_sent = 1;
+        c->refs++;
+        if (grpc_call_start_batch(c->call, ops, n, &c->send_tag, NULL) != GRPC_CALL_OK) {
+            c->send_busy = 0;
+            c->refs--;
+            grpc_byte_buffer_destroy(c->in_flight);
+            c->in_flight = NULL;
+        }
+        return;
+    }
+    if (!c->finished)
+        return;
+    if (c->final_reply) {
+        ops[n].op = GRPC_OP_SEND_MESSAGE;
+        ops[n++].data.send_message.send_message = c->final_reply;
+    }
+    ops[n].op = GRPC_OP_SEND_STATUS_FROM_SERVER;
+    ops[n].data.send_status_from_server.status = (grpc_status_code)di_status_grpc(c->final_st);
+    ops[n].data.send_status_from_server.status_details = &c->details;
+    ops[n].data.send_status_from_server.trailing_metadata_count = c->final_st == DI_OK ? 0 : 1;
+    ops[n++].data.send_status_from_server.trailing_metadata = &c->trailer;
+    c->status_started = 1;
+    c->md_sent = 1;
+    c->refs++;
+    if (grpc_call_start_batch(c->call, ops, n, &c->status_tag, NULL) != GRPC_CALL_OK)
+        c->refs--;
+}
+
+/* Runs the claimed cancel function (no lock held; a reference held by the caller). */
+static void run_cancel(struct rpc_call *c)
+{
+    c->on_cancel(c->cancel_ud, c->cancel_why);
+    pthread_mutex_lock(&c->mu);
+    c->cancel_running = 0;
+    pthread_cond_broadcast(&c->cv);
+    pthread_mutex_unlock(&c->mu);
+}
+
+/* A completion of one of the call's batches, on a worker thread. */
+static void async_event(rpc_tag *t, int success)
+{
+    struct rpc_call *c = t->call;
+    int run = 0;
+    pthread_mutex_lock(&c->mu);
+    switch (t->kind) {
+    case TAG_SEND:
+        c->send_busy = 0;
+        grpc_byte_buffer_destroy(c->in_flight);
+        c->in_flight = NULL;
+        if (success)
+            pump(c);
+        break;
+    case TAG_CLOSE:
+        /* The call is over. Cancelled: by the client, its connection, the server's deadline
+         * (already marked) or the server stopping. */
+        if (c->close_cancelled || !success)
+            run = mark_cancelled(c, atomic_load(&c->srv->stopping) ? DI_EUNAVAIL : DI_ECANCELED);
+        break;
+    default: /* TAG_STATUS */
+        break;
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (run)
+        run_cancel(c);
+    call_unref(c);
+}
+
+void rpc_call_on_cancel(rpc_call *c, void (*fn)(void *ud, di_status why), void *ud)
+{
+    pthread_mutex_lock(&c->mu);
+    assert(!c->finished && !c->on_cancel);
+    c->on_cancel = fn;
+    c->cancel_ud = ud;
+    int run = c->cancelled && fn && !c->cancel_ran;
+    if (run) {
+        c->cancel_ran = 1;
+        c->cancel_running = 1;
+        c->cancel_thread = pthread_self();
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (run)
+        run_cancel(c); /* the handler's reference keeps c alive */
+}
+
+int rpc_call_cancelled(rpc_call *c)
+{
+    pthread_mutex_lock(&c->mu);
+    int v = c->cancelled;
+    pthread_mutex_unlock(&c->mu);
+    return v;
+}
+
+uint64_t rpc_call_deadline_ns(const rpc_call *c)
+{
+    return c->deadline_ns;
+}
+
+di_status rpc_call_write(rpc_call *c, const void *msg, size_t len, di_error *err)
+{
+    if (!c->streaming)
+        return di_fail(err, DI_ESTATE, "%s is not a streaming method", c->m->name);
+    if (len > (size_t)INT32_MAX || (len > 0 && !msg))
+        return di_fail(err, len > 0 && !msg ? DI_EINVAL : DI_ERANGE,
+                       "%s: a stream message of %zu bytes", c->m->name, len);
+    msg_node *node = malloc(sizeof(*node));
+    uint8_t *copy = len ? malloc(len) : NULL;
+    if (!node || (len && !copy)) {
+        free(node);
+        free(copy);
+        return di_fail(err, DI_ENOMEM, "%s: cannot queue a %zu-byte message", c->m->name, len);
+    }
+    if (len)
+        memcpy(copy, msg, len);
+    node->bb = bytes_to_buffer(copy, len);
+    node->next = NULL;
+    di_status st = DI_OK;
+    pthread_mutex_lock(&c->mu);
+    if (c->finished)
+        st = di_fail(err, DI_ESTATE, "%s: write after finish", c->m->name);
+    else if (c->cancelled)
+        st = di_fail(err, c->cancel_why, "%s: the call was %s", c->m->name,
+                     c->cancel_why == DI_ETIMEDOUT ? "past its deadline" : "cancelled");
+    else if (c->queued >= RPC_STREAM_MAX_QUEUED)
+        st = di_fail(err, DI_EFULL, "%s: %u messages wait for a slow reader", c->m->name,
+                     c->queued);
+    else {
+        if (c->tail)
+            c->tail->next = node;
+        else
+            c->head = node;
+        c->tail = node;
+        c->queued++;
+        pump(c);
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (st != DI_OK) {
+        grpc_byte_buffer_destroy(node->bb);
+        free(node);
+    }
+    return st;
+}
+
+void rpc_call_finish(rpc_call *c, di_status st, const void *reply, size_t len, const char *msg)
+{
+    grpc_byte_buffer *bb = NULL;
+    if (st == DI_OK && !c->streaming) {
+        uint8_t *copy = len ? malloc(len) : NULL;
+        if (len && !copy) {
+            st = DI_ENOMEM;
+            msg = "cannot copy the reply";
+        } else {
+            if (len)
+                memcpy(copy, reply, len);
+            bb = bytes_to_buffer(copy, len);
+        }
+    }
+    pthread_mutex_lock(&c->mu);
+    assert(!c->finished);
+    /* After finish returns the cancel function neither runs nor will: wait for a running one
+     * (unless it is this thread, finishing from inside it). */
+    while (c->cancel_running && !pthread_equal(c->cancel_thread, pthread_self()))
+        pthread_cond_wait(&c->cv, &c->mu);
+    c->finished = 1;
+    if (!c->cancelled) {
+        c->final_st = st;
+        c->final_reply = bb;
+        bb = NULL;
+        grpc_slice_unref(c->details);
+        c->details = grpc_slice_from_copied_string(st == DI_OK || !msg ? "" : msg);
+        c->trailer.key = grpc_slice_from_static_string(STATUS_KEY);
+        c->trailer.value = grpc_slice_from_static_string(di_status_name(st));
+        pump(c);
+    }
+    pthread_mutex_unlock(&c->mu);
+    if (bb)
+        grpc_byte_buffer_destroy(bb);
+    if (st != DI_OK && c->srv->on_error) {
+        char *peer = grpc_call_get_peer(c->call);
+        c->srv->on_error(c->srv->on_error_ud, c->m->name, peer ? peer : "?", st, msg ? msg : "");
+        gpr_free(peer);
+    }
+    call_unref(c); /* the handler's reference */
+}
+
+/* Cancels the calls whose deadline passed; sleeps until the next deadline. */
+static void *timer_main(void *arg)
+{
+    struct rpc_server *s = arg;
+    pthread_mutex_lock(&s->mu);
+    while (!s->timer_stop) {
+        uint64_t now = di_mono_ns(), next = now + 1000000000ull;
+        struct rpc_call *due = NULL;
+        for (struct rpc_call *c = s->live; c && !due; c = c->next) {
+            pthread_mutex_lock(&c->mu);
+            if (c->refs > 0 && !c->cancelled) {
+                if (c->deadline_ns <= now) {
+                    c->refs++;
+                    due = c;
+                } else if (c->deadline_ns < next)
+                    next = c->deadline_ns;
+            }
+            pthread_mutex_unlock(&c->mu);
+        }
+        if (due) {
+            pthread_mutex_unlock(&s->mu);
+            pthread_mutex_lock(&due->mu);
+            int run = mark_cancelled(due, DI_ETIMEDOUT);
+            pthread_mutex_unlock(&due->mu);
+            grpc_call_cancel_with_status(due->call, GRPC_STATUS_DEADLINE_EXCEEDED,
+                                         "deadline exceeded", NULL);
+            if (run)
+                run_cancel(due);
+            call_unref(due);
+            pthread_mutex_lock(&s->mu);
+            continue;
+        }
+        struct timespec until = {.tv_sec = (time_t)(next / 1000000000ull),
+                                 .tv_nsec = (long)(next % 1000000000ull)};
+        pthread_cond_timedwait(&s->timer_cv, &s->mu, &until);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+/* Hands a checked call to the row's start function. */
+static void async_begin(call_ctx *ctx, rpc_request *req)
+{
+    struct rpc_server *s = ctx->srv;
+    const method_row *row = &s->methods[ctx->method];
+    const rpc_method *m = &row->m;
+    struct rpc_call *c = calloc(1, sizeof(*c));
+    if (!c)
+        return; /* ctx->call stays: handle_call answers ENOMEM */
+    c->srv = s;
+    c->call = ctx->call;
+    ctx->call = NULL;
+    c->m = m;
+    c->streaming = row->streaming;
+    c->deadline_ns = req->deadline_ns;
+    c->send_tag = (rpc_tag){TAG_SEND, c};
+    c->close_tag = (rpc_tag){TAG_CLOSE, c};
+    c->status_tag = (rpc_tag){TAG_STATUS, c};
+    c->details = grpc_empty_slice();
+    c->trailer.value = grpc_empty_slice();
+    pthread_mutex_init(&c->mu, NULL);
+    pthread_cond_init(&c->cv, NULL);
+    c->refs = 2; /* the handler and the close batch */
+    pthread_mutex_lock(&s->mu);
+    c->next = s->live;
+    if (s->live)
+        s->live->prev = c;
+    s->live = c;
+    s->n_live++;
+    pthread_cond_signal(&s->timer_cv);
+    pthread_mutex_unlock(&s->mu);
+    grpc_op op;
+    memset(&op, 0, sizeof(op));
+    op.op = GRPC_OP_RECV_CLOSE_ON_SERVER;
+    op.data.recv_close_on_server.cancelled = &c->close_cancelled;
+    if (grpc_call_start_batch(c->call, &op, 1, &c->close_tag, NULL) != GRPC_CALL_OK) {
+        pthread_mutex_lock(&c->mu);
+        c->refs--;
+        c->cancelled = 1; /* cannot learn of a cancel: treat the call as gone */
+        c->cancel_why = DI_EINTERNAL;
+        pthread_mutex_unlock(&c->mu);
+    }
+    di_error e;
+    di_error_clear(&e);
+    di_status st = row->start(s->svc, req, c, &e);
+    if (st != DI_OK)
+        rpc_call_finish(c, st, NULL, 0, e.msg);
+}
+
+/* Checks the call and runs its handler. *taken: an asynchronous start took the call (nothing
+ * more to send from here). */
+static di_status run_handler(call_ctx *c, const char *peer, rpc_reply *reply, int *taken,
+                             di_error *err)
+{
+    struct rpc_server *s = c->srv;
+    const method_row *row = &s->methods[c->method];
+    const rpc_method *m = &row->m;
     rpc_role role = caller_role(s, &c->md);
     di_status st = check_role(s, m, role, err);
     if (st != DI_OK)
@@ -309,6 +744,12 @@ static di_status run_handler(call_ctx *c, const char *peer, rpc_reply *reply, di
     }
     rpc_request req = {.method = m->name, .data = data, .len = len, .role = role,
                        .deadline_ns = di_mono_ns() + (uint64_t)left * 1000000ull, .peer = peer};
+    if (row->start) {
+        async_begin(c, &req);
+        free(data);
+        *taken = c->call == NULL;
+        return *taken ? DI_OK : di_fail(err, DI_ENOMEM, "%s: cannot allocate the call", m->name);
+    }
     st = m->handler(s->svc, &req, reply, err);
     free(data);
     return st;
@@ -326,13 +767,20 @@ static void handle_call(call_ctx *c)
         st = di_fail(&e, DI_EUNSUPPORTED, "unknown method %.*s",
                      (int)GRPC_SLICE_LENGTH(c->details_in.method),
                      (const char *)GRPC_SLICE_START_PTR(c->details_in.method));
-    else
-        st = run_handler(c, peer ? peer : "?", &reply, &e);
+    else {
+        int taken = 0;
+        st = run_handler(c, peer ? peer : "?", &reply, &taken, &e);
+        if (taken) {
+            gpr_free(peer);
+            free_ctx(c);
+            return;
+        }
+    }
     if (st != DI_OK) {
         free(reply.data);
         reply.data = NULL;
         if (s->on_error)
-            s->on_error(s->on_error_ud, c->unknown ? "?" : s->methods[c->method].name,
+            s->on_error(s->on_error_ud, c->unknown ? "?" : s->methods[c->method].m.name,
                         peer ? peer : "?", st, e.msg);
     }
     gpr_free(peer);
@@ -340,7 +788,7 @@ static void handle_call(call_ctx *c)
     memset(ops, 0, sizeof(ops));
     size_t n = 0;
     ops[n++].op = GRPC_OP_SEND_INITIAL_METADATA;
-    if (st == DI_OK) {
+    if (st == DI_OK && !c->unknown && !s->methods[c->method].streaming) {
         c->reply = bytes_to_buffer(reply.data, reply.len);
         ops[n].op = GRPC_OP_SEND_MESSAGE;
         ops[n++].data.send_message.send_message = c->reply;
@@ -383,6 +831,11 @@ static void *worker_main(void *arg)
             pthread_mutex_unlock(&s->mu);
             continue;
         }
+        rpc_tag *t = ev.tag;
+        if (t->kind != TAG_SLOT) {
+            async_event(t, ev.success);
+            continue;
+        }
         call_ctx *c = ev.tag;
         if (c->sending) {
             free_ctx(c);
@@ -412,9 +865,19 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
+/* A table row names a method, has its function, a size limit, a deadline and a role. */
+static int row_ok(const char *name, int has_fn, uint32_t max_request, uint32_t deadline_ms,
+                  rpc_role role)
+{
+    return name && name[0] == '/' && has_fn && max_request > 0 && deadline_ms > 0 &&
+           (role == RPC_ROLE_ENGINE || role == RPC_ROLE_ADMIN);
+}
+
 static di_status check_server_config(const rpc_server_config *cfg, di_error *err)
 {
-    if (!cfg || !cfg->listen || !cfg->methods || cfg->n_methods == 0 || cfg->threads == 0)
+    if (!cfg || !cfg->listen || (!cfg->methods && cfg->n_methods) ||
+        (!cfg->async_methods && cfg->n_async_methods) ||
+        cfg->n_methods + cfg->n_async_methods == 0 || cfg->threads == 0)
         return di_fail(err, DI_EINVAL, "server config needs an address, methods and threads");
     if (!cfg->tls_cert_pem != !cfg->tls_key_pem)
         return di_fail(err, DI_EINVAL, "TLS needs both a certificate and its key");
@@ -422,9 +885,16 @@ static di_status check_server_config(const rpc_server_config *cfg, di_error *err
         return di_fail(err, DI_EINVAL, "a client CA needs a server certificate too");
     for (size_t i = 0; i < cfg->n_methods; i++) {
         const rpc_method *m = &cfg->methods[i];
-        if (!m->name || m->name[0] != '/' || !m->handler || m->max_request_bytes == 0 ||
-            m->default_deadline_ms == 0 || (m->role != RPC_ROLE_ENGINE && m->role != RPC_ROLE_ADMIN))
+        if (!row_ok(m->name, m->handler != NULL, m->max_request_bytes, m->default_deadline_ms,
+                    m->role))
             return di_fail(err, DI_EINVAL, "method row %zu (%s) is incomplete", i,
+                           m->name ? m->name : "?");
+    }
+    for (size_t i = 0; i < cfg->n_async_methods; i++) {
+        const rpc_async_method *m = &cfg->async_methods[i];
+        if (!row_ok(m->name, m->start != NULL, m->max_request_bytes, m->default_deadline_ms,
+                    m->role))
+            return di_fail(err, DI_EINVAL, "asynchronous method row %zu (%s) is incomplete", i,
                            m->name ? m->name : "?");
     }
     return DI_OK;
@@ -452,6 +922,7 @@ static void free_server(struct rpc_server *s)
     free(s->admin_token);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
+    pthread_cond_destroy(&s->timer_cv);
     free(s);
 }
 
@@ -459,17 +930,21 @@ static di_status create_server(struct rpc_server *s, const rpc_server_config *cf
                                di_error *err)
 {
     uint32_t max = 0;
-    for (size_t i = 0; i < cfg->n_methods; i++)
-        if (cfg->methods[i].max_request_bytes > max)
-            max = cfg->methods[i].max_request_bytes;
-    grpc_arg arg = {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
-                    .value.integer = (int)max};
-    grpc_channel_args args = {.num_args = 1, .args = &arg};
+    for (size_t i = 0; i < s->n_methods; i++)
+        if (s->methods[i].m.max_request_bytes > max)
+            max = s->methods[i].m.max_request_bytes;
+    /* No SO_REUSEPORT (gRPC's default on Linux): a second server on a port in use must fail,
+     * not share the port's connections with the first. */
+    grpc_arg arg[2] = {{.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+                        .value.integer = (int)max},
+                       {.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_ALLOW_REUSEPORT,
+                        .value.integer = 0}};
+    grpc_channel_args args = {.num_args = 2, .args = arg};
     s->server = grpc_server_create(&args, NULL);
     s->cq = grpc_completion_queue_create_for_next(NULL);
     grpc_server_register_completion_queue(s->server, s->cq, NULL);
-    for (size_t i = 0; i < cfg->n_methods; i++)
-        s->handles[i] = grpc_server_register_method(s->server, cfg->methods[i].name, NULL,
+    for (size_t i = 0; i < s->n_methods; i++)
+        s->handles[i] = grpc_server_register_method(s->server, s->methods[i].m.name, NULL,
                                                     GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     grpc_server_credentials *creds = server_credentials(cfg);
     int bound = creds ? grpc_server_add_http2_port(s->server, cfg->listen, creds) : 0;
@@ -495,8 +970,14 @@ di_status rpc_server_start(const rpc_server_config *cfg, rpc_server **out, int *
         return di_fail(err, DI_ENOMEM, "cannot allocate the server");
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    s->methods = malloc(cfg->n_methods * sizeof(rpc_method));
-    s->handles = calloc(cfg->n_methods, sizeof(void *));
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s->timer_cv, &ca);
+    pthread_condattr_destroy(&ca);
+    size_t n_rows = cfg->n_methods + cfg->n_async_methods;
+    s->methods = calloc(n_rows, sizeof(method_row));
+    s->handles = calloc(n_rows, sizeof(void *));
     s->threads = calloc(cfg->threads, sizeof(pthread_t));
     s->engine_token = cfg->engine_token ? strdup(cfg->engine_token) : NULL;
     s->admin_token = cfg->admin_token ? strdup(cfg->admin_token) : NULL;
@@ -505,8 +986,18 @@ di_status rpc_server_start(const rpc_server_config *cfg, rpc_server **out, int *
         free_server(s);
         return di_fail(err, DI_ENOMEM, "cannot allocate the server tables");
     }
-    memcpy(s->methods, cfg->methods, cfg->n_methods * sizeof(rpc_method));
-    s->n_methods = cfg->n_methods;
+    for (size_t i = 0; i < cfg->n_methods; i++)
+        s->methods[i].m = cfg->methods[i];
+    for (size_t i = 0; i < cfg->n_async_methods; i++) {
+        const rpc_async_method *a = &cfg->async_methods[i];
+        method_row *r = &s->methods[cfg->n_methods + i];
+        r->m = (rpc_method){.name = a->name, .default_deadline_ms = a->default_deadline_ms,
+                            .idempotent = a->idempotent, .max_request_bytes = a->max_request_bytes,
+                            .role = a->role};
+        r->start = a->start;
+        r->streaming = a->streaming;
+    }
+    s->n_methods = n_rows;
     s->svc = cfg->svc;
     s->on_error = cfg->on_error;
     s->on_error_ud = cfg->on_error_ud;
@@ -533,6 +1024,13 @@ di_status rpc_server_start(const rpc_server_config *cfg, rpc_server **out, int *
     for (unsigned t = 0; t < cfg->threads; t++)
         if (pthread_create(&s->threads[t], NULL, worker_main, s) == 0)
             s->n_threads++;
+    s->timer_started = pthread_create(&s->timer, NULL, timer_main, s) == 0;
+    if (s->n_threads > 0 && !s->timer_started) {
+        *out = s;
+        rpc_server_stop(s, 0);
+        *out = NULL;
+        return di_fail(err, DI_ENOMEM, "cannot start the server threads");
+    }
     *out = s;
     if (port)
         *port = bound;
@@ -557,16 +1055,21 @@ rpc_server *rpc_server_stop(rpc_server *s, uint32_t grace_ms)
      * remaining calls are cancelled and idle client connections closed, which gRPC waits for
      * before it reports the shutdown. */
     pthread_mutex_lock(&s->mu);
-    while (!s->shutdown_seen && (s->running > 0 || s->sending > 0))
+    while (!s->shutdown_seen && (s->running > 0 || s->sending > 0 || s->n_live > 0))
         if (pthread_cond_timedwait(&s->cv, &s->mu, &until) != 0)
             break;
     pthread_mutex_unlock(&s->mu);
     grpc_server_cancel_all_calls(s->server);
-    /* Handlers still running will start their reply batches: the queue must stay open. */
+    /* Handlers still running will start their reply batches, and asynchronous handlers,
+     * told by their cancel functions, finish their calls: the queue must stay open. */
     pthread_mutex_lock(&s->mu);
-    while (!s->shutdown_seen || s->running > 0)
+    while (!s->shutdown_seen || s->running > 0 || s->n_live > 0)
         pthread_cond_wait(&s->cv, &s->mu);
+    s->timer_stop = 1;
+    pthread_cond_signal(&s->timer_cv);
     pthread_mutex_unlock(&s->mu);
+    if (s->timer_started)
+        pthread_join(s->timer, NULL);
     grpc_server_destroy(s->server);
     grpc_completion_queue_shutdown(s->cq);
     for (unsigned t = 0; t < s->n_threads; t++)
@@ -575,6 +1078,14 @@ rpc_server *rpc_server_stop(rpc_server *s, uint32_t grace_ms)
     free_server(s);
     grpc_shutdown();
     return NULL;
+}
+
+unsigned rpc_server_live_calls(rpc_server *s)
+{
+    pthread_mutex_lock(&s->mu);
+    unsigned n = s->running + s->sending + s->n_live;
+    pthread_mutex_unlock(&s->mu);
+    return n;
 }
 
 /* ================================================================== client */
@@ -776,4 +1287,170 @@ di_status rpc_client_call(rpc_client *c, const char *method, const void *req, si
     *reply = out;
     *reply_len = out_len;
     return DI_OK;
+}
+
+/* ------------------------------------------------------------ client streams */
+
+struct rpc_stream {
+    rpc_client *c;
+    grpc_call *call;
+    grpc_completion_queue *cq;   /* the stream's own pluck queue */
+    char *method;                /* for messages */
+    grpc_byte_buffer *send;      /* the request */
+    grpc_byte_buffer *recv;      /* the message being received */
+    grpc_metadata_array init_md, trailer;
+    grpc_status_code code;
+    grpc_slice details;
+    int start_pending;           /* the send batch is not plucked yet */
+    int status_pending;          /* the status batch is not plucked yet */
+    int done;                    /* the final status is known */
+    di_error final;              /* it */
+    char tags[3];                /* their addresses: send batch, status batch, one read */
+};
+
+di_status rpc_stream_open(rpc_client *c, const char *method, const void *req, size_t len,
+                          uint32_t timeout_ms, rpc_stream **out, di_error *err)
+{
+    if (!c || !method || (len > 0 && !req) || !out)
+        return di_fail(err, DI_EINVAL, "rpc_stream_open: NULL argument");
+    rpc_stream *s = calloc(1, sizeof(*s));
+    uint8_t *copy = len ? malloc(len) : NULL;
+    if (!s || (len && !copy) || !(s->method = strdup(method))) {
+        if (s)
+            free(s->method);
+        free(s);
+        free(copy);
+        return di_fail(err, DI_ENOMEM, "cannot allocate a stream to %s", method);
+    }
+    if (len)
+        memcpy(copy, req, len);
+    s->c = c;
+    s->send = bytes_to_buffer(copy, len);
+    s->details = grpc_empty_slice();
+    grpc_metadata_array_init(&s->init_md);
+    grpc_metadata_array_init(&s->trailer);
+    s->cq = grpc_completion_queue_create_for_pluck(NULL);
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                         gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+    grpc_slice mslice = grpc_slice_from_copied_string(method);
+    s->call = grpc_channel_create_call(c->channel, NULL, GRPC_PROPAGATE_DEFAULTS, s->cq, mslice,
+                                       NULL, deadline, NULL);
+    grpc_slice_unref(mslice);
+    grpc_op ops[4];
+    memset(ops, 0, sizeof(ops));
+    ops[0].op = GRPC_OP_SEND_INITIAL_METADATA;
+    ops[0].data.send_initial_metadata.count = c->has_auth ? 1 : 0;
+    ops[0].data.send_initial_metadata.metadata = c->has_auth ? &c->auth : NULL;
+    ops[1].op = GRPC_OP_SEND_MESSAGE;
+    ops[1].data.send_message.send_message = s->send;
+    ops[2].op = GRPC_OP_SEND_CLOSE_FROM_CLIENT;
+    ops[3].op = GRPC_OP_RECV_INITIAL_METADATA;
+    ops[3].data.recv_initial_metadata.recv_initial_metadata = &s->init_md;
+    s->start_pending = grpc_call_start_batch(s->call, ops, 4, &s->tags[0], NULL) == GRPC_CALL_OK;
+    grpc_op st;
+    memset(&st, 0, sizeof(st));
+    st.op = GRPC_OP_RECV_STATUS_ON_CLIENT;
+    st.data.recv_status_on_client.trailing_metadata = &s->trailer;
+    st.data.recv_status_on_client.status = &s->code;
+    st.data.recv_status_on_client.status_details = &s->details;
+    s->status_pending = grpc_call_start_batch(s->call, &st, 1, &s->tags[1], NULL) == GRPC_CALL_OK;
+    if (!s->start_pending || !s->status_pending) {
+        rpc_stream_close(s);
+        return di_fail(err, DI_EINTERNAL, "cannot start a gRPC stream to %s", method);
+    }
+    *out = s;
+    return DI_OK;
+}
+
+static void pluck(rpc_stream *s, int i)
+{
+    grpc_completion_queue_pluck(s->cq, &s->tags[i], gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+}
+
+/* Waits for the status and records it as the final result. */
+static void stream_end(rpc_stream *s)
+{
+    if (s->start_pending)
+        pluck(s, 0);
+    s->start_pending = 0;
+    if (s->status_pending)
+        pluck(s, 1);
+    s->status_pending = 0;
+    s->done = 1;
+    di_error_clear(&s->final);
+    if (s->code != GRPC_STATUS_OK)
+        call_status(s->c, s->method, s->code, s->details, &s->trailer, &s->final);
+}
+
+di_status rpc_stream_read(rpc_stream *s, uint8_t **msg, size_t *len, int *done, di_error *err)
+{
+    if (!s || !msg || !len || !done)
+        return di_fail(err, DI_EINVAL, "rpc_stream_read: NULL argument");
+    if (!s->done) {
+        grpc_op op;
+        memset(&op, 0, sizeof(op));
+        op.op = GRPC_OP_RECV_MESSAGE;
+        op.data.recv_message.recv_message = &s->recv;
+        s->recv = NULL;
+        if (grpc_call_start_batch(s->call, &op, 1, &s->tags[2], NULL) == GRPC_CALL_OK)
+            pluck(s, 2);
+        if (s->recv) {
+            uint8_t *out = NULL;
+            size_t n = 0;
+            di_status st = buffer_to_bytes(s->recv, &out, &n, s->c->max_reply, err);
+            grpc_byte_buffer_destroy(s->recv);
+            s->recv = NULL;
+            if (st == DI_OK) {
+                *msg = out;
+                *len = n;
+                *done = 0;
+                return DI_OK;
+            }
+            grpc_call_cancel(s->call, NULL);
+            stream_end(s);
+            s->final = *err; /* the local failure is the stream's result */
+            *done = 1;
+            return st;
+        }
+        stream_end(s);
+    }
+    *done = 1;
+    if (s->final.code == DI_OK)
+        return DI_OK;
+    if (err)
+        *err = s->final;
+    return s->final.code;
+}
+
+void rpc_stream_cancel(rpc_stream *s)
+{
+    if (s)
+        grpc_call_cancel(s->call, NULL);
+}
+
+rpc_stream *rpc_stream_close(rpc_stream *s)
+{
+    if (!s)
+        return NULL;
+    if (s->call) {
+        if (!s->done)
+            grpc_call_cancel(s->call, NULL);
+        if (s->start_pending)
+            pluck(s, 0);
+        if (s->status_pending)
+            pluck(s, 1);
+        grpc_call_unref(s->call);
+    }
+    grpc_completion_queue_shutdown(s->cq);
+    while (grpc_completion_queue_pluck(s->cq, NULL, gpr_inf_future(GPR_CLOCK_REALTIME), NULL)
+               .type != GRPC_QUEUE_SHUTDOWN)
+        ;
+    grpc_completion_queue_destroy(s->cq);
+    grpc_byte_buffer_destroy(s->send);
+    grpc_metadata_array_destroy(&s->init_md);
+    grpc_metadata_array_destroy(&s->trailer);
+    grpc_slice_unref(s->details);
+    free(s->method);
+    free(s);
+    return NULL;
 }

@@ -1,8 +1,10 @@
-/* rpc.h: unary gRPC (C core, completion-queue API) with protobuf-c payloads, for services and
- * their clients. Messages travel as raw bytes; callers pack and unpack them with protobuf-c.
+/* rpc.h: gRPC (C core, completion-queue API) with protobuf-c payloads, for services and their
+ * clients: unary calls answered at once or later, and server-streaming calls. Messages travel
+ * as raw bytes; callers pack and unpack them with protobuf-c.
  *
- * Server: a table of methods (H2), one row per method:
- *     name, handler, default deadline, idempotent or not, largest request, least role.
+ * Server: tables of methods (H2), one row per method:
+ *     name, handler, default deadline, idempotent or not, largest request, least role;
+ * and for asynchronous methods: name, start function, stream or not, then the same limits.
  * The server checks the caller's token and role, the request size and the deadline before a
  * handler runs, so handlers see only well-formed traffic from permitted callers. Each call
  * completes exactly once: the handler's status becomes the gRPC status (di_status_grpc), the
@@ -17,7 +19,25 @@
  * key are given; with a client CA too, clients must present certificates signed by it.
  *
  * Threads: the server runs `threads` workers on one completion queue; handlers run on them and
- * must be thread-safe. A client is used by one thread at a time (rpc_client_cancel excepted).
+ * must be thread-safe. A client is used by one thread at a time for unary calls
+ * (rpc_client_cancel excepted); streams have their own queues, so any number of threads may
+ * each read their own stream of one client at once.
+ *
+ * Asynchronous calls (rows of the asynchronous table): the start function runs on a
+ * worker thread after the same checks, and either fails (the server answers with its status)
+ * or takes the call handle and returns DI_OK. From then on any thread (the engine's output
+ * callback, say) may write stream messages with rpc_call_write and must end the call exactly
+ * once with rpc_call_finish. Cancellation (the client cancels, goes away, the deadline passes
+ * or the server stops) is seen at most once per call: the cancel function registered with
+ * rpc_call_on_cancel runs once, with no lock held, and rpc_call_cancelled turns 1. After a
+ * cancel, writes fail with DI_ECANCELED and rpc_call_finish only releases the handle. The
+ * deadline is the earlier of the client's and the row's default_deadline_ms; the server
+ * enforces it with its own timer.
+ *
+ * States of a call handle (rpc.c asserts them):
+ *     STARTED --write*--> STARTED --finish--> FINISHED (status queued after the messages)
+ *     STARTED --cancel--> CANCELLED --finish--> FINISHED (nothing more is sent)
+ * The handle is freed when the handler has finished it and gRPC has returned every batch.
  */
 #ifndef DI_NET_RPC_H
 #define DI_NET_RPC_H
@@ -53,6 +73,15 @@ typedef struct rpc_reply {
 typedef di_status (*rpc_handler_fn)(void *svc, const rpc_request *req, rpc_reply *reply,
                                     di_error *err);
 
+/* An asynchronous call, owned by the handler from a DI_OK start until rpc_call_finish. */
+typedef struct rpc_call rpc_call;
+
+/* Starts an asynchronous call. DI_OK: the handler owns `call` and must finish it exactly once
+ * (possibly before returning). Any other status: the server answers with it and err's message;
+ * the handler must not touch `call` again. req (and its bytes) is valid only during the call. */
+typedef di_status (*rpc_start_fn)(void *svc, const rpc_request *req, rpc_call *call,
+                                  di_error *err);
+
 /* One row of a service's method table. */
 typedef struct rpc_method {
     const char *name;             /* "/pkg.Service/Method" */
@@ -63,14 +92,31 @@ typedef struct rpc_method {
     rpc_role role;                /* least role allowed (ENGINE or ADMIN) */
 } rpc_method;
 
+/* One row of a service's table of asynchronous methods (reply later, or a server stream). */
+typedef struct rpc_async_method {
+    const char *name;             /* "/pkg.Service/Method" */
+    rpc_start_fn start;           /* runs on a server thread; the call is finished later */
+    int streaming;                /* 1: server stream of messages; 0: one reply message */
+    uint32_t default_deadline_ms; /* applied when the client's deadline is later or absent */
+    int idempotent;               /* 1: safe to retry */
+    uint32_t max_request_bytes;   /* larger requests fail with DI_EFULL before start */
+    rpc_role role;                /* least role allowed (ENGINE or ADMIN) */
+} rpc_async_method;
+
+/* Most messages queued on one stream and not yet taken by gRPC (a slow reader): writes beyond
+ * it fail with DI_EFULL. */
+#define RPC_STREAM_MAX_QUEUED 4096
+
 /* Called once for every call that fails (at any stage), for the embedder's log. */
 typedef void (*rpc_error_fn)(void *ud, const char *method, const char *peer, di_status st,
                              const char *msg);
 
 typedef struct rpc_server_config {
     const char *listen;             /* "127.0.0.1:0" (0 picks a free port) */
-    const rpc_method *methods;      /* the method table */
+    const rpc_method *methods;      /* the table of methods answered at once */
     size_t n_methods;
+    const rpc_async_method *async_methods; /* the table of asynchronous methods */
+    size_t n_async_methods;
     void *svc;                      /* handed to every handler */
     unsigned threads;               /* worker threads (>= 1) */
     const char *engine_token;       /* NULL: engine methods need no token */
@@ -92,6 +138,34 @@ di_status rpc_server_start(const rpc_server_config *cfg, rpc_server **out, int *
 /* Stops accepting calls, lets calls in flight finish for up to grace_ms, then cancels the rest,
  * waits for the workers and frees everything. NULL-safe; returns NULL. */
 rpc_server *rpc_server_stop(rpc_server *srv, uint32_t grace_ms);
+/* Calls accepted and not yet freed (synchronous ones being handled or sending, asynchronous
+ * handles alive): 0 when idle. For tests and GetLoad. */
+unsigned rpc_server_live_calls(rpc_server *srv);
+
+/* ---- asynchronous calls (server side); every function is thread-safe ---- */
+
+/* Registers the function to run once when the call is cancelled (client cancel or
+ * disconnection, deadline, server stop); `why` is DI_ECANCELED, DI_ETIMEDOUT or DI_EUNAVAIL.
+ * If the call is already cancelled it runs at once, on this thread. Call it at most once,
+ * before finishing. It may call rpc_call_finish itself. Once rpc_call_finish has returned the
+ * function is not running and never will, so its `ud` may be freed then. */
+void rpc_call_on_cancel(rpc_call *call, void (*fn)(void *ud, di_status why), void *ud);
+/* 1 once the call was cancelled (the engine may poll this instead of a callback). */
+int rpc_call_cancelled(rpc_call *call);
+/* The call's deadline, di_mono_ns() time. */
+uint64_t rpc_call_deadline_ns(const rpc_call *call);
+/* Queues one message of a streaming call (the bytes are copied). DI_OK, DI_ECANCELED (the call
+ * was cancelled: stop producing), DI_EFULL (RPC_STREAM_MAX_QUEUED messages wait: the client
+ * reads too slowly), DI_ERANGE (over 2 GiB), DI_ESTATE (not a stream, or already finished),
+ * DI_ENOMEM. */
+di_status rpc_call_write(rpc_call *call, const void *msg, size_t len, di_error *err);
+/* Ends the call: st (DI_OK or a failure with msg as the status text) goes to the client after
+ * every queued message; for a unary call, `reply` (len bytes, copied; ignored unless st is
+ * DI_OK) is the reply message. After a cancel it only releases the handle. The handle must not
+ * be used afterwards. It waits for a cancel function running on another thread: do not call
+ * it while holding a lock that the cancel function takes. */
+void rpc_call_finish(rpc_call *call, di_status st, const void *reply, size_t len,
+                     const char *msg);
 
 typedef struct rpc_client_config {
     const char *target;            /* "host:port" */
@@ -120,6 +194,26 @@ di_status rpc_client_call(rpc_client *c, const char *method, const void *req, si
                           di_error *err);
 /* Cancels the call in flight, if any (from any thread). */
 void rpc_client_cancel(rpc_client *c);
+
+/* The client side of a server-streaming call. */
+typedef struct rpc_stream rpc_stream;
+
+/* Sends the request and returns at once; the deadline (timeout_ms) covers the whole stream.
+ * DI_OK, DI_EINVAL, DI_ENOMEM, DI_EINTERNAL. Failures of the call itself come from reads. */
+di_status rpc_stream_open(rpc_client *c, const char *method, const void *req, size_t len,
+                          uint32_t timeout_ms, rpc_stream **out, di_error *err);
+/* Waits for the next message. DI_OK with *msg (malloc'd; NULL when empty) and *len, and *done
+ * 0; or, at the end of the stream, the final status: DI_OK with *done 1, or the failure
+ * (the server's di_status, DI_ETIMEDOUT at the deadline, DI_ECANCELED after a cancel,
+ * DI_EUNAVAIL when the server is unreachable) with *done 1. Reading after the end repeats the
+ * final status. */
+di_status rpc_stream_read(rpc_stream *s, uint8_t **msg, size_t *len, int *done, di_error *err);
+/* Cancels the stream (from any thread); the server's cancel function runs. */
+void rpc_stream_cancel(rpc_stream *s);
+/* Cancels the stream if it has not ended, waits for gRPC to let go of it and frees it.
+ * NULL-safe; returns NULL. */
+rpc_stream *rpc_stream_close(rpc_stream *s);
+
 /* The target the client talks to. */
 const char *rpc_client_target(const rpc_client *c);
 
