@@ -113,6 +113,8 @@ static void retire_due(engine *e)
     }
 }
 
+static di_status reserve_results(engine *e, uint32_t n, di_error *err);
+
 di_status engine_create(const engine_config *cfg, engine **out, di_error *err)
 {
     if (!cfg || !out)
@@ -136,6 +138,12 @@ di_status engine_create(const engine_config *cfg, engine **out, di_error *err)
         return st;
     }
     e->cfg.sched = *sched_get_config(e->s); /* the scheduler's copy (tables it owns) */
+    /* a plan has at most max_num_seqs entries (one placeholder otherwise): steps never
+     * allocate */
+    if ((st = reserve_results(e, cfg->sched.max_num_seqs, err)) != DI_OK) {
+        engine_destroy(e);
+        return st;
+    }
     *out = e;
     return DI_OK;
 }

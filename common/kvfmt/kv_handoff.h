@@ -59,10 +59,10 @@ size_t kv_handoff_bytes(const kv_geometry *g, const kv_handoff *h);
 di_status kv_handoff_write(const kv_geometry *g, const kv_handoff *h, const uint8_t key[32],
                            void *dst, size_t cap, di_error *err);
 
-/* Verifies obj (bytes long, 8-byte aligned) as the handoff stored under key for this geometry (magic, version,
- * sizes, model id, ring size, checksum, key, counts against the size) and points *out into it.
- * DI_OK; DI_ECORRUPT naming what failed; DI_EINVAL (NULL arguments). *out written only on
- * success. */
+/* Verifies obj (bytes long, 8-byte aligned) as the handoff stored under key for this
+ * geometry (magic, version, sizes, model id, ring size, checksum, key, counts against the size)
+ * and points *out into it. DI_OK; DI_ECORRUPT naming what failed; DI_EINVAL (NULL arguments,
+ * an unaligned object). *out written only on success. */
 di_status kv_handoff_read(const kv_geometry *g, const void *obj, size_t bytes,
                           const uint8_t key[32], kv_handoff *out, di_error *err);
 

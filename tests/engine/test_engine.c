@@ -7,6 +7,7 @@
 
 #include "common/engine/engine.h"
 #include "common/engine/synth.h"
+#include "tests/engine/faulty.h"
 
 #define MAX_ID 512
 
@@ -376,4 +377,76 @@ Test(engine, bad_config_is_refused)
     cr_assert_eq(engine_create(&c, &e, &err), DI_EINVAL);
     cr_assert_null(e);
     engine_destroy(NULL);
+}
+
+/* ---- allocation failures (sqlite's do_faultsim_test) ---- */
+
+/* One run with the Nth allocation failing: every call either succeeds or fails with
+ * DI_ENOMEM leaving nothing behind; steps never allocate; at the end nothing has leaked and
+ * the executor forgot every request it learnt. False when no fault was injected. */
+static bool fault_run(uint64_t fail_at)
+{
+    faulty f = {.fail_at = fail_at};
+    di_alloc a = {faulty_alloc, faulty_free, &f};
+    probe *p = calloc(1, sizeof(*p));
+    synth_config sc = {.seed = 4, .nextn = 2, .vocab_size = 100, .eos_token = -1,
+                       .accept_rate = 0.5};
+    di_error err;
+    cr_assert_eq(synth_create(&sc, 16, NULL, &p->y, &err), DI_OK);
+    engine_config c = {.exec = {.ctx = p, .add = p_add, .remove = p_remove, .step = p_step},
+                       .on_output = p_output, .userdata = p};
+    sched_config_default(&c.sched);
+    c.sched.num_blocks = 120;
+    c.sched.num_slots = 16;
+    c.sched.max_num_seqs = 8;
+    c.sched.nextn = 2;
+    c.sched.prefill_attempt_interval = 1;
+    c.sched.async = fail_at % 2;
+    c.sched.alloc = &a;
+    engine *e = NULL;
+    di_status st = engine_create(&c, &e, &err);
+    if (st == DI_OK) {
+        int32_t tok[200];
+        for (int i = 0; i < 200; i++)
+            tok[i] = 3 + i % 90;
+        for (uint64_t id = 1; id <= 12; id++) {
+            sched_request q = {.id = id, .prompt = tok, .prompt_len = 20 + 13 * (uint32_t)id,
+                               .max_tokens = 6};
+            st = engine_add(e, &q, NULL, (void *)(uintptr_t)id, &err);
+            cr_assert(st == DI_OK || st == DI_ENOMEM, "add %llu: %s", (unsigned long long)id,
+                      err.msg);
+            if (st != DI_OK)
+                cr_assert_eq(p->added[id], p->removed[id], "a refused request is forgotten");
+            if (id == 6) { /* request 1 is waiting (or was refused) */
+                st = engine_abort(e, 1, &err);
+                cr_assert(st == DI_OK || st == DI_ENOENT, "%s", err.msg);
+            }
+        }
+        while (engine_has_work(e)) {
+            uint64_t calls = f.calls;
+            cr_assert_eq(engine_step(e, NULL, &err), DI_OK, "%s", err.msg);
+            cr_assert_eq(f.calls, calls, "a step allocated");
+        }
+        cr_assert_eq(engine_flush(e, &err), DI_OK);
+        cr_assert_eq(engine_get_stats(e)->live, 0);
+        engine_destroy(e);
+    } else {
+        cr_assert_eq(st, DI_ENOMEM, "%s", err.msg);
+        cr_assert_null(e);
+    }
+    for (uint64_t id = 1; id < MAX_ID; id++)
+        cr_assert_eq(p->added[id], p->removed[id], "request %llu", (unsigned long long)id);
+    cr_assert_eq(f.live, 0, "%lld allocations leaked (fault at call %llu)", (long long)f.live,
+                 (unsigned long long)fail_at);
+    synth_destroy(p->y);
+    free(p);
+    return f.failed > 0;
+}
+
+Test(engine, every_allocation_failure_is_clean, .timeout = 60)
+{
+    uint64_t n = 1;
+    while (fault_run(n))
+        n++;
+    cr_assert_gt(n, 10, "the workload allocates in many places (%llu)", (unsigned long long)n);
 }

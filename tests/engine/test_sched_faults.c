@@ -6,33 +6,7 @@
 
 #include "common/engine/scheduler.h"
 #include "common/engine/synth.h"
-
-typedef struct faulty {
-    uint64_t calls;     /* allocations asked for */
-    uint64_t fail_at;   /* the call that fails (1-based), 0 = never */
-    uint64_t failed;    /* faults injected */
-    int64_t live;       /* allocations not yet freed */
-} faulty;
-
-static void *f_alloc(void *ud, size_t n)
-{
-    faulty *f = ud;
-    if (++f->calls == f->fail_at) {
-        f->failed++;
-        return NULL;
-    }
-    void *p = malloc(n);
-    if (p)
-        f->live++;
-    return p;
-}
-
-static void f_free(void *ud, void *p)
-{
-    faulty *f = ud;
-    f->live--;
-    free(p);
-}
+#include "tests/engine/faulty.h"
 
 typedef struct snap {
     uint32_t blocks, slots, live, waiting, running;
@@ -99,7 +73,7 @@ static void step(sched *s, synth *y, faulty *f)
 static bool run_once(uint64_t fail_at)
 {
     faulty f = {.fail_at = fail_at};
-    di_alloc a = {f_alloc, f_free, &f};
+    di_alloc a = {faulty_alloc, faulty_free, &f};
     sched_config c;
     sched_config_default(&c);
     c.num_blocks = 200;
@@ -167,7 +141,7 @@ Test(sched_faults, vote_group_and_synth_out_of_memory)
 {
     for (uint64_t n = 1; n <= 2; n++) {
         faulty f = {.fail_at = n};
-        di_alloc a = {f_alloc, f_free, &f};
+        di_alloc a = {faulty_alloc, faulty_free, &f};
         vote_group *g = NULL;
         di_error e;
         cr_assert_eq(vote_group_create(4, 0, &a, &g, &e), DI_ENOMEM);

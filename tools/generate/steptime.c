@@ -62,7 +62,8 @@ static di_status measure(const gen_args *a, runner_exec *ex, const graph_sizes *
 {
     if (!a->quiet)
         fprintf(stderr, "di-generate: varlen: timing decode steps at %zu graph sizes (up to %u "
-                "rows) on the %s backend\n", g->count, g->max_rows, strcmp(a->backend, "cuda") == 0 ? "CUDA" : "CPU");
+                "rows) on the %s backend\n", g->count, g->max_rows,
+                strcmp(a->backend, "cuda") == 0 ? "CUDA" : "CPU");
     for (size_t i = 0; i < g->count; i++) {
         double ms;
         di_status st = runner_exec_time_step(ex, g->sizes[i], GEN_TIME_RUNS, &ms, err);
