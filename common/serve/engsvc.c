@@ -175,6 +175,16 @@ static void unlink_req(engsvc *s, sreq *r)
     pthread_mutex_unlock(&s->mu);
 }
 
+/* Deletes request r's handoff from the store (decode ends before loading it, or prefill's
+ * caller is gone): nobody will take it. */
+static void drop_handoff(engsvc *s, const sreq *r)
+{
+    kvkey key;
+    di_error err;
+    if (kvkey_handoff(s->g.model_id, r->rid, &key, &err) == DI_OK)
+        (void)kvc_delete1(s->cfg.kv, KVKEY_HANDOFF, &key, &err);
+}
+
 /* ---- sampling parameters from the request --------------------------------------------- */
 
 static di_status sampling_from_pb(const engsvc *s, const Di__Engine__SamplingParams *p,
@@ -613,7 +623,10 @@ static void prefill_handoff(engsvc *s, sreq *r)
     di_error rel;
     engine_release(s->e, r->id, &rel);
     unlink_req(s, r);
-    if (st != DI_OK) {
+    if (st == DI_OK && atomic_load(&r->cancelled)) { /* the caller is gone */
+        drop_handoff(s, r);
+        end_req(s, r, (di_status)atomic_load(&r->cancel_why), NULL, 0, "request cancelled");
+    } else if (st != DI_OK) {
         di_error_prefix(&err, "handoff to the store: ");
         end_req(s, r, st, NULL, 0, err.msg);
     } else {
@@ -789,12 +802,8 @@ static void admit(engsvc *s, sreq *r)
             if (st == DI_OK)
                 st = engine_set_ready(s->e, r->id, &err);
         }
-        if (st == DI_OK) { /* loaded into host memory: the store's copy is not needed */
-            kvkey key;
-            di_error e2;
-            if (kvkey_handoff(s->g.model_id, r->rid, &key, &e2) == DI_OK)
-                (void)kvc_delete1(s->cfg.kv, KVKEY_HANDOFF, &key, &e2);
-        }
+        if (st == DI_OK || st == DI_ECORRUPT) /* in host memory now, or useless */
+            drop_handoff(s, r);
     }
     if (st != DI_OK) {
         unlink_req(s, r);
@@ -875,6 +884,8 @@ static void *engine_main(void *arg)
             in = in->next;
             r->next = NULL;
             if (abort_all || atomic_load(&r->cancelled)) {
+                if (s->cfg.kind == ENGSVC_DECODE)
+                    drop_handoff(s, r);
                 end_req(s, r, abort_all ? DI_EUNAVAIL : DI_ECANCELED, NULL, 0,
                         abort_all ? "the service is stopping" : "request cancelled");
                 continue;
