@@ -10,6 +10,8 @@
 #include <fcntl.h>
 #include <jansson.h>
 #include <poll.h>
+#include <pthread.h>
+#include <stdbool.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -131,6 +133,7 @@ typedef struct rig {
     th_store store;
     proc prefill, decode;
     const char *nextn;
+    const char *drain;          /* --drain of both ranks; NULL: 20s */
     Di__Engine__Load load0[2];  /* GetLoad of prefill, decode at start */
 } rig;
 
@@ -138,24 +141,33 @@ static const char *const k_store_args[] = {
     "--geometry", "tiny", "--dram-bytes", "256MiB", "--dram-handoff-share", "0.2",
     "--handoff-max-bytes", "2MiB", "--durability", "none", NULL};
 
-static Di__Engine__Load get_load(const proc *p, const char *svc)
+/* One unary call to p (no token); the reply bytes (free them), or NULL with *st set. */
+static uint8_t *unary(const proc *p, const char *method, const void *req, size_t len,
+                      size_t *rlen, di_status *st, di_error *err)
 {
     rpc_client *c;
-    di_error err;
     rpc_client_config cfg = {.target = p->target};
-    cr_assert_eq(rpc_client_open(&cfg, &c, &err), DI_OK, "%s", err.msg);
+    cr_assert_eq(rpc_client_open(&cfg, &c, err), DI_OK, "%s", err->msg);
+    uint8_t *rep = NULL;
+    *st = rpc_client_call(c, method, req, len, 5000, &rep, rlen, err);
+    rpc_client_close(c);
+    return *st == DI_OK ? rep : NULL;
+}
+
+static Di__Engine__Load get_load(const proc *p, const char *svc)
+{
     char method[64];
     snprintf(method, sizeof method, "/di.%s/GetLoad", svc);
-    uint8_t *rep = NULL;
     size_t len = 0;
-    cr_assert_eq(rpc_client_call(c, method, NULL, 0, 5000, &rep, &len, &err), DI_OK, "%s",
-                 err.msg);
+    di_status st;
+    di_error err;
+    uint8_t *rep = unary(p, method, NULL, 0, &len, &st, &err);
+    cr_assert_eq(st, DI_OK, "%s", err.msg);
     Di__Engine__Load *l = di__engine__load__unpack(NULL, len, rep);
     cr_assert_not_null(l);
     Di__Engine__Load out = *l;
     di__engine__load__free_unpacked(l, NULL);
     free(rep);
-    rpc_client_close(c);
     return out;
 }
 
@@ -163,7 +175,8 @@ static void engine_start(proc *p, const char *exe, const char *name, const rig *
 {
     const char *args[] = {"--config", "tiny", "--weights-seed", SEED, "--kvstore",
                           r->store.target, "--chunk", CHUNK, "--threads", "1", "--nextn",
-                          r->nextn, "--blocks", "256", "--drain", "20s", NULL};
+                          r->nextn, "--blocks", "256", "--kvstore-deadline", "2s", "--drain",
+                          r->drain ? r->drain : "20s", NULL};
     proc_start(p, exe, name, args);
 }
 
@@ -353,6 +366,350 @@ Test(disagg, drafts_off_equal_local_runs)
     rig_start(&r, "0");
     compare_runs(&r, "--temperature 0 --seed 1", 4);
     compare_runs(&r, "--temperature 0.8 --seed 99", 5);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* ---- direct calls ---- */
+
+static rpc_client *client(const proc *p)
+{
+    rpc_client *c;
+    di_error err;
+    rpc_client_config cfg = {.target = p->target};
+    cr_assert_eq(rpc_client_open(&cfg, &c, &err), DI_OK, "%s", err.msg);
+    return c;
+}
+
+static void prompt_ids(uint32_t *ids, uint32_t n, uint32_t salt)
+{
+    for (uint32_t k = 0; k < n; k++)
+        ids[k] = 2 + (k * 7919u + salt * 31u) % 4000u;
+}
+
+/* Default sampling (temperature 1), max_tokens, the end token off. */
+static Di__Engine__SamplingParams no_eos(uint32_t max_tokens)
+{
+    Di__Engine__SamplingParams sp = DI__ENGINE__SAMPLING_PARAMS__INIT;
+    sp.max_tokens = max_tokens;
+    sp.eos_id = -1;
+    sp.has_eos_id = 1;
+    return sp;
+}
+
+/* Prefill of n ids; the reply (free it) or NULL with *st and err set. */
+static Di__Prefill__PrefillReply *prefill(rpc_client *c, const char *rid, const uint32_t *ids,
+                                          uint32_t n, uint32_t max_tokens, uint32_t timeout_ms,
+                                          di_status *st, di_error *err)
+{
+    Di__Engine__SamplingParams sp = no_eos(max_tokens);
+    Di__Prefill__PrefillRequest m = DI__PREFILL__PREFILL_REQUEST__INIT;
+    m.request_id = (char *)rid;
+    m.n_prompt = n;
+    m.prompt = (uint32_t *)ids;
+    m.sampling = &sp;
+    uint8_t buf[65536], *rep = NULL;
+    size_t len = di__prefill__prefill_request__pack(&m, buf), rlen = 0;
+    *st = rpc_client_call(c, "/di.prefill.Prefill/Prefill", buf, len, timeout_ms, &rep, &rlen,
+                          err);
+    if (*st != DI_OK)
+        return NULL;
+    Di__Prefill__PrefillReply *r = di__prefill__prefill_reply__unpack(NULL, rlen, rep);
+    free(rep);
+    cr_assert_not_null(r);
+    return r;
+}
+
+/* Opens the Decode stream of a prefill's reply. */
+static rpc_stream *decode_open(rpc_client *c, const char *rid, const uint32_t *ids, uint32_t n,
+                               const Di__Prefill__PrefillReply *pr, uint32_t max_tokens)
+{
+    Di__Engine__SamplingParams sp = no_eos(max_tokens);
+    Di__Decode__DecodeRequest m = DI__DECODE__DECODE_REQUEST__INIT;
+    m.request_id = (char *)rid;
+    m.handoff = pr->handoff;
+    m.n_prompt = n;
+    m.prompt = (uint32_t *)ids;
+    m.first = pr->first;
+    m.sampling = &sp;
+    uint8_t buf[65536];
+    size_t len = di__decode__decode_request__pack(&m, buf);
+    rpc_stream *s;
+    di_error err;
+    cr_assert_eq(rpc_stream_open(c, "/di.decode.Decode/Decode", buf, len, 60000, &s, &err),
+                 DI_OK, "%s", err.msg);
+    return s;
+}
+
+/* Reads up to max messages; returns how many, *st the final status when the stream ended
+ * (*ended 1). */
+static uint32_t stream_read(rpc_stream *s, uint32_t max, int *ended, di_status *st,
+                            di_error *err)
+{
+    uint32_t got = 0;
+    *ended = 0;
+    *st = DI_OK;
+    while (got < max) {
+        uint8_t *msg = NULL;
+        size_t len = 0;
+        int done = 0;
+        *st = rpc_stream_read(s, &msg, &len, &done, err);
+        free(msg);
+        if (done || *st != DI_OK) {
+            *ended = 1;
+            break;
+        }
+        got++;
+    }
+    return got;
+}
+
+static uint64_t model_id_of(const proc *p)
+{
+    size_t len = 0;
+    di_status st;
+    di_error err;
+    uint8_t *rep = unary(p, "/di.decode.Decode/Health", NULL, 0, &len, &st, &err);
+    cr_assert_eq(st, DI_OK, "%s", err.msg);
+    Di__Engine__HealthReply *h = di__engine__health_reply__unpack(NULL, len, rep);
+    free(rep);
+    cr_assert(h && h->serving && h->model_id && !strcmp(h->backend, "cpu"));
+    uint64_t id = h->model_id;
+    di__engine__health_reply__free_unpacked(h, NULL);
+    return id;
+}
+
+/* A bad request gets one clear line; a handoff that is not in the store is ENOENT. */
+Test(disagg, bad_requests_and_a_missing_handoff_are_refused_clearly)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    rpc_client *pc = client(&r.prefill), *dc = client(&r.decode);
+    uint32_t ids[8] = {5, 6, 7, 4095, 4096};
+    di_status st;
+    di_error err;
+    cr_assert_null(prefill(pc, "bad-1", ids, 5, 4, 10000, &st, &err));
+    cr_assert_eq(st, DI_EINVAL);
+    cr_assert(strstr(err.msg, "prompt[4]: 4096 is outside the vocabulary"), "%s", err.msg);
+    cr_assert_null(prefill(pc, "bad id", ids, 3, 4, 10000, &st, &err));
+    cr_assert(st == DI_EINVAL && strstr(err.msg, "request_id"), "%s", err.msg);
+    cr_assert_null(prefill(pc, "bad-2", ids, 3, 0x7fffffff, 10000, &st, &err));
+    cr_assert(st == DI_EINVAL && strstr(err.msg, "max_tokens"), "%s", err.msg);
+    /* a manifest naming a handoff the store does not hold */
+    Di__Engine__Token first = DI__ENGINE__TOKEN__INIT;
+    first.id = 9;
+    uint8_t key[32] = {1, 2, 3};
+    Di__Prefill__HandoffManifest man = DI__PREFILL__HANDOFF_MANIFEST__INIT;
+    man.model_id = model_id_of(&r.decode);
+    man.handoff_key = (ProtobufCBinaryData){32, key};
+    man.handoff_bytes = 1 << 20;
+    Di__Prefill__PrefillReply fake = DI__PREFILL__PREFILL_REPLY__INIT;
+    fake.first = &first;
+    fake.handoff = &man;
+    int ended;
+    rpc_stream *s = decode_open(dc, "nohandoff", ids, 3, &fake, 8);
+    cr_assert_eq(stream_read(s, 100, &ended, &st, &err), 0);
+    cr_assert(ended && st == DI_ENOENT && strstr(err.msg, "not in the store"), "%s: %s",
+              di_status_name(st), err.msg);
+    rpc_stream_close(s);
+    man.model_id ^= 1; /* another model's handoff */
+    s = decode_open(dc, "othermodel", ids, 3, &fake, 8);
+    stream_read(s, 100, &ended, &st, &err);
+    cr_assert(st == DI_EINVAL && strstr(err.msg, "model_id"), "%s", err.msg);
+    rpc_stream_close(s);
+    /* a real handoff decoded for another prompt is refused, and then nobody takes it */
+    Di__Prefill__PrefillReply *pr = prefill(pc, "real-1", ids, 3, 8, 30000, &st, &err);
+    cr_assert_not_null(pr, "%s", err.msg);
+    ids[0] = 6;
+    s = decode_open(dc, "real-1", ids, 3, pr, 8);
+    stream_read(s, 100, &ended, &st, &err);
+    cr_assert(st == DI_EINVAL && strstr(err.msg, "not this request's"), "%s", err.msg);
+    rpc_stream_close(s);
+    ids[0] = 5;
+    s = decode_open(dc, "real-1", ids, 3, pr, 8);
+    cr_assert_eq(stream_read(s, 100, &ended, &st, &err), 7, "%s", err.msg);
+    cr_assert(ended && st == DI_OK, "%s", err.msg);
+    rpc_stream_close(s);
+    di__prefill__prefill_reply__free_unpacked(pr, NULL);
+    rpc_client_close(pc);
+    rpc_client_close(dc);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* A request prefilled and decoding: `reads` tokens already read from its stream. */
+typedef struct flight {
+    rpc_client *pc, *dc;
+    uint32_t ids[300];
+    Di__Prefill__PrefillReply *pr;
+    rpc_stream *s;
+} flight;
+
+static void flight_start(flight *f, rig *r, const char *rid, uint32_t n, uint32_t max_tokens,
+                         uint32_t reads)
+{
+    f->pc = client(&r->prefill);
+    f->dc = client(&r->decode);
+    prompt_ids(f->ids, n, n);
+    di_status st;
+    di_error err;
+    int ended;
+    f->pr = prefill(f->pc, rid, f->ids, n, max_tokens, 30000, &st, &err);
+    cr_assert_not_null(f->pr, "%s", err.msg);
+    f->s = decode_open(f->dc, rid, f->ids, n, f->pr, max_tokens);
+    cr_assert_eq(stream_read(f->s, reads, &ended, &st, &err), reads, "%s", err.msg);
+}
+
+/* Reads the rest of the stream; its final status. */
+static di_status flight_end(flight *f, di_error *err)
+{
+    int ended;
+    di_status st;
+    stream_read(f->s, 100000, &ended, &st, err);
+    cr_assert(ended);
+    rpc_stream_close(f->s);
+    di__prefill__prefill_reply__free_unpacked(f->pr, NULL);
+    rpc_client_close(f->pc);
+    rpc_client_close(f->dc);
+    return st;
+}
+
+/* Decode killed mid-stream: the caller's stream ends with an error; prefill and the store
+ * keep nothing. */
+Test(disagg, decode_killed_mid_stream_ends_the_callers_stream)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    flight f;
+    flight_start(&f, &r, "killed-1", 300, 3000, 5);
+    proc_kill(&r.decode);
+    di_error err;
+    di_status st = flight_end(&f, &err);
+    cr_assert_neq(st, DI_OK, "the stream must end with an error");
+    engine_start(&r.decode, "decode/di-decode", "decode2", &r);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* The store killed: the request fails with one clear line and leaks nothing on the ranks;
+ * once the store is back the next request is served and equals the local run. */
+Test(disagg, store_killed_then_back)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    th_store_kill(&r.store);
+    gen_res g;
+    gen(&g, "--prefill %s --decode %s --ids 5,6,7 --max-tokens 4", r.prefill.target,
+        r.decode.target);
+    cr_assert_neq(g.rc, 0);
+    cr_assert(strstr(g.err, "handoff to the store"), "%s", g.err);
+    json_decref(g.json);
+    Di__Engine__Load l = get_load(&r.prefill, "prefill.Prefill");
+    cr_assert_eq(l.free_blocks, r.load0[0].free_blocks);
+    cr_assert_eq(l.free_slots, r.load0[0].free_slots);
+    th_store_restart(&r.store);
+    compare_runs(&r, "--temperature 0.8 --seed 3", 10);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* Aborts at random moments (queued, between chunks, handing off, loading, decoding) and
+ * streams cancelled mid-way leak nothing. DI_DISAGG_CANCELS sets how many (default 200). */
+typedef struct aborter {
+    const proc *p;
+    const char *method;
+    char rid[32];
+    uint32_t delay_us;
+} aborter;
+
+static void *abort_later(void *arg)
+{
+    aborter *a = arg;
+    usleep(a->delay_us);
+    Di__Engine__AbortRequest m = DI__ENGINE__ABORT_REQUEST__INIT;
+    m.request_id = a->rid;
+    uint8_t buf[256];
+    size_t rlen;
+    di_status st;
+    di_error err;
+    free(unary(a->p, a->method, buf, di__engine__abort_request__pack(&m, buf), &rlen, &st,
+               &err));
+    return NULL;
+}
+
+Test(disagg, random_cancels_leak_nothing)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    const char *env = getenv("DI_DISAGG_CANCELS");
+    uint32_t n = env ? (uint32_t)atoi(env) : 200;
+    rpc_client *pc = client(&r.prefill), *dc = client(&r.decode);
+    uint32_t ids[700], seed = 12345, served = 0, aborted = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        seed = seed * 1103515245u + 12345u;
+        uint32_t len = 1 + (seed >> 8) % 600, max_tokens = 2 + (seed >> 4) % 40;
+        prompt_ids(ids, len, i);
+        char rid[32];
+        snprintf(rid, sizeof rid, "c-%u", i);
+        aborter ab = {.p = &r.prefill, .method = "/di.prefill.Prefill/Abort",
+                      .delay_us = (seed >> 12) % 40000};
+        snprintf(ab.rid, sizeof ab.rid, "%s", rid);
+        pthread_t t;
+        bool abort_prefill = i % 2 == 0;
+        if (abort_prefill)
+            pthread_create(&t, NULL, abort_later, &ab);
+        di_status st;
+        di_error err;
+        Di__Prefill__PrefillReply *pr = prefill(pc, rid, ids, len, max_tokens, 30000, &st,
+                                                &err);
+        if (abort_prefill)
+            pthread_join(t, NULL);
+        if (!pr) {
+            cr_assert_eq(st, DI_ECANCELED, "prefill %u: %s", i, err.msg);
+            aborted++;
+            continue;
+        }
+        rpc_stream *s = decode_open(dc, rid, ids, len, pr, max_tokens);
+        int ended;
+        uint32_t want = (seed >> 16) % 8;
+        ab = (aborter){.p = &r.decode, .method = "/di.decode.Decode/Abort",
+                       .delay_us = (seed >> 3) % 20000};
+        snprintf(ab.rid, sizeof ab.rid, "%s", rid);
+        if (i % 3 == 0) { /* an Abort at a random moment, maybe while loading */
+            pthread_create(&t, NULL, abort_later, &ab);
+            stream_read(s, 100000, &ended, &st, &err);
+            pthread_join(t, NULL);
+        } else { /* the client goes away after a few tokens */
+            stream_read(s, want + 1, &ended, &st, &err);
+            if (!ended)
+                rpc_stream_cancel(s);
+        }
+        cr_assert(st == DI_OK || st == DI_ECANCELED, "decode %u: %s: %s", i,
+                  di_status_name(st), err.msg);
+        served += st == DI_OK && ended;
+        rpc_stream_close(s);
+        di__prefill__prefill_reply__free_unpacked(pr, NULL);
+    }
+    rpc_client_close(pc);
+    rpc_client_close(dc);
+    cr_log_info("%u requests: %u aborted in prefill, %u decoded to the end", n, aborted, served);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* SIGTERM with a stream in flight and a short --drain: the stream ends with UNAVAILABLE, the
+ * rank exits 0, and nothing is left in the store. */
+Test(disagg, drain_fails_what_it_cannot_finish_and_exits_0)
+{
+    rig r = {.drain = "300ms"};
+    rig_start(&r, "5");
+    flight f;
+    flight_start(&f, &r, "drain-1", 40, 4000, 3);
+    cr_assert_eq(proc_stop(&r.decode), 0, "di-decode drains and exits 0");
+    di_error err;
+    di_status st = flight_end(&f, &err);
+    cr_assert_eq(st, DI_EUNAVAIL, "%s: %s", di_status_name(st), err.msg);
+    engine_start(&r.decode, "decode/di-decode", "decode2", &r);
     assert_clean(&r);
     rig_stop(&r);
 }

@@ -246,8 +246,12 @@ di_status gen_remote_run(const gen_args *a, di_error *err)
             }
         }
         json_decref(root);
-        if (failed)
-            st = di_fail(err, DI_EIO, "%u of %u prompts failed", failed, a->n_prompts);
+        for (uint32_t i = 0; failed && i < a->n_prompts; i++)
+            if (outs[i].error[0]) {
+                st = di_fail(err, DI_EIO, "%u of %u prompts failed; prompt %u: %s", failed,
+                             a->n_prompts, i + 1, outs[i].error);
+                break;
+            }
     }
     for (uint32_t i = 0; outs && i < a->n_prompts; i++) {
         json_decref(outs[i].tokens);
