@@ -287,9 +287,12 @@ typedef struct kern_compressed_store {
  *           0; position q >= pos0 is read from local[row0 + q - pos0], else from the ring slot
  *           q mod ring_positions (draft blocks: see kern_seq.ring_hi);
  *   compressed: the ids topk[t, 0..topk_n) that are >= 0, read from the paged blocks.
- * s_e = fp32(fp32(q_h . kv_e) * scale); M = max(-1e30, max_e s_e);
- * o_h = bf16(fp32( sum_e exp(s_e - M) kv_e / (sum_e exp(s_e - M) + exp(sink_h - M)) )), the
- * softmax in double. Keys: window first (ascending position), then compressed (list order).
+ * s_e = fp32(fp32(q_h . kv_e) * scale). Key slots: the window (ascending position; normal rows
+ * pad it with empty slots up to `window`), then topk[t, 0..topk_n) (-1 = empty slot), walked in
+ * blocks of 64 slots with a running max m (from -1e30), per block m' = max(m, s in block),
+ * p_e = fp32 exp(s_e - m'), sum = sum * exp(m - m') + sum p_e,
+ * acc = acc * exp(m - m') + sum bf16(p_e) kv_e (fp32); finally sum += exp(sink_h - m) and
+ * o_h = bf16(acc / sum) (MODEL.md §2.5 (a)-(d); empty slots count toward the 64 only).
  * Tolerance: abs 2e-2, cosine >= 0.9999 per head. */
 typedef struct kern_sparse_attn {
     uint32_t n_rows;
@@ -311,7 +314,8 @@ typedef struct kern_sparse_attn {
 } kern_sparse_attn;
 
 /* Indexer scores (MODEL.md §2.7): for row t and entry j < n_visible[t],
- * I = bf16( sum_h fp32(w[t,h] * w_scale) * max(0, fp32(q[t,h] . k_j)) ) with k_j the key of entry
+ * I = bf16( sum_h e_h ) (fp32 sum), e_h = bf16( bf16(w[t,h] * w_scale) * max(0, bf16(q[t,h] . k_j)) )
+ * (the dot in fp32, each rounding as the reference's BF16 tensors do) with k_j the key of entry
  * j of the row's sequence (paged blocks); entries j >= n_visible[t] and entries outside the
  * candidate mask (when given) get -inf. q is already FP4 fake-quantised; w is the bf16
  * weights_proj output; w_scale = index_head_dim^-0.5 * index_n_heads^-0.5 exactly (double).

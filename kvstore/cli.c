@@ -6,6 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util/hostport.h"
+#include "common/util/machine.h"
+
 /* ---------------------------------------------------------------- units */
 
 typedef struct unit {
@@ -59,17 +62,7 @@ di_status kvcli_parse_duration(const char *s, uint64_t *out, di_error *err)
 
 void kvcli_format_size(uint64_t b, char *buf, size_t n)
 {
-    static const char *const names[] = {"B", "KiB", "MiB", "GiB", "TiB"};
-    double v = (double)b;
-    int u = 0;
-    while (v >= 1024.0 && u < 4) {
-        v /= 1024.0;
-        u++;
-    }
-    if (u == 0)
-        snprintf(buf, n, "%llu B", (unsigned long long)b);
-    else
-        snprintf(buf, n, "%.2f %s", v, names[u]);
+    di_machine_format_bytes(b, buf, n);
 }
 
 void kvcli_format_duration(uint64_t ms, char *buf, size_t n)
@@ -95,9 +88,13 @@ void kvcli_format_duration(uint64_t ms, char *buf, size_t n)
 
 static di_status check_bounds(const kvcli_opt *o, double v, di_error *err)
 {
+    const char *unit = o->kind == KVCLI_DURATION ? " ms" : o->kind == KVCLI_SIZE ? " bytes" : "";
+    if (o->max <= 0 && v < o->min)
+        return di_fail(err, DI_ERANGE, "--%s: %.15g%s is below the least, %.15g%s", o->name, v,
+                       unit, o->min, unit);
     if (v < o->min || (o->max > 0 && v > o->max))
-        return di_fail(err, DI_ERANGE, "--%s: %g is outside [%g, %g]", o->name, v, o->min,
-                       o->max);
+        return di_fail(err, DI_ERANGE, "--%s: %.15g%s is outside [%.15g, %.15g]", o->name, v,
+                       unit, o->min, o->max);
     return DI_OK;
 }
 
@@ -113,6 +110,15 @@ static di_status set_value(const kvcli_opt *o, const char *v, void *opts, di_err
         return DI_OK;
     case KVCLI_FLAG:
         *(int *)field = 1;
+        return DI_OK;
+    case KVCLI_ADDR:
+    case KVCLI_LISTEN:
+        st = di_hostport_parse(v, o->kind == KVCLI_LISTEN, NULL, err);
+        if (st != DI_OK) {
+            di_error_prefix(err, "--%s: ", o->name);
+            return st;
+        }
+        *(const char **)field = v;
         return DI_OK;
     case KVCLI_SIZE:
         st = kvcli_parse_size(v, &u, err);

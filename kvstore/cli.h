@@ -18,6 +18,8 @@ typedef enum kvcli_kind {
     KVCLI_DOUBLE = 4,   /* double */
     KVCLI_FLAG = 5,     /* int, set to 1; takes no value */
     KVCLI_INT = 6,      /* int64_t (may be negative) */
+    KVCLI_ADDR = 7,     /* const char *, checked HOST:PORT with a port in 1..65535 */
+    KVCLI_LISTEN = 8,   /* const char *, checked HOST:PORT with a port in 0..65535 (0: any) */
 } kvcli_kind;
 
 /* One option row. */

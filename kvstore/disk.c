@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <dirent.h>
 #include <sys/statvfs.h>
 
 #include "common/util/hash64.h"
@@ -33,6 +34,8 @@ struct kvdisk {
     int read_only;                          /* reopened read-only after a failed recovery */
     uint64_t min_free;                      /* free bytes needed before a reopen is tried */
     atomic_uint fail_countdown;             /* test hook; 0 = off */
+    uint64_t files_lost;                    /* files set aside as unreadable by repairs */
+    char repair_note[256];                  /* why the last repair ran ("" if none) */
 };
 
 static const char *const cf_names[N_CF] = {"default", "block", "window", "handoff"};
@@ -146,6 +149,13 @@ static di_status check_stamp(kvdisk *d, const kvdisk_config *cfg, di_error *err)
     rocksdb_writeoptions_destroy(wo);
     if (errptr)
         return rocks_fail(err, errptr, "writing the store's format stamp");
+    /* Flushed at once: an unflushed family pins every WAL file written after it. */
+    rocksdb_flushoptions_t *fo = rocksdb_flushoptions_create();
+    rocksdb_flushoptions_set_wait(fo, 1);
+    rocksdb_flush_cf(d->db, fo, d->cf[0], &errptr);
+    rocksdb_flushoptions_destroy(fo);
+    if (errptr)
+        return rocks_fail(err, errptr, "flushing the store's format stamp");
     return DI_OK;
 }
 
@@ -161,6 +171,8 @@ static void make_options(kvdisk *d, const kvdisk_config *cfg)
     rocksdb_options_set_write_buffer_size(
         d->opts, cfg->write_buffer_bytes ? cfg->write_buffer_bytes : 64ull << 20);
     rocksdb_options_set_max_total_wal_size(d->opts, 512ull << 20);
+    /* No blob files for the large values: RocksDB 7.8's repairer (kvdisk_repair) drops them,
+     * so one unreadable SST would cost every object stored in a blob file. */
     rocksdb_options_set_paranoid_checks(d->opts, 1);
     rocksdb_options_set_wal_recovery_mode(d->opts, 2 /* point in time */);
     rocksdb_options_set_keep_log_file_num(d->opts, 4);
@@ -236,6 +248,8 @@ di_status kvdisk_open(const kvdisk_config *cfg, kvdisk **out, di_error *err)
     make_options(d, cfg);
     d->min_free = 2 * (cfg->write_buffer_bytes ? cfg->write_buffer_bytes : 64ull << 20);
     di_status st = open_db(d, 0, err);
+    if (st == DI_ECORRUPT)
+        st = kvdisk_repair(d, err ? err->msg : "opening RocksDB: corruption", err);
     if (st == DI_OK)
         st = check_stamp(d, cfg, err);
     if (st != DI_OK) {
@@ -244,6 +258,73 @@ di_status kvdisk_open(const kvdisk_config *cfg, kvdisk **out, di_error *err)
     }
     *out = d;
     return DI_OK;
+}
+
+/* Table and blob files in DIR/lost, where RocksDB's repair moves what it cannot read. */
+static uint64_t count_lost(const char *dir)
+{
+    char path[4096];
+    snprintf(path, sizeof(path), "%s/lost", dir);
+    DIR *dp = opendir(path);
+    if (!dp)
+        return 0;
+    uint64_t n = 0;
+    for (struct dirent *e; (e = readdir(dp));) {
+        /* Old manifests go there too; only data files count. */
+        size_t len = strlen(e->d_name);
+        n += (len > 4 && strcmp(e->d_name + len - 4, ".sst") == 0) ||
+             (len > 5 && strcmp(e->d_name + len - 5, ".blob") == 0);
+    }
+    closedir(dp);
+    return n;
+}
+
+/* The repairer knows only the default family when it replays WAL files, so records of the
+ * class families still in the WAL would be lost: open without the checks that refuse an
+ * unreadable table (the WAL is replayed), flush every family into tables, close. Best
+ * effort: when this open fails too, the repair goes ahead. */
+static void flush_wal_to_tables(kvdisk *d, rocksdb_options_t *opts)
+{
+    rocksdb_options_set_paranoid_checks(opts, 0);
+    rocksdb_options_t *saved = d->opts;
+    d->opts = opts;
+    if (open_db(d, 0, NULL) == DI_OK) {
+        rocksdb_flushoptions_t *fo = rocksdb_flushoptions_create();
+        rocksdb_flushoptions_set_wait(fo, 1);
+        for (int i = 0; i < N_CF; i++) {
+            char *errptr = NULL;
+            rocksdb_flush_cf(d->db, fo, d->cf[i], &errptr);
+            if (errptr)
+                rocksdb_free(errptr);
+        }
+        rocksdb_flushoptions_destroy(fo);
+        close_db(d);
+    }
+    d->opts = saved;
+}
+
+di_status kvdisk_repair(kvdisk *d, const char *why, di_error *err)
+{
+    snprintf(d->repair_note, sizeof(d->repair_note), "%s", why ? why : "");
+    uint64_t before = count_lost(d->dir);
+    pthread_rwlock_wrlock(&d->lock);
+    close_db(d);
+    /* The repairer turns every WAL file into a table, including records some family already
+     * flushed; its tables then overlap older ones in sequence numbers, which RocksDB's
+     * consistency check refuses (the newer copy wins on reads, so nothing is lost). */
+    char *errptr = NULL;
+    rocksdb_options_t *ro = rocksdb_options_create();
+    rocksdb_get_options_from_string(d->opts, "force_consistency_checks=false", ro, &errptr);
+    if (!errptr)
+        flush_wal_to_tables(d, ro);
+    if (!errptr)
+        rocksdb_repair_db(ro, d->dir, &errptr);
+    rocksdb_options_destroy(ro);
+    di_status st = errptr ? rocks_fail(err, errptr, "repairing RocksDB") : open_db(d, 0, err);
+    pthread_rwlock_unlock(&d->lock);
+    uint64_t after = count_lost(d->dir);
+    d->files_lost += after > before ? after - before : 0;
+    return st;
 }
 
 int kvdisk_failed(kvdisk *d)
@@ -533,5 +614,7 @@ void kvdisk_get_usage(kvdisk *d, kvdisk_usage *out)
         if (rocksdb_property_int_cf(d->db, d->cf[i], "rocksdb.cur-size-all-mem-tables", &v) == 0)
             out->memtable_bytes += v;
     }
+    out->files_lost = d->files_lost;
+    out->repair_note = d->repair_note;
     pthread_rwlock_unlock(&d->lock);
 }

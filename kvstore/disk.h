@@ -62,10 +62,17 @@ typedef struct kvdisk_config {
     kvdisk_stamp stamp;          /* must match a stamp already in dir */
 } kvdisk_config;
 
-/* Opens or creates the store directory. Returns DI_OK, DI_EINVAL (bad config; stamp mismatch,
- * with both stamps in the message), DI_EIO/DI_ECORRUPT/DI_ENOSPC from RocksDB (with its text).
- * *out is written only on success. */
+/* Opens or creates the store directory. When RocksDB finds a file it cannot read (a flipped
+ * byte in an SST's footer, index or meta block), the directory is repaired (kvdisk_repair)
+ * and opened again: the store starts with what is readable. Returns DI_OK, DI_EINVAL (bad
+ * config; stamp mismatch, with both stamps in the message), DI_EIO/DI_ECORRUPT/DI_ENOSPC from
+ * RocksDB (with its text). *out is written only on success. */
 di_status kvdisk_open(const kvdisk_config *cfg, kvdisk **out, di_error *err);
+/* Repairs the directory with RocksDB's repairer, which sets every file it cannot read aside in
+ * DIR/lost (whole files: their objects are gone, never served) and rebuilds the manifest from
+ * the rest, then reopens it. why (copied) is reported in kvdisk_usage.repair_note. Only while
+ * no other call runs (at open). DI_OK or the repair's or reopen's error. */
+di_status kvdisk_repair(kvdisk *d, const char *why, di_error *err);
 /* Closes the database (flushing nothing beyond what RocksDB does on close). NULL-safe. */
 kvdisk *kvdisk_close(kvdisk *d);
 
@@ -115,6 +122,8 @@ typedef struct kvdisk_usage {
     uint64_t sst_bytes;      /* rocksdb.total-sst-files-size, all families */
     uint64_t live_bytes;     /* rocksdb.estimate-live-data-size */
     uint64_t memtable_bytes; /* rocksdb.cur-size-all-mem-tables */
+    uint64_t files_lost;     /* files set aside as unreadable by repairs since open */
+    const char *repair_note; /* why the last repair ran; "" when none (owned by the tier) */
 } kvdisk_usage;
 void kvdisk_get_usage(kvdisk *d, kvdisk_usage *out);
 

@@ -216,6 +216,7 @@ static void queue_disk_delete(kvidx *idx, kvidx_obj *o)
 {
     assert(o->state == KVIDX_DELETING && o->pins == 0 && o->disk_queue == 0);
     release_slot(idx, o);
+    o->dram_bad = 0;
     o->dram = KVIDX_DRAM_NONE;
     o->qnext = NULL;
     if (idx->q_tail)
@@ -694,6 +695,15 @@ di_status kvidx_lease(kvidx *idx, int cls, const kvkey *key, uint64_t lease_ms, 
     }
     if (o->dram == KVIDX_DRAM_LOADING)
         return di_fail(err, DI_EBUSY, "object is being loaded from disk; retry");
+    if (o->dram_bad) {
+        idx->st.lease_misses++;
+        char hex[65];
+        kvkey_hex(key, hex);
+        return di_fail(err, DI_ENOENT,
+                       "%s %.16s: its DRAM copy was corrupt and is dropped once its readers "
+                       "finish; read again shortly for the disk copy",
+                       kvkey_class_name(cls), hex);
+    }
     uint32_t li = idx->free_head;
     if (li == NO_LEASE)
         return di_fail(err, DI_EFULL, "all %u lease records are in use", idx->cfg.max_leases);
@@ -797,6 +807,10 @@ void kvidx_unpin(kvidx *idx, kvidx_obj *o, uint64_t now)
     assert(o->pins > 0);
     if (--o->pins > 0)
         return;
+    if (o->dram_bad && o->state != KVIDX_DELETING) {
+        release_slot(idx, o);
+        o->dram_bad = 0;
+    }
     if (o->state == KVIDX_DELETING) {
         assert(o->on_disk);
         if (o->disk_queue == 0)
@@ -805,6 +819,32 @@ void kvidx_unpin(kvidx *idx, kvidx_obj *o, uint64_t now)
     }
     if (o->state == KVIDX_SEALED && expired(idx, o, now))
         doom(idx, o, KVIDX_GONE_EXPIRED);
+}
+
+kvidx_obj *kvidx_pin_resident(kvidx *idx, int cls, const kvkey *key, uint64_t now)
+{
+    if (cls < 0 || cls >= (int)KVKEY_CLASS_COUNT || !key)
+        return NULL;
+    kvidx_obj *o = live(idx, find(idx, cls, key), now);
+    if (!o || o->dram != KVIDX_DRAM_RESIDENT)
+        return NULL;
+    o->pins++;
+    return o;
+}
+
+int kvidx_dram_corrupt(kvidx *idx, kvidx_obj *o)
+{
+    assert(o->pins > 0);
+    if (o->state != KVIDX_SEALED || o->dram != KVIDX_DRAM_RESIDENT)
+        return 0;
+    /* Out of DRAM at once (no new lease sees it); the slot stays until the last pin goes. */
+    list_remove(&idx->dram_lru[o->cls], o, DLRU);
+    idx->st.cls[o->cls].dram_objects--;
+    idx->st.cls[o->cls].dram_bytes -= o->bytes;
+    o->dram = KVIDX_DRAM_NONE;
+    o->dram_bad = 1;
+    idx->st.corrupt_dropped++;
+    return 1;
 }
 
 /* ---------------------------------------------------------------- queries */
@@ -1138,6 +1178,8 @@ void kvidx_check(const kvidx *idx)
                 assert(o->has_slot && o->dram == KVIDX_DRAM_NONE);
             if (o->dram != KVIDX_DRAM_NONE)
                 assert(o->has_slot);
+            if (o->dram_bad)
+                assert(o->has_slot && o->dram == KVIDX_DRAM_NONE && o->pins > 0);
         }
     assert(count == idx->n_objects);
     assert(used == idx->st.disk_used);

@@ -87,6 +87,8 @@ struct kvidx_obj {
     uint8_t on_disk;             /* 1 once a disk write may have happened (delete needed) */
     uint8_t has_slot;            /* 1 while a DRAM slot is held */
     uint8_t reason;              /* DELETING: kvidx_reason */
+    uint8_t dram_bad;            /* 1: the DRAM copy failed verification and left DRAM; the
+                                    slot goes with the last pin (readers still hold it) */
     uint32_t pins;               /* leases + store I/O pins */
     uint32_t slot;               /* DRAM slot (valid when has_slot) */
     uint32_t gen;                /* allocation generation, part of the allocation id */
@@ -148,7 +150,8 @@ typedef struct kvidx_stats {
     uint64_t dram_evictions;    /* DRAM copies dropped for room */
     uint64_t disk_evictions;    /* objects removed for disk capacity or by admin evict */
     uint64_t expirations;       /* objects removed by TTL */
-    uint64_t corrupt_dropped;   /* disk copies that failed verification */
+    uint64_t corrupt_dropped;   /* disk copies that failed verification, and DRAM copies
+                                   found corrupt after a reader reported them */
     uint64_t deletes;           /* kvidx_delete */
     uint64_t commits;           /* objects sealed */
     uint64_t commit_failures;   /* commits that failed */
@@ -217,6 +220,14 @@ typedef enum kvidx_load {
 
 /* Ends a load started by kvidx_lease. The lease stays until released. */
 void kvidx_load_done(kvidx *idx, kvidx_obj *obj, kvidx_load result, uint64_t now);
+/* A corrupt DRAM copy (reported by a reader, verified again by the store):
+ * kvidx_pin_resident pins the live object's verified DRAM copy (NULL when there is none);
+ * after checking it outside the lock the store calls kvidx_dram_corrupt if it is bad (the copy
+ * leaves DRAM, counted in corrupt_dropped; the object stays on disk, so the next lease loads
+ * it again; while older leases still hold the slot, new leases get DI_ENOENT), then
+ * kvidx_unpin. kvidx_dram_corrupt returns 0 when the copy had already gone meanwhile. */
+kvidx_obj *kvidx_pin_resident(kvidx *idx, int cls, const kvkey *key, uint64_t now);
+int kvidx_dram_corrupt(kvidx *idx, kvidx_obj *obj);
 /* Ends a lease. DI_OK; DI_ETIMEDOUT when it had already timed out (the slot may have been
  * reused: data read under it must be discarded); DI_ENOENT for an unknown id. */
 di_status kvidx_release(kvidx *idx, uint64_t lease_id, uint64_t now, di_error *err);

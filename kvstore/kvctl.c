@@ -12,6 +12,8 @@
 #include "common/net/kv_client.h"
 #include "common/net/kvstore.pb-c.h"
 #include "common/net/rpc.h"
+#include "common/util/hostport.h"
+#include "common/util/outclose.h"
 #include "kvstore/cli.h"
 #ifdef DI_KVCTL_TOKENIZER
 #include "common/tokenizer/tokenizer.h"
@@ -38,10 +40,24 @@ typedef struct sopts {
     int all;                 /* evict: every object of the classes */
 } sopts;
 
+/* A subcommand's arguments, checked before the store is called (bad ones exit 2 without a
+ * connection). */
+typedef struct args {
+    int set;                 /* ttl, capacity: "set" rather than "get" */
+    int cls;                 /* ttl set: the class */
+    int tier;                /* capacity set: DI__KVSTORE__TIER__DRAM or __DISK */
+    uint64_t value;          /* ttl set: ms; capacity set: bytes */
+    unsigned mask;           /* evict: classes */
+    kvkey *keys;             /* evict: the keys given (malloc'd) */
+    int32_t *ids;            /* inspect: the prompt's token ids (malloc'd) */
+    size_t n_ids;
+} args;
+
 /* What a subcommand gets. */
 typedef struct ctl {
     gopts g;
     sopts s;
+    args a;
     kvc_client *c;
     int argc;                /* positional arguments after the subcommand */
     char **argv;
@@ -49,14 +65,15 @@ typedef struct ctl {
 
 #define G(f) offsetof(gopts, f)
 static const kvcli_opt global_rows[] = {
-    {"target", KVCLI_STRING, G(target), "127.0.0.1:9470", 0, 0, "HOST:PORT",
+    {"target", KVCLI_ADDR, G(target), "127.0.0.1:9470", 0, 0, "HOST:PORT",
      "the store (or $DI_KVSTORE_TARGET)"},
     {"admin-token-file", KVCLI_STRING, G(token_file), NULL, 0, 0, "FILE",
      "admin token (or $DI_KVSTORE_ADMIN_TOKEN)"},
     {"tls-ca", KVCLI_STRING, G(tls_ca), NULL, 0, 0, "FILE", "CA of the store's certificate"},
     {"tls-name", KVCLI_STRING, G(tls_name), NULL, 0, 0, "NAME", "name on the store's certificate"},
     {"json", KVCLI_FLAG, G(json), NULL, 0, 0, NULL, "print JSON instead of tables"},
-    {"deadline", KVCLI_DURATION, G(deadline_ms), "10s", 1, 0, "DUR", "deadline of each call"},
+    {"deadline", KVCLI_DURATION, G(deadline_ms), "10s", 1, 86400000, "DUR",
+     "deadline of each call (at most 1d)"},
 };
 #define S(f) offsetof(sopts, f)
 static const kvcli_opt sub_rows[] = {
@@ -184,6 +201,8 @@ static json_t *stats_json(const Di__Kvstore__StatsReply *r)
                              "durability", r->durability, "store_id", id, "model_id", mid);
     json_object_update(j, rest);
     json_decref(rest);
+    json_object_set_new(j, "disk_files_lost", json_integer((json_int_t)r->disk_files_lost));
+    json_object_set_new(j, "disk_meta_bad", json_integer((json_int_t)r->disk_meta_bad));
     return j;
 }
 
@@ -225,6 +244,10 @@ static void stats_table(const Di__Kvstore__StatsReply *r)
            count_str(r->dram_evictions, a), count_str(r->disk_evictions, b),
            count_str(r->expirations, c), count_str(r->corrupt_dropped, d),
            count_str(r->deletes, e));
+    if (r->disk_files_lost || r->disk_meta_bad)
+        printf("unreadable   RocksDB files set aside at start %s (in the data directory's lost/)"
+               "   meta records dropped %s\n",
+               count_str(r->disk_files_lost, a), count_str(r->disk_meta_bad, b));
     printf("writes       commits %s   failed %s   allocations reclaimed %s   disk reads %s\n",
            count_str(r->commits, a), count_str(r->commit_failures, b),
            count_str(r->alloc_reclaimed, c), count_str(r->promotions, d));
@@ -270,28 +293,42 @@ static void print_ttls(const ctl *x, const Di__Kvstore__TtlReply *r)
     }
 }
 
+/* A usage error: one line, exit status 2. */
+static int usage_error(const char *what, const char *msg)
+{
+    fprintf(stderr, "di-kvctl: %s: %s\n", what, msg);
+    return 2;
+}
+
+static int check_ttl(ctl *x)
+{
+    x->a.set = x->argc >= 1 && strcmp(x->argv[0], "set") == 0;
+    if (x->argc < 1 || (!x->a.set && strcmp(x->argv[0], "get") != 0) ||
+        (x->a.set && x->argc != 3) || (!x->a.set && x->argc != 1))
+        return usage_error("usage", "ttl get | ttl set CLASS DURATION (e.g. ttl set handoff "
+                                    "90s; 0 = never)");
+    if (!x->a.set)
+        return 0;
+    x->a.cls = kvkey_class_parse(x->argv[1]);
+    if (x->a.cls < 0) {
+        fprintf(stderr, "di-kvctl: ttl set: unknown class \"%s\" (block, window, handoff)\n",
+                x->argv[1]);
+        return 2;
+    }
+    di_error e;
+    if (kvcli_parse_duration(x->argv[2], &x->a.value, &e) != DI_OK)
+        return usage_error("ttl set", e.msg);
+    return 0;
+}
+
 static int cmd_ttl(ctl *x)
 {
     Di__Kvstore__TtlRequest req = DI__KVSTORE__TTL_REQUEST__INIT;
     di_error e;
-    int set = x->argc >= 1 && strcmp(x->argv[0], "set") == 0;
-    if (x->argc < 1 || (!set && strcmp(x->argv[0], "get") != 0) || (set && x->argc != 3) ||
-        (!set && x->argc != 1)) {
-        fprintf(stderr, "di-kvctl: usage: ttl get | ttl set CLASS DURATION (e.g. ttl set "
-                        "handoff 90s; 0 = never)\n");
-        return 2;
-    }
-    if (set) {
-        int cls = kvkey_class_parse(x->argv[1]);
-        if (cls < 0) {
-            fprintf(stderr, "di-kvctl: ttl set: unknown class \"%s\" (block, window, handoff)\n",
-                    x->argv[1]);
-            return 2;
-        }
-        if (kvcli_parse_duration(x->argv[2], &req.ttl_ms, &e) != DI_OK)
-            return fail("ttl set", &e);
+    if (x->a.set) {
         req.set = 1;
-        req.cls = (Di__Kvstore__ObjClass)cls;
+        req.cls = (Di__Kvstore__ObjClass)x->a.cls;
+        req.ttl_ms = x->a.value;
     }
     Di__Kvstore__TtlReply *r;
     if (call(x, "Ttl", &req.base, &di__kvstore__ttl_reply__descriptor, (ProtobufCMessage **)&r,
@@ -302,24 +339,33 @@ static int cmd_ttl(ctl *x)
     return 0;
 }
 
+static int check_capacity(ctl *x)
+{
+    int set = x->argc >= 1 && strcmp(x->argv[0], "set") == 0;
+    if (x->argc < 1 || (!set && strcmp(x->argv[0], "get") != 0) || (set && x->argc != 3) ||
+        (!set && x->argc != 1) || (set && strcmp(x->argv[1], "dram") != 0 &&
+                                   strcmp(x->argv[1], "disk") != 0))
+        return usage_error("usage", "capacity get | capacity set dram|disk SIZE (e.g. "
+                                    "capacity set dram 512MiB)");
+    x->a.set = set;
+    if (!set)
+        return 0;
+    di_error e;
+    if (kvcli_parse_size(x->argv[2], &x->a.value, &e) != DI_OK)
+        return usage_error("capacity set", e.msg);
+    x->a.tier = strcmp(x->argv[1], "dram") == 0 ? DI__KVSTORE__TIER__DRAM
+                                                : DI__KVSTORE__TIER__DISK;
+    return 0;
+}
+
 static int cmd_capacity(ctl *x)
 {
     Di__Kvstore__CapacityRequest req = DI__KVSTORE__CAPACITY_REQUEST__INIT;
     di_error e;
-    int set = x->argc >= 1 && strcmp(x->argv[0], "set") == 0;
-    if (x->argc < 1 || (!set && strcmp(x->argv[0], "get") != 0) || (set && x->argc != 3) ||
-        (!set && x->argc != 1) || (set && strcmp(x->argv[1], "dram") != 0 &&
-                                   strcmp(x->argv[1], "disk") != 0)) {
-        fprintf(stderr, "di-kvctl: usage: capacity get | capacity set dram|disk SIZE (e.g. "
-                        "capacity set dram 512MiB)\n");
-        return 2;
-    }
-    if (set) {
-        if (kvcli_parse_size(x->argv[2], &req.bytes, &e) != DI_OK)
-            return fail("capacity set", &e);
+    if (x->a.set) {
         req.set = 1;
-        req.tier = strcmp(x->argv[1], "dram") == 0 ? DI__KVSTORE__TIER__DRAM
-                                                   : DI__KVSTORE__TIER__DISK;
+        req.bytes = x->a.value;
+        req.tier = (Di__Kvstore__Tier)x->a.tier;
     }
     Di__Kvstore__CapacityReply *r;
     if (call(x, "Capacity", &req.base, &di__kvstore__capacity_reply__descriptor,
@@ -544,20 +590,22 @@ static void inspect_print(const ctl *x, const Di__Kvstore__InspectReply *r, cons
         printf("no window state inside it (a hit needs replay from the start)\n");
 }
 
+static int check_inspect(ctl *x)
+{
+    di_error e;
+    if (read_tokens(x, &x->a.ids, &x->a.n_ids, &e) != DI_OK)
+        return usage_error("inspect", e.msg);
+    return 0;
+}
+
 static int cmd_inspect(ctl *x)
 {
     di_error e;
-    int32_t *ids;
-    size_t n;
-    if (read_tokens(x, &ids, &n, &e) != DI_OK) {
-        fprintf(stderr, "di-kvctl: inspect: %s\n", e.msg);
-        return 2;
-    }
+    const int32_t *ids = x->a.ids;
+    size_t n = x->a.n_ids;
     kvc_store_info info;
-    if (kvc_info(x->c, &info, &e) != DI_OK) {
-        free(ids);
+    if (kvc_info(x->c, &info, &e) != DI_OK)
         return fail("inspect", &e);
-    }
     size_t max = n / 128 + 1, m = 0;
     kvkey *keys = malloc(max * sizeof(*keys));
     ProtobufCBinaryData *b = malloc(max * sizeof(*b));
@@ -582,7 +630,6 @@ static int cmd_inspect(ctl *x)
         inspect_print(x, r, keys, n, m);
     if (r)
         di__kvstore__inspect_reply__free_unpacked(r, NULL);
-    free(ids);
     free(keys);
     free(b);
     return st == DI_OK ? 0 : fail("inspect", &e);
@@ -608,28 +655,38 @@ static int parse_classes(const char *list, unsigned *mask)
     return *mask ? 0 : -1;
 }
 
+static int check_evict(ctl *x)
+{
+    if (parse_classes(x->s.cls, &x->a.mask) != 0 || (x->s.all == (x->argc > 0)))
+        return usage_error("usage", "evict [--class block,window,handoff] [--dram-only] "
+                                    "(--all | KEY...)  (KEY: 64 hex digits)");
+    size_t n = (size_t)x->argc;
+    x->a.keys = calloc(n ? n : 1, sizeof(*x->a.keys));
+    if (!x->a.keys)
+        return usage_error("evict", "out of memory");
+    di_error e;
+    for (size_t i = 0; i < n; i++)
+        if (kvkey_parse_hex(x->argv[i], &x->a.keys[i], &e) != DI_OK)
+            return usage_error("evict", e.msg);
+    return 0;
+}
+
 static int cmd_evict(ctl *x)
 {
-    unsigned mask;
-    if (parse_classes(x->s.cls, &mask) != 0 || (x->s.all == (x->argc > 0))) {
-        fprintf(stderr, "di-kvctl: usage: evict [--class block,window,handoff] [--dram-only] "
-                        "(--all | KEY...)  (KEY: 64 hex digits)\n");
-        return 2;
-    }
+    unsigned mask = x->a.mask;
     Di__Kvstore__EvictRequest req = DI__KVSTORE__EVICT_REQUEST__INIT;
     req.class_mask = mask;
     req.dram_only = x->s.dram_only;
     size_t n = (size_t)x->argc;
     Di__Kvstore__ObjRef *refs = calloc(n ? n : 1, sizeof(*refs));
     Di__Kvstore__ObjRef **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
-    kvkey *keys = calloc(n ? n : 1, sizeof(*keys));
+    kvkey *keys = x->a.keys;
     di_error e;
-    di_status st = refs && ptrs && keys ? DI_OK : di_fail(&e, DI_ENOMEM, "out of memory");
+    di_status st = refs && ptrs ? DI_OK : di_fail(&e, DI_ENOMEM, "out of memory");
     int cls = 0;
     while (!(mask & (1u << cls)))
         cls++;
     for (size_t i = 0; st == DI_OK && i < n; i++) {
-        st = kvkey_parse_hex(x->argv[i], &keys[i], &e);
         di__kvstore__obj_ref__init(&refs[i]);
         refs[i].cls = (Di__Kvstore__ObjClass)cls;
         refs[i].key = (ProtobufCBinaryData){KVKEY_BYTES, keys[i].b};
@@ -653,7 +710,6 @@ static int cmd_evict(ctl *x)
     }
     free(refs);
     free(ptrs);
-    free(keys);
     return st == DI_OK ? 0 : fail("evict", &e);
 }
 
@@ -683,22 +739,24 @@ static int cmd_compact(ctl *x)
 
 typedef struct subcommand {
     const char *name;        /* as typed */
+    int (*check)(ctl *x);    /* arguments into x->a before connecting: 0, or 2 (printed);
+                                NULL: takes none */
     int (*run)(ctl *x);      /* exit status */
     const char *usage;       /* arguments */
     const char *help;        /* one line */
 } subcommand;
 
 static const subcommand subcommands[] = {
-    {"stats", cmd_stats, "",
+    {"stats", NULL, cmd_stats, "",
      "objects, bytes and capacity per tier, hit rate, evictions, expirations, transfer rates"},
-    {"ttl", cmd_ttl, "get | set CLASS DUR", "show or change a class's TTL (applies at once)"},
-    {"capacity", cmd_capacity, "get | set dram|disk SIZE",
+    {"ttl", check_ttl, cmd_ttl, "get | set CLASS DUR", "show or change a class's TTL (applies at once)"},
+    {"capacity", check_capacity, cmd_capacity, "get | set dram|disk SIZE",
      "show or change a tier's capacity (lowering evicts)"},
-    {"inspect", cmd_inspect, "FILE | --ids 1,2,3 | --text FILE",
+    {"inspect", check_inspect, cmd_inspect, "FILE | --ids 1,2,3 | --text FILE",
      "which blocks and window states of a prompt are cached, and when they expire"},
-    {"evict", cmd_evict, "[--class LIST] [--dram-only] (--all | KEY...)",
+    {"evict", check_evict, cmd_evict, "[--class LIST] [--dram-only] (--all | KEY...)",
      "remove unleased objects (or only their DRAM copies)"},
-    {"compact", cmd_compact, "", "remove expired objects now and compact RocksDB"},
+    {"compact", NULL, cmd_compact, "", "remove expired objects now and compact RocksDB"},
 };
 #define N_SUB (sizeof(subcommands) / sizeof(subcommands[0]))
 
@@ -753,10 +811,15 @@ int main(int argc, char **argv)
     }
     if (help || next >= argc) {
         usage(help ? stdout : stderr);
-        return help ? 0 : 2;
+        return help ? di_close_stdout("di-kvctl", 0) : 2;
     }
-    if (env_target && strcmp(x.g.target, "127.0.0.1:9470") == 0)
+    if (env_target && strcmp(x.g.target, "127.0.0.1:9470") == 0) {
+        if (di_hostport_parse(env_target, false, NULL, &e) != DI_OK) {
+            fprintf(stderr, "di-kvctl: $DI_KVSTORE_TARGET: %s\n", e.msg);
+            return 2;
+        }
         x.g.target = env_target;
+    }
     const subcommand *sub = NULL;
     for (size_t i = 0; i < N_SUB; i++)
         if (strcmp(argv[next], subcommands[i].name) == 0)
@@ -783,17 +846,21 @@ int main(int argc, char **argv)
     if (help) {
         printf("usage: di-kvctl %s %s\n  %s\n", sub->name, sub->usage, sub->help);
         free(pos);
-        return 0;
+        return di_close_stdout("di-kvctl", 0);
     }
     x.argc = np;
     x.argv = pos;
     char *token = NULL, *ca = NULL;
-    int rc = open_client(&x, &token, &ca);
+    int rc = sub->check ? sub->check(&x) : 0;
+    if (rc == 0)
+        rc = open_client(&x, &token, &ca);
     if (rc == 0)
         rc = sub->run(&x);
     kvc_close(x.c);
+    free(x.a.keys);
+    free(x.a.ids);
     free(token);
     free(ca);
     free(pos);
-    return rc;
+    return di_close_stdout("di-kvctl", rc);
 }

@@ -10,15 +10,20 @@
 #include <unistd.h>
 
 #include "common/model/config.h"
+#include "common/model/shard_sums.h"
 #include "common/net/rpc.h"
+#include "common/util/clock.h"
 #include "common/net/ucx_xport.h"
+#include "common/util/machine.h"
+#include "common/service/service.h"
+#include "common/util/clock.h"
 #include "kvstore/cli.h"
 #include "kvstore/service.h"
 #include "kvstore/store.h"
 
 /* Everything the command line sets. */
 typedef struct options {
-    const char *listen;          /* gRPC address */
+    svc_base_opts base;          /* --listen, --port-file, --ready-fd, --log-level, --drain */
     const char *dir;             /* RocksDB directory */
     const char *durability;      /* none | wal | fsync */
     uint64_t dram_bytes;         /* DRAM tier arena and initial capacity */
@@ -27,6 +32,8 @@ typedef struct options {
     double handoff_share;        /* DRAM fraction for handoffs */
     const char *geometry;        /* named geometry */
     const char *model_config;    /* model config file (not in this build) */
+    const char *model_dir;       /* checkpoint: config.json and checksum manifest */
+    const char *yoco;            /* YOCO mode of the engines (part of the KV id) */
     uint64_t nextn;              /* drafts per step: sets the ring size of window states */
     uint64_t block_bytes;        /* override; 0 = from the geometry */
     uint64_t window_bytes;       /* override; 0 = from the geometry */
@@ -39,115 +46,114 @@ typedef struct options {
     uint64_t alloc_timeout_ms;
     uint64_t max_leases;
     uint64_t max_objects;
-    const char *token_file;
-    const char *admin_token_file;
+    char *engine_token;          /* --token-file or $DI_KVSTORE_TOKEN (owned by the table) */
+    char *admin_token;           /* --admin-token-file or $DI_KVSTORE_ADMIN_TOKEN */
     const char *tls_cert;
     const char *tls_key;
     const char *tls_client_ca;
     uint64_t threads;
-    const char *port_file;
-    int64_t ready_fd;
-    const char *log_level;
     const char *rocksdb_log_dir;
     uint64_t memtable_bytes;
 } options;
 
 #define O(f) offsetof(options, f)
-/* name, kind, offset, default, min, max, metavar, help */
-static const kvcli_opt option_rows[] = {
-    {"listen", KVCLI_STRING, O(listen), "127.0.0.1:9470", 0, 0, "ADDR",
-     "gRPC address (port 0 picks a free one; see --port-file)"},
-    {"dir", KVCLI_STRING, O(dir), "./kvstore-data", 0, 0, "PATH", "RocksDB directory"},
-    {"durability", KVCLI_STRING, O(durability), "wal", 0, 0, "LEVEL",
-     "none | wal | fsync: when a commit is acknowledged (below)"},
-    {"dram-bytes", KVCLI_SIZE, O(dram_bytes), "1GiB", 1 << 20, 0, "SIZE",
-     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it)"},
-    {"disk-bytes", KVCLI_SIZE, O(disk_bytes), "64GiB", 4096, 0, "SIZE",
-     "disk tier capacity in object bytes"},
-    {"dram-window-share", KVCLI_DOUBLE, O(window_share), "0.25", 0.001, 0.9, "F",
-     "fraction of the DRAM tier for window states"},
-    {"dram-handoff-share", KVCLI_DOUBLE, O(handoff_share), "0.05", 0.001, 0.9, "F",
-     "fraction of the DRAM tier for handoffs (blocks get the rest)"},
-    {"geometry", KVCLI_STRING, O(geometry), "v41-flash", 0, 0, "NAME",
-     "KV geometry and model id of a shipped model config (v41-flash, tiny, ...)"},
-    {"model-config", KVCLI_STRING, O(model_config), NULL, 0, 0, "FILE",
-     "take the KV geometry and model id from this config.json (or its directory)"},
-    {"nextn", KVCLI_UINT, O(nextn), "5", 0, 16, "N", "drafts per step (ring size of windows)"},
-    {"block-bytes", KVCLI_SIZE, O(block_bytes), NULL, 0, 0, "N",
-     "override the block object size (small test configs)"},
-    {"window-bytes", KVCLI_SIZE, O(window_bytes), NULL, 0, 0, "N",
-     "override the window-state object size"},
-    {"handoff-max-bytes", KVCLI_SIZE, O(handoff_max_bytes), NULL, 0, 0, "N",
-     "largest handoff object [block + window]"},
-    {"ttl-block", KVCLI_DURATION, O(ttl_block_ms), "3d", 0, 0, "DUR",
-     "cache TTL of blocks, refreshed on every hit (0 = never)"},
-    {"ttl-window", KVCLI_DURATION, O(ttl_window_ms), "3d", 0, 0, "DUR",
-     "cache TTL of window states"},
-    {"ttl-handoff", KVCLI_DURATION, O(ttl_handoff_ms), "60s", 0, 0, "DUR", "TTL of handoffs"},
-    {"lease", KVCLI_DURATION, O(lease_ms), "10s", 1, 0, "DUR",
-     "lease given when a client asks for none"},
-    {"lease-max", KVCLI_DURATION, O(lease_max_ms), "60s", 1, 0, "DUR",
-     "longest lease; a lease whose client died ends after it"},
-    {"alloc-timeout", KVCLI_DURATION, O(alloc_timeout_ms), "30s", 1, 0, "DUR",
-     "an allocation not committed by then is reclaimed"},
-    {"max-leases", KVCLI_UINT, O(max_leases), "65536", 16, 16777216, "N", "lease records"},
-    {"max-objects", KVCLI_UINT, O(max_objects), "4000000", 16, 4e9, "N",
-     "objects in the index (about 200 bytes of memory each)"},
-    {"token-file", KVCLI_STRING, O(token_file), NULL, 0, 0, "FILE",
-     "engine token (or $DI_KVSTORE_TOKEN); without one: loopback only"},
-    {"admin-token-file", KVCLI_STRING, O(admin_token_file), NULL, 0, 0, "FILE",
-     "admin token for di-kvctl (or $DI_KVSTORE_ADMIN_TOKEN)"},
-    {"tls-cert", KVCLI_STRING, O(tls_cert), NULL, 0, 0, "FILE", "TLS certificate chain (PEM)"},
-    {"tls-key", KVCLI_STRING, O(tls_key), NULL, 0, 0, "FILE", "TLS private key (PEM)"},
-    {"tls-client-ca", KVCLI_STRING, O(tls_client_ca), NULL, 0, 0, "FILE",
-     "require client certificates signed by this CA"},
-    {"threads", KVCLI_UINT, O(threads), "4", 1, 64, "N", "gRPC worker threads"},
-    {"port-file", KVCLI_STRING, O(port_file), NULL, 0, 0, "FILE",
-     "write the bound port here once serving"},
-    {"ready-fd", KVCLI_INT, O(ready_fd), "-1", -1, 1 << 20, "FD",
-     "write the bound port and a newline to this fd once serving"},
-    {"log-level", KVCLI_STRING, O(log_level), "info", 0, 0, "LEVEL",
-     "error | warn | info | debug"},
-    {"rocksdb-log-dir", KVCLI_STRING, O(rocksdb_log_dir), NULL, 0, 0, "DIR",
-     "RocksDB's own LOG at info level (keep it off the data disk)"},
-    {"memtable-bytes", KVCLI_SIZE, O(memtable_bytes), "64MiB", 1 << 20, 0, "SIZE",
-     "RocksDB write buffer per object class"},
+/* name, kind, offset, default, min, max, metavar, help, choices or environment variable */
+static const svc_opt option_rows[] = {
+    SVC_BASE_ROWS(options, base, "127.0.0.1:9470", "5s"),
+    {"dir", SVC_OPT_STRING, O(dir), "./kvstore-data", 0, 0, "PATH", "RocksDB directory", NULL},
+    {"durability", SVC_OPT_CHOICE, O(durability), "wal", 0, 0, "LEVEL",
+     "when a commit is acknowledged (below)", "none|wal|fsync"},
+    {"dram-bytes", SVC_OPT_SIZE, O(dram_bytes), "1GiB", 1 << 20, 0, "SIZE",
+     "DRAM tier: UCX-mapped arena, also its capacity (capacity set can lower it); at most "
+     "the physical memory, with the memtables and the index", NULL},
+    {"disk-bytes", SVC_OPT_SIZE, O(disk_bytes), "64GiB", 4096, 0, "SIZE",
+     "disk tier capacity in object bytes (a warning when above the free space of --dir)", NULL},
+    {"dram-window-share", SVC_OPT_DOUBLE, O(window_share), "0.25", 0.001, 0.9, "F",
+     "fraction of the DRAM tier for window states", NULL},
+    {"dram-handoff-share", SVC_OPT_DOUBLE, O(handoff_share), "0.05", 0.001, 0.9, "F",
+     "fraction of the DRAM tier for handoffs (blocks get the rest)", NULL},
+    {"geometry", SVC_OPT_STRING, O(geometry), "v41-flash", 0, 0, "NAME",
+     "KV geometry and model id of a shipped model config (v41-flash, tiny, ...)", NULL},
+    {"model-config", SVC_OPT_STRING, O(model_config), NULL, 0, 0, "FILE",
+     "take the KV geometry and a config-only model id from this config.json (or its directory)",
+     NULL},
+    {"model", SVC_OPT_STRING, O(model_dir), NULL, 0, 0, "DIR",
+     "the checkpoint the engines load: KV geometry and model id (config and weights) from its "
+     "config.json and checksum manifest (no shard is read); engines connect only to a store "
+     "started this way, as --geometry and --model-config ids cover no weights", NULL},
+    {"yoco", SVC_OPT_STRING, O(yoco), "compact", 0, 0, "MODE",
+     "YOCO mode of the engines, part of the KV id: compact (every engine's default) or mask", NULL},
+    {"nextn", SVC_OPT_UINT, O(nextn), "5", 0, 16, "N",
+     "drafts per step (ring size of windows)", NULL},
+    {"block-bytes", SVC_OPT_SIZE, O(block_bytes), NULL, 0, 0, "N",
+     "override the block object size (small test configs)", NULL},
+    {"window-bytes", SVC_OPT_SIZE, O(window_bytes), NULL, 0, 0, "N",
+     "override the window-state object size", NULL},
+    {"handoff-max-bytes", SVC_OPT_SIZE, O(handoff_max_bytes), NULL, 0, 0, "N",
+     "largest handoff object [block + window]", NULL},
+    {"ttl-block", SVC_OPT_DURATION, O(ttl_block_ms), "3d", 0, 0, "DUR",
+     "cache TTL of blocks, refreshed on every hit (0 = never)", NULL},
+    {"ttl-window", SVC_OPT_DURATION, O(ttl_window_ms), "3d", 0, 0, "DUR",
+     "cache TTL of window states", NULL},
+    {"ttl-handoff", SVC_OPT_DURATION, O(ttl_handoff_ms), "60s", 0, 0, "DUR",
+     "TTL of handoffs", NULL},
+    {"lease", SVC_OPT_DURATION, O(lease_ms), "10s", 1, 86400000, "DUR",
+     "lease given when a client asks for none (at most 1d)", NULL},
+    {"lease-max", SVC_OPT_DURATION, O(lease_max_ms), "60s", 1, 86400000, "DUR",
+     "longest lease (at most 1d); a lease whose client died ends after it", NULL},
+    {"alloc-timeout", SVC_OPT_DURATION, O(alloc_timeout_ms), "30s", 1, 0, "DUR",
+     "an allocation not committed by then is reclaimed", NULL},
+    {"max-leases", SVC_OPT_UINT, O(max_leases), "65536", 16, 16777216, "N", "lease records", NULL},
+    {"max-objects", SVC_OPT_UINT, O(max_objects), "4000000", 16, 4e9, "N",
+     "objects in the index (about 200 bytes of memory each)", NULL},
+    {"token-file", SVC_OPT_SECRET, O(engine_token), NULL, 0, 0, "FILE",
+     "engine token; without one: loopback only", "DI_KVSTORE_TOKEN"},
+    {"admin-token-file", SVC_OPT_SECRET, O(admin_token), NULL, 0, 0, "FILE",
+     "admin token for di-kvctl", "DI_KVSTORE_ADMIN_TOKEN"},
+    {"tls-cert", SVC_OPT_STRING, O(tls_cert), NULL, 0, 0, "FILE",
+     "TLS certificate chain (PEM)", NULL},
+    {"tls-key", SVC_OPT_STRING, O(tls_key), NULL, 0, 0, "FILE", "TLS private key (PEM)", NULL},
+    {"tls-client-ca", SVC_OPT_STRING, O(tls_client_ca), NULL, 0, 0, "FILE",
+     "require client certificates signed by this CA", NULL},
+    {"threads", SVC_OPT_UINT, O(threads), "4", 1, 64, "N", "gRPC worker threads", NULL},
+    {"rocksdb-log-dir", SVC_OPT_STRING, O(rocksdb_log_dir), NULL, 0, 0, "DIR",
+     "RocksDB's own LOG at info level (keep it off the data disk)", NULL},
+    {"memtable-bytes", SVC_OPT_SIZE, O(memtable_bytes), "64MiB", 1 << 20, 0, "SIZE",
+     "RocksDB write buffer per object class", NULL},
 };
 #define N_OPTIONS (sizeof(option_rows) / sizeof(option_rows[0]))
 
-static void usage(FILE *f)
-{
-    fprintf(f,
-            "usage: di-kvstore [options]\n\n"
-            "The shared KV store: 128-token KV blocks, window states and prefill->decode\n"
-            "handoffs keyed by hash chain, in a UCX-mapped DRAM tier (clients move bytes with\n"
-            "one-sided UCX gets and puts) over a RocksDB tier on disk. Control API over gRPC\n"
-            "(di.kvstore.KvStore); administration with di-kvctl. Stops cleanly on SIGTERM or\n"
-            "SIGINT.\n\noptions:\n");
-    kvcli_print_options(f, option_rows, N_OPTIONS);
-    fprintf(f,
-            "\ndurability (when a put is acknowledged, and what survives):\n"
-            "  none   acknowledged once in RocksDB's memtable, WAL off. A kill -9 or a power\n"
-            "         loss loses every object not yet flushed to an SST file (up to\n"
-            "         --memtable-bytes per class). A clean stop keeps everything.\n"
-            "  wal    acknowledged once written to RocksDB's write-ahead log (in the OS page\n"
-            "         cache). Survives kill -9 of the store; a power loss or kernel crash may\n"
-            "         lose the last acknowledged objects (the rest stays consistent).\n"
-            "  fsync  acknowledged once the WAL is written and fdatasync'ed. Survives kill -9\n"
-            "         and power loss, as far as the disk honours flushes.\n"
-            "  In every mode an object is either complete and verified or absent after a\n"
-            "  crash: a half-written put is never visible. The DRAM tier starts empty after a\n"
-            "  restart and objects are read back from disk on first use.\n"
-            "\nauth: engines send the --token-file token, di-kvctl the --admin-token-file token\n"
-            "(\"authorization: Bearer ...\"). Without tokens the store refuses to listen on a\n"
-            "non-loopback address. TLS when --tls-cert and --tls-key are given.\n");
-}
+/* What --help says before and after the option rows. */
+static const char summary[] =
+    "The shared KV store: 128-token KV blocks, window states and prefill->decode\n"
+    "handoffs keyed by hash chain, in a UCX-mapped DRAM tier (clients move bytes with\n"
+    "one-sided UCX gets and puts) over a RocksDB tier on disk. Control API over gRPC\n"
+    "(di.kvstore.KvStore); administration with di-kvctl. Stops cleanly on SIGTERM or\n"
+    "SIGINT (also SIGHUP and SIGQUIT). Exit status: 0 stopped cleanly, 1 failed, 2 bad\n"
+    "usage or a size this machine cannot hold.";
+
+static const char epilog[] =
+    "\ndurability (when a put is acknowledged, and what survives):\n"
+    "  none   acknowledged once in RocksDB's memtable, WAL off. A kill -9 or a power\n"
+    "         loss loses every object not yet flushed to an SST file (up to\n"
+    "         --memtable-bytes per class). A clean stop keeps everything.\n"
+    "  wal    acknowledged once written to RocksDB's write-ahead log (in the OS page\n"
+    "         cache). Survives kill -9 of the store; a power loss or kernel crash may\n"
+    "         lose the last acknowledged objects (the rest stays consistent).\n"
+    "  fsync  acknowledged once the WAL is written and fdatasync'ed. Survives kill -9\n"
+    "         and power loss, as far as the disk honours flushes.\n"
+    "  In every mode an object is either complete and verified or absent after a\n"
+    "  crash: a half-written put is never visible. The DRAM tier starts empty after a\n"
+    "  restart and objects are read back from disk on first use.\n"
+    "\nauth: engines send the --token-file token, di-kvctl the --admin-token-file token\n"
+    "(\"authorization: Bearer ...\"). Without tokens the store refuses to listen on a\n"
+    "non-loopback address. TLS when --tls-cert and --tls-key are given.\n";
 
 /* Process-wide state of the binary (main.c only). */
 typedef struct app {
     options o;
     di_logger log;
-    char *engine_token, *admin_token;
+    int durability;              /* kvdisk durability of --durability */
     char *tls_cert, *tls_key, *tls_ca;
     kv_geometry geometry;
     uint64_t object_bytes[KVKEY_CLASS_COUNT];
@@ -158,26 +164,79 @@ typedef struct app {
     rpc_server *server;
     void *worker_addr, *rkey;
     size_t worker_addr_len, rkey_len;
+    di_log_limit rpc_warn, rpc_error; /* failed calls: 5 lines per 10 s at each level */
 } app;
 
-static int loopback(const char *listen)
+/* Bytes of memory the options commit: the arena, a memtable per class, and the index
+ * (about 200 bytes per object). */
+static uint64_t memory_needed(const options *o)
 {
-    return strncmp(listen, "127.", 4) == 0 || strncmp(listen, "localhost:", 10) == 0 ||
-           strncmp(listen, "[::1]:", 6) == 0;
+    return o->dram_bytes + KVKEY_CLASS_COUNT * o->memtable_bytes + o->max_objects * 200;
+}
+
+/* Sizes against this machine, before anything is allocated: the DRAM tier and what goes with
+ * it must fit in physical memory (a store past it is killed by the kernel mid-run); a disk tier
+ * above the free space of --dir works until the disk is full, so it is only a warning. */
+static di_status check_machine(app *a, di_error *err)
+{
+    di_status st = di_machine_check_memory("--dram-bytes", a->o.dram_bytes, err);
+    if (st == DI_OK)
+        st = di_machine_check_memory("--memtable-bytes", a->o.memtable_bytes, err);
+    if (st == DI_OK) /* each term is bounded now: the sum cannot overflow */
+        st = di_machine_check_memory("--dram-bytes with the memtables (--memtable-bytes) and "
+                                     "the index (--max-objects)",
+                                     memory_needed(&a->o), err);
+    if (st != DI_OK)
+        return st;
+    uint64_t free_bytes;
+    di_error e;
+    if (di_machine_free_bytes(a->o.dir, &free_bytes, &e) == DI_OK &&
+        free_bytes < a->o.disk_bytes) {
+        char want[32], have[32];
+        di_machine_format_bytes(a->o.disk_bytes, want, sizeof(want));
+        di_machine_format_bytes(free_bytes, have, sizeof(have));
+        di_log(&a->log, DI_LOG_WARN,
+               "--disk-bytes %s is above the %s free on %s: writes will fail once the disk is "
+               "full (ignoring)",
+               want, have, a->o.dir);
+    }
+    return DI_OK;
 }
 
 static di_status load_geometry(app *a, di_error *err)
 {
-    /* A model config file wins over a shipped name; both go through the config parser, so the
-     * model id (the KV fingerprint) is the one the engines compute. */
-    const char *src = a->o.model_config ? a->o.model_config : a->o.geometry;
+    /* A checkpoint wins over a config file, which wins over a shipped name; all go through the
+     * config parser. Only a checkpoint's manifest gives the model id the engines compute (it
+     * covers the weights); the other two give a config-only id, for benchmarks. */
+    uint32_t yoco = KV_YOCO_DEFAULT;
+    while (yoco <= KV_YOCO_MASK && strcmp(kv_yoco_name(yoco), a->o.yoco) != 0)
+        yoco++;
+    if (yoco == KV_YOCO_OFF || yoco > KV_YOCO_MASK)
+        return di_fail(err, DI_EINVAL, "--yoco '%s': expected compact or mask (a store hit is "
+                       "exact only with a truncated prefill)", a->o.yoco);
+    if (a->o.model_dir && a->o.model_config)
+        return di_fail(err, DI_EINVAL, "--model and --model-config exclude each other");
+    const char *src = a->o.model_dir      ? a->o.model_dir
+                      : a->o.model_config ? a->o.model_config
+                                          : a->o.geometry;
+    const char *what = a->o.model_dir ? "--model" : a->o.model_config ? "--model-config"
+                                                                      : "--geometry";
     model_config cfg;
+    uint8_t weights[DI_SHA256_BYTES];
     di_status st = model_config_resolve(src, &cfg, err);
+    if (st == DI_OK && a->o.model_dir) {
+        st = shard_sums_read_fingerprint(a->o.model_dir, weights, err);
+        if (st == DI_ENOENT)
+            di_error_prefix(err, "no checksum manifest (write one with di-mkmodel --manifest "
+                            "DIR): ");
+        if (st == DI_OK)
+            cfg.model_id = model_config_id_with_weights(&cfg, weights);
+    }
     if (st != DI_OK) {
-        di_error_prefix(err, "%s %s: ", a->o.model_config ? "--model-config" : "--geometry", src);
+        di_error_prefix(err, "%s %s: ", what, src);
         return st;
     }
-    model_config_kv_geometry(&cfg, (uint32_t)a->o.nextn, &a->geometry);
+    model_config_kv_geometry_yoco(&cfg, (uint32_t)a->o.nextn, yoco, &a->geometry);
     a->object_bytes[KVKEY_BLOCK] =
         a->o.block_bytes ? a->o.block_bytes : kv_block_bytes(&a->geometry);
     a->object_bytes[KVKEY_WINDOW] =
@@ -193,18 +252,9 @@ static di_status load_geometry(app *a, di_error *err)
     return DI_OK;
 }
 
-static di_status load_secrets(app *a, di_error *err)
+static di_status load_tls(app *a, di_error *err)
 {
-    di_status st = kvcli_token(a->o.token_file, "DI_KVSTORE_TOKEN", &a->engine_token, err);
-    if (st == DI_OK)
-        st = kvcli_token(a->o.admin_token_file, "DI_KVSTORE_ADMIN_TOKEN", &a->admin_token, err);
-    if (st != DI_OK)
-        return st;
-    if (!a->engine_token && !loopback(a->o.listen))
-        return di_fail(err, DI_EINVAL,
-                       "refusing to listen on %s without --token-file: without a token the "
-                       "store serves loopback only",
-                       a->o.listen);
+    di_status st = DI_OK;
     if (!a->o.tls_cert != !a->o.tls_key)
         return di_fail(err, DI_EINVAL, "--tls-cert and --tls-key go together");
     if (a->o.tls_cert && (st = rpc_load_file(a->o.tls_cert, &a->tls_cert, err)) != DI_OK)
@@ -255,12 +305,16 @@ static di_status open_store(app *a, int durability, di_error *err)
 static void log_rpc_error(void *ud, const char *method, const char *peer, di_status st,
                           const char *msg)
 {
-    const di_logger *lg = ud;
-    di_log_level lv = st == DI_ENOENT || st == DI_EEXIST ? DI_LOG_DEBUG
-                      : st == DI_EINTERNAL || st == DI_EIO || st == DI_ENOMEM ? DI_LOG_ERROR
-                                                                               : DI_LOG_WARN;
-    if (di_log_enabled(lg, lv))
-        di_log(lg, lv, "%s from %s failed: %s (%s)", method, peer, msg, di_status_name(st));
+    app *a = ud;
+    if (st == DI_ENOENT || st == DI_EEXIST) {
+        di_log(&a->log, DI_LOG_DEBUG, "%s from %s failed: %s (%s)", method, peer, msg,
+               di_status_name(st));
+        return;
+    }
+    di_log_limit *l =
+        st == DI_EINTERNAL || st == DI_EIO || st == DI_ENOMEM ? &a->rpc_error : &a->rpc_warn;
+    di_log_limited(&a->log, l, di_mono_ns(), "%s from %s failed: %s (%s)", method, peer, msg,
+                   di_status_name(st));
 }
 
 static di_status start_service(app *a, int durability, uint64_t store_id, int *port,
@@ -279,42 +333,21 @@ static di_status start_service(app *a, int durability, uint64_t store_id, int *p
         return st;
     size_t n;
     const rpc_method *methods = kvsvc_methods(&n);
-    rpc_server_config rc = {.listen = a->o.listen, .methods = methods, .n_methods = n,
+    rpc_server_config rc = {.listen = a->o.base.listen, .methods = methods, .n_methods = n,
                             .svc = a->svc, .threads = (unsigned)a->o.threads,
-                            .engine_token = a->engine_token, .admin_token = a->admin_token,
+                            .engine_token = a->o.engine_token, .admin_token = a->o.admin_token,
                             .tls_cert_pem = a->tls_cert, .tls_key_pem = a->tls_key,
                             .tls_client_ca_pem = a->tls_ca, .on_error = log_rpc_error,
-                            .on_error_ud = &a->log};
+                            .on_error_ud = a};
     st = rpc_server_start(&rc, &a->server, port, err);
     if (st == DI_OK)
         st = ucxt_progress_start(a->ucx, err);
     return st;
 }
 
-static di_status announce(app *a, int port, di_error *err)
-{
-    if (a->o.port_file) {
-        char tmp[4096];
-        snprintf(tmp, sizeof(tmp), "%s.tmp", a->o.port_file);
-        FILE *f = fopen(tmp, "w");
-        if (!f || fprintf(f, "%d\n", port) < 0 || fclose(f) != 0 || rename(tmp, a->o.port_file))
-            return di_fail(err, DI_EIO, "cannot write --port-file %s: %s", a->o.port_file,
-                           strerror(errno));
-    }
-    if (a->o.ready_fd >= 0) {
-        char line[32];
-        int n = snprintf(line, sizeof(line), "%d\n", port);
-        if (write((int)a->o.ready_fd, line, (size_t)n) != n)
-            return di_fail(err, DI_EIO, "cannot write to --ready-fd %lld",
-                           (long long)a->o.ready_fd);
-        close((int)a->o.ready_fd);
-    }
-    return DI_OK;
-}
-
 static void shutdown_app(app *a)
 {
-    a->server = rpc_server_stop(a->server, 5000);
+    a->server = rpc_server_stop(a->server, 0);
     a->svc = kvsvc_free(a->svc);
     a->store = kvs_close(a->store);
     ucxt_progress_stop(a->ucx);
@@ -322,84 +355,92 @@ static void shutdown_app(app *a)
     a->ucx = ucxt_destroy(a->ucx);
     free(a->worker_addr);
     free(a->rkey);
-    free(a->engine_token);
-    free(a->admin_token);
     free(a->tls_cert);
     free(a->tls_key);
     free(a->tls_ca);
 }
 
-static int fail(app *a, const char *what, const di_error *e)
+/* Opens the store and starts serving (svc_main's start). */
+static di_status kv_start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
 {
-    fprintf(stderr, "di-kvstore: %s: %s\n", what, e->msg);
+    app *a = ud;
+    a->log = ctx->log;
+    a->durability = kvdisk_durability_parse(a->o.durability);
+    di_log_limit_init(&a->rpc_warn, "calls failed", DI_LOG_WARN, 5, 10000);
+    di_log_limit_init(&a->rpc_error, "calls failed", DI_LOG_ERROR, 5, 10000);
+    di_status st = check_machine(a, err); /* ERANGE: a size this machine cannot hold (exit 2) */
+    if (st != DI_OK)
+        return st;
+    st = load_geometry(a, err);
+    if (st != DI_OK) {
+        di_error_prefix(err, "geometry: ");
+        return st;
+    }
+    if ((st = load_tls(a, err)) != DI_OK) {
+        di_error_prefix(err, "auth: ");
+        return st;
+    }
+    if ((st = open_store(a, a->durability, err)) != DI_OK) {
+        di_error_prefix(err, "opening the store: ");
+        return st;
+    }
+    uint64_t store_id = 0;
+    if (getrandom(&store_id, sizeof(store_id), 0) != (ssize_t)sizeof(store_id))
+        store_id = (uint64_t)getpid() ^ kvs_now_ms(a->store);
+    if ((st = start_service(a, a->durability, store_id, port, err)) != DI_OK) {
+        di_error_prefix(err, "starting the service: ");
+        return st;
+    }
+    char dram[32], disk[32];
+    kvcli_format_size(a->o.dram_bytes, dram, sizeof(dram));
+    kvcli_format_size(a->o.disk_bytes, disk, sizeof(disk));
+    di_log(&a->log, DI_LOG_INFO,
+           "serving on %s (port %d): dir %s, durability %s, DRAM %s, disk %s, block %llu B, "
+           "window %llu B, auth %s, TLS %s",
+           a->o.base.listen, *port, a->o.dir, a->o.durability, dram, disk,
+           (unsigned long long)a->object_bytes[KVKEY_BLOCK],
+           (unsigned long long)a->object_bytes[KVKEY_WINDOW],
+           a->o.engine_token || a->o.admin_token ? "tokens" : "none", a->tls_cert ? "on" : "off");
+    return DI_OK;
+}
+
+/* SIGTERM: calls in flight finish until the deadline, the rest are cancelled. */
+static void kv_drain(void *ud, const svc_ctx *ctx, uint64_t deadline_ns)
+{
+    (void)ctx;
+    app *a = ud;
+    uint64_t now = di_mono_ns();
+    uint64_t grace_ms = deadline_ns > now ? (deadline_ns - now) / 1000000ull : 0;
+    a->server = rpc_server_stop(a->server, (uint32_t)grace_ms);
+}
+
+/* Once a second while serving: counts of rate-limited log lines. */
+static void kv_tick(void *ud, const svc_ctx *ctx)
+{
+    (void)ctx;
+    app *a = ud;
+    kvsvc_tick(a->svc);
+    di_log_limit_flush(&a->log, &a->rpc_warn, di_mono_ns(), 0);
+    di_log_limit_flush(&a->log, &a->rpc_error, di_mono_ns(), 0);
+}
+
+static void kv_stop(void *ud, const svc_ctx *ctx)
+{
+    (void)ctx;
+    app *a = ud;
     shutdown_app(a);
-    return 1;
+    di_log_limit_flush(&a->log, &a->rpc_warn, di_mono_ns(), 1);
+    di_log_limit_flush(&a->log, &a->rpc_error, di_mono_ns(), 1);
 }
 
 int main(int argc, char **argv)
 {
-    /* Signals are taken by sigwait in main; every thread inherits the blocked mask. */
-    sigset_t sigs;
-    sigemptyset(&sigs);
-    sigaddset(&sigs, SIGINT);
-    sigaddset(&sigs, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &sigs, NULL);
-    signal(SIGPIPE, SIG_IGN);
-
     app a;
     memset(&a, 0, sizeof(a));
-    di_error e;
-    int next, help;
-    if (kvcli_defaults(option_rows, N_OPTIONS, &a.o, &e) != DI_OK ||
-        kvcli_parse(option_rows, N_OPTIONS, argc, argv, 1, &a.o, &next, &help, &e) != DI_OK) {
-        fprintf(stderr, "di-kvstore: %s\n", e.msg);
-        return 2;
-    }
-    if (help) {
-        usage(stdout);
-        return 0;
-    }
-    if (next < argc) {
-        fprintf(stderr, "di-kvstore: unexpected argument \"%s\" (see --help)\n", argv[next]);
-        return 2;
-    }
-    int level = di_log_level_parse(a.o.log_level);
-    int durability = kvdisk_durability_parse(a.o.durability);
-    if (level < 0 || durability < 0) {
-        fprintf(stderr, "di-kvstore: %s\n",
-                level < 0 ? "--log-level must be error, warn, info or debug"
-                          : "--durability must be none, wal or fsync");
-        return 2;
-    }
-    a.log = di_logger_stderr((di_log_level)level, "kvstore");
-    if (load_geometry(&a, &e) != DI_OK)
-        return fail(&a, "geometry", &e);
-    if (load_secrets(&a, &e) != DI_OK)
-        return fail(&a, "auth", &e);
-    if (open_store(&a, durability, &e) != DI_OK)
-        return fail(&a, "opening the store", &e);
-    uint64_t store_id = 0;
-    if (getrandom(&store_id, sizeof(store_id), 0) != (ssize_t)sizeof(store_id))
-        store_id = (uint64_t)getpid() ^ kvs_now_ms(a.store);
-    int port = 0;
-    if (start_service(&a, durability, store_id, &port, &e) != DI_OK)
-        return fail(&a, "starting the service", &e);
-    if (announce(&a, port, &e) != DI_OK)
-        return fail(&a, "announcing the port", &e);
-    char dram[32], disk[32];
-    kvcli_format_size(a.o.dram_bytes, dram, sizeof(dram));
-    kvcli_format_size(a.o.disk_bytes, disk, sizeof(disk));
-    di_log(&a.log, DI_LOG_INFO,
-           "serving on %s (port %d): dir %s, durability %s, DRAM %s, disk %s, block %llu B, "
-           "window %llu B, auth %s, TLS %s",
-           a.o.listen, port, a.o.dir, a.o.durability, dram, disk,
-           (unsigned long long)a.object_bytes[KVKEY_BLOCK],
-           (unsigned long long)a.object_bytes[KVKEY_WINDOW],
-           a.engine_token || a.admin_token ? "tokens" : "none", a.tls_cert ? "on" : "off");
-    int sig = 0;
-    sigwait(&sigs, &sig);
-    di_log(&a.log, DI_LOG_INFO, "signal %d: stopping (finishing calls in flight)", sig);
-    shutdown_app(&a);
-    di_log(&a.log, DI_LOG_INFO, "stopped");
-    return 0;
+    svc_spec spec = {.name = "di-kvstore", .summary = summary, .epilog = epilog,
+                     .guard = "token-file", .rows = option_rows, .n_rows = N_OPTIONS,
+                     .opts = &a.o, .base_offset = offsetof(options, base), .app = &a,
+                     .start = kv_start, .drain = kv_drain, .stop = kv_stop,
+                     .tick = kv_tick, .tick_ms = 1000};
+    return svc_main(&spec, argc, argv);
 }

@@ -12,6 +12,7 @@ struct kvsvc {
     kvsvc_config cfg;      /* worker_addr and rkey point at the copies below */
     uint8_t *worker_addr;  /* copy */
     uint8_t *rkey;         /* copy */
+    di_log_limit item_limit; /* item failures and corrupt-copy reports: 5 lines per 10 s */
 };
 
 di_status kvsvc_create(const kvsvc_config *cfg, kvsvc **out, di_error *err)
@@ -20,6 +21,7 @@ di_status kvsvc_create(const kvsvc_config *cfg, kvsvc **out, di_error *err)
     if (!s)
         return di_fail(err, DI_ENOMEM, "cannot allocate the service");
     s->cfg = *cfg;
+    di_log_limit_init(&s->item_limit, "item failures", DI_LOG_WARN, 5, 10000);
     s->worker_addr = malloc(cfg->worker_addr_len ? cfg->worker_addr_len : 1);
     s->rkey = malloc(cfg->rkey_len ? cfg->rkey_len : 1);
     if (!s->worker_addr || !s->rkey) {
@@ -40,8 +42,15 @@ kvsvc *kvsvc_free(kvsvc *s)
         return NULL;
     free(s->worker_addr);
     free(s->rkey);
+    di_log_limit_flush(s->cfg.log, &s->item_limit, di_mono_ns(), 1);
+    di_log_limit_destroy(&s->item_limit);
     free(s);
     return NULL;
+}
+
+void kvsvc_tick(kvsvc *s)
+{
+    di_log_limit_flush(s->cfg.log, &s->item_limit, di_mono_ns(), 0);
 }
 
 /* ---------------------------------------------------------------- helpers */
@@ -95,12 +104,13 @@ static int notable(di_status st)
            st == DI_ENOMEM || st == DI_EINTERNAL || st == DI_ETIMEDOUT;
 }
 
-static void log_item(const kvsvc *s, const rpc_request *req, const char *what, size_t i,
+static void log_item(kvsvc *s, const rpc_request *req, const char *what, size_t i,
                      di_status st, const di_error *e)
 {
-    if (notable(st) && di_log_enabled(s->cfg.log, DI_LOG_WARN))
-        di_log(s->cfg.log, DI_LOG_WARN, "%s item %zu from %s: %s (%s)", what, i, req->peer,
-               e->msg, di_status_name(st));
+    if (notable(st))
+        di_log_limited(s->cfg.log, &s->item_limit, di_mono_ns(),
+                       "%s item %zu from %s: %s (%s)", what, i, req->peer, e->msg,
+                       di_status_name(st));
 }
 
 static int past_deadline(const rpc_request *req)
@@ -118,6 +128,7 @@ static int past_deadline(const rpc_request *req)
 SAME_SHAPE(Di__Kvstore__AbortReply);
 SAME_SHAPE(Di__Kvstore__ReleaseReply);
 SAME_SHAPE(Di__Kvstore__DeleteReply);
+SAME_SHAPE(Di__Kvstore__ReportCorruptReply);
 
 /* A reply of per-item statuses, packed from st/errs. */
 static di_status pack_statuses(const ProtobufCMessageDescriptor *desc, size_t n,
@@ -461,27 +472,54 @@ static di_status h_release(void *svc, const rpc_request *req, rpc_reply *r, di_e
     return st;
 }
 
-static di_status h_delete(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
+/* Per-object work of Delete and ReportCorrupt. */
+typedef di_status (*ref_fn)(kvs_store *store, int cls, const kvkey *key, di_error *err);
+
+/* Runs fn on every ref and packs the statuses with the reply descriptor; log_as names the
+ * items whose DI_OK is worth a (rate-limited) warning. */
+static di_status ref_batch(kvsvc *s, const rpc_request *req, Di__Kvstore__ObjRef **refs,
+                           size_t n, ref_fn fn, const char *log_as,
+                           const ProtobufCMessageDescriptor *reply, rpc_reply *r, di_error *err)
 {
-    kvsvc *s = svc;
-    UNPACK(Di__Kvstore__DeleteRequest, di__kvstore__delete_request__unpack, req, err);
-    size_t n = msg->n_items;
     scratch sc;
     di_status st = check_count(n, KVC_MAX_BATCH, "items", err);
     if (st == DI_OK)
         st = scratch_alloc(&sc, n, err);
-    if (st == DI_OK) {
-        for (size_t i = 0; i < n; i++) {
-            int cls = 0;
-            kvkey key;
-            sc.st[i] = check_ref(msg->items[i], i, &cls, &key, &sc.errs[i]);
-            if (sc.st[i] == DI_OK)
-                sc.st[i] = kvs_delete(s->cfg.store, cls, &key, &sc.errs[i]);
-        }
-        st = pack_statuses(&di__kvstore__delete_reply__descriptor, n, sc.st, sc.errs, r, err);
-        scratch_free(&sc);
+    if (st != DI_OK)
+        return st;
+    for (size_t i = 0; i < n; i++) {
+        int cls = 0;
+        kvkey key;
+        sc.st[i] = check_ref(refs[i], i, &cls, &key, &sc.errs[i]);
+        if (sc.st[i] == DI_OK)
+            sc.st[i] = fn(s->cfg.store, cls, &key, &sc.errs[i]);
+        if (sc.st[i] == DI_OK && log_as)
+            di_log_limited(s->cfg.log, &s->item_limit, di_mono_ns(), "%s from %s: %s", log_as,
+                           req->peer, sc.errs[i].msg);
     }
+    st = pack_statuses(reply, n, sc.st, sc.errs, r, err);
+    scratch_free(&sc);
+    return st;
+}
+
+static di_status h_delete(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
+{
+    UNPACK(Di__Kvstore__DeleteRequest, di__kvstore__delete_request__unpack, req, err);
+    di_status st = ref_batch(svc, req, msg->items, msg->n_items, kvs_delete, NULL,
+                             &di__kvstore__delete_reply__descriptor, r, err);
     di__kvstore__delete_request__free_unpacked(msg, NULL);
+    return st;
+}
+
+static di_status h_report_corrupt(void *svc, const rpc_request *req, rpc_reply *r,
+                                  di_error *err)
+{
+    UNPACK(Di__Kvstore__ReportCorruptRequest, di__kvstore__report_corrupt_request__unpack, req,
+           err);
+    di_status st = ref_batch(svc, req, msg->items, msg->n_items, kvs_report_corrupt,
+                             "corrupt copy reported", &di__kvstore__report_corrupt_reply__descriptor,
+                             r, err);
+    di__kvstore__report_corrupt_request__free_unpacked(msg, NULL);
     return st;
 }
 
@@ -544,6 +582,8 @@ static di_status h_stats(void *svc, const rpc_request *req, rpc_reply *r, di_err
     rep.durability = (char *)kvdisk_durability_name(s->cfg.durability);
     rep.store_id = s->cfg.store_id;
     rep.model_id = s->cfg.geometry.model_id;
+    rep.disk_files_lost = st.disk.files_lost;
+    rep.disk_meta_bad = st.disk_meta_bad;
     return pack(&rep.base, r, err);
 }
 
@@ -686,6 +726,7 @@ static const rpc_method methods[] = {
     {KVC_SERVICE "Lease", h_lease, 30000, 0, 256 << 10, RPC_ROLE_ENGINE},
     {KVC_SERVICE "Release", h_release, 5000, 0, 64 << 10, RPC_ROLE_ENGINE},
     {KVC_SERVICE "Delete", h_delete, 30000, 1, 256 << 10, RPC_ROLE_ENGINE},
+    {KVC_SERVICE "ReportCorrupt", h_report_corrupt, 30000, 1, 256 << 10, RPC_ROLE_ENGINE},
     {KVC_SERVICE "Stats", h_stats, 5000, 1, 1 << 10, RPC_ROLE_ADMIN},
     {KVC_SERVICE "Ttl", h_ttl, 5000, 1, 1 << 10, RPC_ROLE_ADMIN},
     {KVC_SERVICE "Capacity", h_capacity, 30000, 1, 1 << 10, RPC_ROLE_ADMIN},

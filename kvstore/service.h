@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "common/net/rpc.h"
+#include "common/util/log_limit.h"
 #include "kvstore/store.h"
 
 typedef struct kvsvc_config {
@@ -35,6 +36,8 @@ typedef struct kvsvc kvsvc;
 /* DI_OK, DI_ENOMEM. */
 di_status kvsvc_create(const kvsvc_config *cfg, kvsvc **out, di_error *err);
 kvsvc *kvsvc_free(kvsvc *svc);
+/* Periodic work (about once a second): writes the counts of rate-limited log lines. */
+void kvsvc_tick(kvsvc *svc);
 /* The method table (static); pass svc as the server's svc pointer. */
 const rpc_method *kvsvc_methods(size_t *n);
 

@@ -37,6 +37,7 @@ struct kvs_store {
     uint64_t next_recover_ms;    /* sweeper: next attempt to reopen a failed disk tier */
     uint64_t get_bytes;          /* bytes leased since open */
     uint64_t put_bytes;          /* bytes committed since open */
+    uint64_t meta_bad;           /* meta records that failed their checksum at open */
     rate_sample samples[RATE_SAMPLES]; /* ring of rate samples */
     unsigned n_samples;          /* filled entries */
     unsigned next_sample;        /* ring position */
@@ -202,6 +203,21 @@ static di_status restore(kvs_store *s, di_error *err)
     restore_acc a = {.s = s};
     uint64_t bad_meta = 0;
     di_status st = kvdisk_scan(s->disk, collect_item, &a, &bad_meta, err);
+    if (st == DI_ECORRUPT) {
+        /* An unreadable file found while scanning: set it aside and scan what is left. */
+        a.n = a.n_bad = 0;
+        st = kvdisk_repair(s->disk, err ? err->msg : "scanning RocksDB: corruption", err);
+        if (st == DI_OK)
+            st = kvdisk_scan(s->disk, collect_item, &a, &bad_meta, err);
+    }
+    s->meta_bad = bad_meta;
+    kvdisk_usage u;
+    kvdisk_get_usage(s->disk, &u);
+    if (st == DI_OK && u.files_lost > 0)
+        di_log(s->cfg.log, DI_LOG_WARN,
+               "%llu unreadable RocksDB files set aside in %s/lost; their objects are gone "
+               "(%s)",
+               (unsigned long long)u.files_lost, s->dir, u.repair_note);
     if (st == DI_ECANCELED && a.oom)
         st = di_fail(err, DI_ENOMEM, "out of memory while scanning the disk tier");
     if (st == DI_OK && a.n_bad > 0) {
@@ -578,6 +594,36 @@ di_status kvs_release(kvs_store *s, uint64_t lease_id, di_error *err)
     return st;
 }
 
+di_status kvs_report_corrupt(kvs_store *s, int cls, const kvkey *key, di_error *err)
+{
+    if (cls < 0 || cls >= (int)KVKEY_CLASS_COUNT || !key)
+        return di_fail(err, DI_EINVAL, "report: unknown class %d or NULL key", cls);
+    char hex[65];
+    kvkey_hex(key, hex);
+    pthread_mutex_lock(&s->mu);
+    kvidx_obj *o = kvidx_pin_resident(s->idx, cls, key, now_locked(s));
+    pthread_mutex_unlock(&s->mu);
+    if (!o)
+        return di_fail(err, DI_ENOENT, "%s %.16s has no DRAM copy", kvkey_class_name(cls), hex);
+    /* The pin keeps the slot; nobody writes a RESIDENT slot, so it is checked outside the lock. */
+    di_error ve;
+    di_status vst = kvkey_object_verify(o->cls, &o->key, kvslab_addr(s->slab, o->cls, o->slot),
+                                        o->bytes, &s->cfg.geometry, &ve);
+    pthread_mutex_lock(&s->mu);
+    int dropped = vst != DI_OK && kvidx_dram_corrupt(s->idx, o);
+    kvidx_unpin(s->idx, o, now_locked(s));
+    pthread_mutex_unlock(&s->mu);
+    drain_deletes(s);
+    if (dropped)
+        return di_fail(err, DI_OK, "%s %.16s: DRAM copy dropped: %s", kvkey_class_name(cls),
+                       hex, ve.msg);
+    if (vst != DI_OK)
+        return di_fail(err, DI_ENOENT, "%s %.16s left DRAM meanwhile", kvkey_class_name(cls),
+                       hex);
+    return di_fail(err, DI_EEXIST, "%s %.16s: its DRAM copy verifies", kvkey_class_name(cls),
+                   hex);
+}
+
 di_status kvs_delete(kvs_store *s, int cls, const kvkey *key, di_error *err)
 {
     pthread_mutex_lock(&s->mu);
@@ -619,6 +665,7 @@ void kvs_get_stats(kvs_store *s, kvs_stats *out)
     out->put_bytes = s->put_bytes;
     rates(s, &out->get_bytes_per_s, &out->put_bytes_per_s);
     out->uptime_ms = (di_mono_ns() - s->mono0_ns) / 1000000ull;
+    out->disk_meta_bad = s->meta_bad;
     pthread_mutex_unlock(&s->mu);
     kvdisk_get_usage(s->disk, &out->disk);
 }

@@ -13,7 +13,14 @@
  *
  * Read path: kvs_lease pins the object and returns its slot; an object not in DRAM is read
  * from RocksDB into a slot first and verified; a corrupt disk copy is dropped (deleted) and
- * reported as a miss with DI_ENOENT and a message saying so. kvs_release unpins.
+ * reported as a miss with DI_ENOENT and a message saying so. kvs_release unpins. A DRAM copy
+ * that rots after it was verified is caught by the reader's own verification; the reader
+ * reports it (kvs_report_corrupt), the store verifies it again and drops it from DRAM, and the
+ * next lease loads the disk copy.
+ *
+ * Start: a RocksDB file that cannot be read (a flipped byte in an SST's footer, index or meta
+ * block) is set aside by kvdisk_repair; the store starts with the rest and reports the count
+ * (kvs_stats.disk.files_lost) and the reason in its log.
  *
  * Every function is thread-safe. Outputs are written only on success.
  */
@@ -92,6 +99,13 @@ di_status kvs_lease(kvs_store *s, int cls, const kvkey *key, uint64_t lease_ms,
 /* Ends a lease. DI_OK; DI_ETIMEDOUT when it had timed out first (bytes read under it may be
  * stale); DI_ENOENT for an unknown id. */
 di_status kvs_release(kvs_store *s, uint64_t lease_id, di_error *err);
+/* A reader found the DRAM copy of an object failing verification. The store verifies the copy
+ * itself (a report alone changes nothing) and, when it is bad, drops it from DRAM and counts it
+ * in corrupt_dropped; the disk copy stays, so the next lease loads and verifies that (or
+ * reports a miss if it is bad too). DI_OK: the copy was corrupt and is dropped; DI_EEXIST: the
+ * copy verifies (the damage happened on the way to the reader: read again); DI_ENOENT: no DRAM
+ * copy (not stored, or dropped already); DI_EINVAL. */
+di_status kvs_report_corrupt(kvs_store *s, int cls, const kvkey *key, di_error *err);
 /* Deletes an object: invisible at once; gone from disk when this returns, or when the last
  * lease on it ends. DI_OK, DI_ENOENT. */
 di_status kvs_delete(kvs_store *s, int cls, const kvkey *key, di_error *err);
@@ -109,6 +123,7 @@ typedef struct kvs_stats {
     double get_bytes_per_s;                       /* over the last 10 s */
     double put_bytes_per_s;
     uint64_t uptime_ms;
+    uint64_t disk_meta_bad;                       /* meta records dropped at open (checksum) */
 } kvs_stats;
 void kvs_get_stats(kvs_store *s, kvs_stats *out);
 

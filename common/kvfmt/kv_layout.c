@@ -6,6 +6,24 @@
 
 #include <assert.h>
 
+const char *kv_yoco_name(uint32_t yoco)
+{
+    static const char *const names[] = {"off", "compact", "mask"};
+    return yoco < 3 ? names[yoco] : "?";
+}
+
+uint64_t kv_model_id(uint64_t model_id, uint32_t yoco)
+{
+    uint8_t in[16];
+    for (int i = 0; i < 8; i++)
+        in[i] = (uint8_t)(model_id >> (8 * i));
+    for (int i = 0; i < 4; i++) {
+        in[8 + i] = (uint8_t)(yoco >> (8 * i));
+        in[12 + i] = (uint8_t)(KV_FORMAT_VERSION >> (8 * i));
+    }
+    return di_hash64(in, sizeof in, 0x64696b766b657931ull /* "dikvkey1" */);
+}
+
 uint32_t kv_ring_positions_for(uint32_t window, uint32_t nextn, uint32_t backtracking)
 {
     uint32_t spare = nextn + 1;

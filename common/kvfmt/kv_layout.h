@@ -43,6 +43,21 @@
 #define KV_WINDOW_MAGIC 0x574b4944u /* "DIKW" */
 #define KV_HANDOFF_MAGIC 0x484b4944u /* "DIKH": kv_handoff.h */
 
+/* YOCO modes of the prefill (MODEL.md; fwd_yoco has the same values). The mode changes the KV
+ * bytes of the layers above the YOCO boundary, so it is part of the KV id. Every engine uses
+ * KV_YOCO_DEFAULT unless told otherwise: compact, the mode a store hit needs for an exact
+ * resume (the window state holds only the layers below the boundary). */
+#define KV_YOCO_OFF 0u
+#define KV_YOCO_COMPACT 1u
+#define KV_YOCO_MASK 2u
+#define KV_YOCO_DEFAULT KV_YOCO_COMPACT
+
+/* "off", "compact", "mask", or "?". */
+const char *kv_yoco_name(uint32_t yoco);
+/* The id KV headers, checksums and keys carry: the model id (config and weights) mixed with
+ * everything else that changes the KV bytes, the YOCO mode and KV_FORMAT_VERSION. */
+uint64_t kv_model_id(uint64_t model_id, uint32_t yoco);
+
 /* What the KV formats need to know about a model. Filled from a model config
  * (model_config_kv_geometry, or kv_geometry_v41_flash for the shipped v41-flash config, both in
  * common/model/config.h): this module knows no model. */
@@ -58,7 +73,8 @@ typedef struct kv_geometry {
     uint32_t owner_layer[KV_MAX_OWNERS];   /* their layer ids, ascending; 2, 8, 14, 20 */
     uint32_t owner_ratio[KV_MAX_OWNERS];   /* their compression ratios; 2, 2, 2, 1 */
     uint32_t yoco_boundary;                /* rings of layers below this are persisted; 20 */
-    uint64_t model_id;                     /* fingerprint of the model that writes the KV */
+    uint64_t model_id;                     /* kv_model_id of the model and YOCO mode that
+                                              write the KV */
 } kv_geometry;
 
 /* The on-disk/on-wire header of blocks and window states (exactly 128 bytes). */

@@ -988,6 +988,12 @@ fail:
 
 void model_config_kv_geometry(const model_config *cfg, uint32_t nextn, kv_geometry *out)
 {
+    model_config_kv_geometry_yoco(cfg, nextn, KV_YOCO_DEFAULT, out);
+}
+
+void model_config_kv_geometry_yoco(const model_config *cfg, uint32_t nextn, uint32_t yoco,
+                                   kv_geometry *out)
+{
     kv_geometry g;
     memset(&g, 0, sizeof g);
     g.block_tokens = KV_BLOCK_TOKENS;
@@ -1003,7 +1009,7 @@ void model_config_kv_geometry(const model_config *cfg, uint32_t nextn, kv_geomet
         g.owner_ratio[k] = cfg->compress_ratios[cfg->kv_source_layers[k]];
     }
     g.yoco_boundary = first_ratio1_layer(cfg);
-    g.model_id = cfg->model_id;
+    g.model_id = kv_model_id(cfg->model_id, yoco);
     *out = g;
 }
 
@@ -1074,6 +1080,17 @@ uint64_t model_config_fingerprint(const model_config *cfg)
     uint64_t id = di_hash64(b->bytes, b->n, 0x6469636f6e666967ull /* "diconfig" */);
     free(b);
     return id;
+}
+
+uint64_t model_config_id_with_weights(const model_config *cfg,
+                                      const uint8_t weights_fingerprint[32])
+{
+    uint8_t in[8 + 32];
+    uint64_t config_id = model_config_fingerprint(cfg);
+    for (int i = 0; i < 8; i++)
+        in[i] = (uint8_t)(config_id >> (8 * i));
+    memcpy(in + 8, weights_fingerprint, 32);
+    return di_hash64(in, sizeof in, 0x6469776569676874ull /* "diweight" */);
 }
 
 int32_t model_config_engram_slot(const model_config *cfg, uint32_t layer)

@@ -189,10 +189,13 @@ typedef struct model_config {
                                         /* [layer slot][lookback s]: odd hash multipliers, NumPy
                                            default_rng(10007 * layer_id) as the reference draws
                                            them; only s < engram_max_ngram_size used */
-    uint64_t model_id;                  /* fingerprint of every math-relevant key (not the
-                                           token ids, the name or engram_table_seed, which
-                                           describe tokens and weights, not the geometry);
-                                           stable across runs */
+    uint64_t model_id;                  /* what the model computes: after parsing, the
+                                           fingerprint of every math-relevant key (not the
+                                           token ids, the name or engram_table_seed);
+                                           model_weights_load mixes in the weights
+                                           fingerprint (model_config_id_with_weights), so a
+                                           fine-tune with the same config gets another id.
+                                           Stable across runs */
 } model_config;
 
 /* ---- parsing ---- */
@@ -252,6 +255,15 @@ json_t *model_config_to_json(const model_config *cfg);
  * block_tokens 128, head/index widths, owners = KV sources with their ratios, yoco_boundary,
  * n_draft_stages = n_mtp, model_id. cfg must be validated. */
 void model_config_kv_geometry(const model_config *cfg, uint32_t nextn, kv_geometry *out);
+/* The same for an engine whose prefill runs in YOCO mode `yoco` (KV_YOCO_*): model_id is
+ * kv_model_id(cfg->model_id, yoco). model_config_kv_geometry uses KV_YOCO_DEFAULT. */
+void model_config_kv_geometry_yoco(const model_config *cfg, uint32_t nextn, uint32_t yoco,
+                                   kv_geometry *out);
+
+/* The model id of a checkpoint: the config fingerprint (recomputed from cfg's keys, whatever
+ * cfg->model_id holds) mixed with the weights fingerprint of shard_sums.h. */
+uint64_t model_config_id_with_weights(const model_config *cfg,
+                                      const uint8_t weights_fingerprint[32]);
 
 /* DeepSeek-V4.1-Flash with the given nextn (drafts per step; 5 in production), from the shipped
  * v41-flash config (model_config_kv_geometry), model id included. */

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/model/forward_internal.h"
+#include "common/util/machine.h"
 #include "kernels/cpu/numfmt.h"
 
 /* ---- shared helpers ------------------------------------------------------------------------ */
@@ -382,7 +383,7 @@ di_status fwd_model_create(const model_weights *w, const kern_backend *be,
     m->be = be;
     m->opt = *opt;
     m->opt.token_map = NULL;
-    model_config_kv_geometry(m->cfg, opt->nextn, &m->geom);
+    model_config_kv_geometry_yoco(m->cfg, opt->nextn, (uint32_t)opt->yoco, &m->geom);
     m->index_w_scale = pow((double)m->cfg->index_head_dim, -0.5) *
                        pow((double)m->cfg->index_n_heads, -0.5);
     m->layers = calloc(m->cfg->n_layers + m->cfg->n_mtp, sizeof(fwd_layer_w));
@@ -471,12 +472,23 @@ di_status fwd_run_create(fwd_model *m, fwd_run **out, di_error *err)
         RB(ekv, (ne ? (hc + 1) * D : 1) * 2), RB(taps, taps * D * 2), RB(mx, D * 2),
         RB(hfin, D * 2), RB(hsel, D * 2),
     };
+    size_t T = m->opt.max_rows;
+    if (!m->be->device_memory) {
+        /* Host scratch past physical memory would be killed mid-run: refuse it here. */
+        uint64_t total = 0;
+        for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]); i++)
+            total += rows[i].fixed + (uint64_t)rows[i].per_row * T;
+        char what[64];
+        snprintf(what, sizeof(what), "scratch of steps of %zu rows:", T);
+        di_status st = di_machine_check_memory(what, total, err);
+        if (st != DI_OK)
+            return st;
+    }
     fwd_run *r = calloc(1, sizeof(*r));
     if (!r)
         return di_fail(err, DI_ENOMEM, "run scratch");
     r->m = m;
     r->max_rows = m->opt.max_rows;
-    size_t T = r->max_rows;
     di_status st = DI_OK;
     for (size_t i = 0; i < sizeof(rows) / sizeof(rows[0]) && st == DI_OK; i++) {
         size_t bytes = rows[i].fixed + rows[i].per_row * T;

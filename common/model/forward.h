@@ -41,10 +41,12 @@
 #include "kernels/kernels.h"
 
 typedef enum fwd_yoco {
-    FWD_YOCO_OFF = 0,
-    FWD_YOCO_COMPACT = 1,
-    FWD_YOCO_MASK = 2,
+    FWD_YOCO_OFF = KV_YOCO_OFF,
+    FWD_YOCO_COMPACT = KV_YOCO_COMPACT,
+    FWD_YOCO_MASK = KV_YOCO_MASK,
 } fwd_yoco;
+/* The mode every engine runs unless told otherwise (kv_layout.h says why). */
+#define FWD_YOCO_DEFAULT ((fwd_yoco)KV_YOCO_DEFAULT)
 
 /* Element types of dumped tensors. */
 typedef enum fwd_dtype {
@@ -96,7 +98,8 @@ void fwd_model_free(fwd_model *m); /* NULL-safe */
 const kv_geometry *fwd_model_geometry(const fwd_model *m);
 const model_config *fwd_model_config(const fwd_model *m);
 
-/* Scratch for steps of at most max_rows rows (the model's max_rows). DI_ENOMEM. */
+/* Scratch for steps of at most max_rows rows (the model's max_rows). DI_ERANGE when host scratch
+ * would exceed physical memory (checked before allocating), DI_ENOMEM. */
 di_status fwd_run_create(fwd_model *m, fwd_run **out, di_error *err);
 void fwd_run_free(fwd_run *r); /* NULL-safe */
 

@@ -489,6 +489,26 @@ static di_status write_all_shards(const char *dir, gen_list *L, const mkmodel_pl
     return st;
 }
 
+di_status mkmodel_write_sums(const char *dir, uint32_t threads, uint64_t *model_id,
+                             di_error *err)
+{
+    if (!dir)
+        return di_fail(err, DI_EINVAL, "directory must not be NULL");
+    model_config *cfg = malloc(sizeof *cfg);
+    st_index *idx = NULL;
+    uint8_t fp[DI_SHA256_BYTES];
+    di_status st = cfg ? model_config_load(dir, cfg, err) : di_fail(err, DI_ENOMEM, "out of memory");
+    if (st == DI_OK)
+        st = st_index_load(dir, &idx, err);
+    if (st == DI_OK)
+        st = shard_sums_write(dir, idx, threads, fp, err);
+    if (st == DI_OK && model_id)
+        *model_id = model_config_id_with_weights(cfg, fp);
+    st_index_free(idx);
+    free(cfg);
+    return st;
+}
+
 di_status mkmodel_write(const model_config *cfg, const char *dir, const mkmodel_options *opt,
                         mkmodel_plan *plan, di_error *err)
 {
@@ -525,6 +545,8 @@ di_status mkmodel_write(const model_config *cfg, const char *dir, const mkmodel_
         st = write_json(path, config, JSON_INDENT(2), err);
         json_decref(config);
     }
+    if (st == DI_OK)
+        st = mkmodel_write_sums(dir, 0, &p->config.model_id, err);
     json_decref(weight_map);
     free(L.items);
     if (st == DI_OK && plan)

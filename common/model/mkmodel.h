@@ -60,7 +60,9 @@ typedef struct mkmodel_options {
 
 /* What a write produces. */
 typedef struct mkmodel_plan {
-    model_config config;          /* the config written (engram_table_seed set when seeded) */
+    model_config config;          /* the config written (engram_table_seed set when seeded);
+                                     after a write, model_id covers the weights written (the
+                                     id model_weights_load gives the checkpoint) */
     bool engram_seeded;           /* tables replaced by the seed */
     uint64_t tensors;             /* tensors in the index */
     uint64_t params;              /* parameters (manifest count; seeded tables included) */
@@ -80,8 +82,15 @@ di_status mkmodel_plan_for(const model_config *cfg, const mkmodel_options *opt,
  * unless force). plan may be NULL. Returns DI_OK, the errors of mkmodel_plan_for, DI_EEXIST
  * (non-empty directory), DI_EIO. On failure files already written may remain, but config.json
  * is written last (and, with force, an old one is removed first), so an incomplete directory
- * never loads. */
+ * never loads. The checksum manifest (shard_sums.h) follows config.json. */
 di_status mkmodel_write(const model_config *cfg, const char *dir, const mkmodel_options *opt,
                         mkmodel_plan *plan, di_error *err);
+
+/* Writes the checksum manifest of the checkpoint in dir (any checkpoint in the released
+ * format: config.json, the index and its shards), hashing with `threads` threads (0: one per
+ * CPU). model_id (may be NULL) receives the checkpoint's model id. Returns DI_OK, the errors
+ * of model_config_load, st_index_load and shard_sums_write. */
+di_status mkmodel_write_sums(const char *dir, uint32_t threads, uint64_t *model_id,
+                             di_error *err);
 
 #endif

@@ -10,6 +10,7 @@
 
 #include "common/model/mkmodel.h"
 #include "common/util/json_read.h"
+#include "common/util/machine.h"
 
 static int file_exists(const char *dir, const char *name)
 {
@@ -105,6 +106,15 @@ static void remove_dir(const char *dir)
     rmdir(dir);
 }
 
+/* Bytes of the checkpoint cfg needs under o, whatever its limit. */
+static double plan_bytes_of(const model_config *cfg, const mkmodel_options *o)
+{
+    mkmodel_options all = *o;
+    all.force = true;
+    mkmodel_plan p;
+    return mkmodel_plan_for(cfg, &all, &p, NULL) == DI_OK ? (double)p.bytes : 0.0;
+}
+
 di_status runner_model_random(const char *config, uint64_t seed, const char *tmp_root,
                               const model_load_options *opt, runner_model *out, di_error *err)
 {
@@ -115,18 +125,37 @@ di_status runner_model_random(const char *config, uint64_t seed, const char *tmp
     if (st != DI_OK)
         return st;
     const char *root = tmp_root ? tmp_root : getenv("TMPDIR");
-    char dir[4096];
-    snprintf(dir, sizeof dir, "%s/di-model-XXXXXX", root && *root ? root : "/tmp");
-    if (!mkdtemp(dir))
-        return di_fail(err, DI_EIO, "cannot create a temporary directory under %s: %s",
-                       root && *root ? root : "/tmp", strerror(errno));
+    if (!root || !*root)
+        root = "/tmp";
     mkmodel_options mo;
     mkmodel_options_default(&mo);
     mo.seed = seed;
-    mo.force = true; /* the directory exists (empty) */
+    /* The size guard of di-mkmodel (the checkpoint limit), then the free space where it goes:
+     * both before a byte is written. */
+    mkmodel_plan plan;
+    st = mkmodel_plan_for(&cfg, &mo, &plan, err);
+    if (st == DI_ENOSPC)
+        return di_fail(err, DI_ENOSPC, "random weights for %s need a %.1f GB checkpoint, above "
+                       "the %.1f GB limit of weights generated on the fly (write them once "
+                       "with di-mkmodel --force and load the directory)",
+                       config, plan_bytes_of(&cfg, &mo) / 1e9, mo.max_bytes / 1e9);
+    if (st == DI_OK) {
+        char what[300];
+        snprintf(what, sizeof what, "the checkpoint of random weights for %s", config);
+        st = di_machine_check_disk(what, root, plan.bytes, err);
+    }
+    if (st != DI_OK)
+        return st;
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s/di-model-XXXXXX", root);
+    if (!mkdtemp(dir))
+        return di_fail(err, DI_EIO, "cannot create a temporary directory under %s: %s", root,
+                       strerror(errno));
+    mo.force = true; /* the directory exists (empty); the size was checked above */
     st = mkmodel_write(&cfg, dir, &mo, NULL, err);
     model_load_options lo = opt ? *opt : (model_load_options){0};
     lo.config = NULL; /* read what was written (it may carry engram_table_seed) */
+    lo.flags |= MODEL_LOAD_TRUST_SUMS; /* its manifest was hashed from these bytes just now */
     if (st == DI_OK)
         st = runner_model_load(dir, &lo, out, err);
     remove_dir(dir);

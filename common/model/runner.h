@@ -33,8 +33,9 @@ di_status runner_model_load(const char *dir, const model_load_options *opt, runn
 /* Builds random weights (MODEL.md §5, the di-mkmodel generator) for a shipped config name or a
  * config file, with the given seed: the checkpoint is written to a private temporary directory
  * under tmp_root (NULL: $TMPDIR or /tmp), mapped, and its files are removed at once, so only
- * the memory mapping remains. Same codes as runner_model_load plus the generator's (DI_ENOSPC
- * above 64 GB). */
+ * the memory mapping remains. Same codes as runner_model_load plus the generator's; DI_ENOSPC,
+ * before anything is written, when the checkpoint is above di-mkmodel's 64 GB limit or the
+ * free space under the temporary root. */
 di_status runner_model_random(const char *config, uint64_t seed, const char *tmp_root,
                               const model_load_options *opt, runner_model *out, di_error *err);
 

@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "common/util/clock.h"
+#include "common/util/machine.h"
 
 #define RX_MAX_ROWS (SEQ_MAX_NEXTN + 1)
 
@@ -101,7 +102,14 @@ di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
     ex->nextn = c->n_mtp ? opt->fwd.nextn : 0;
     ex->max_entries = opt->fwd.max_rows;
     size_t E = ex->max_entries, T = opt->fwd.max_rows, nx = ex->nextn ? ex->nextn : 1;
-    di_status st = fwd_model_create(rm->w, be, &ex->opt.fwd, &ex->m, err);
+    /* The host logits of a full step must fit this machine before any of it is allocated (the
+     * draft rows' buffer is an upper bound a step touches only in part); the forward checks its
+     * own scratch. */
+    char what[64];
+    snprintf(what, sizeof(what), "logits of steps of %zu rows:", T);
+    di_status st = di_machine_check_memory(what, (uint64_t)T * ex->V * 4, err);
+    if (st == DI_OK)
+        st = fwd_model_create(rm->w, be, &ex->opt.fwd, &ex->m, err);
     if (st == DI_OK)
         st = fwd_run_create(ex->m, &ex->run, err);
     if (st == DI_OK)

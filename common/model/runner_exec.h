@@ -78,7 +78,9 @@ typedef struct runner_token {
 } runner_token;
 
 /* Creates the forward model, run scratch, KV storage and sampler workspace. DI_EINVAL,
- * DI_ENOMEM, or the forward's codes. rm and be must outlive the executor. */
+ * DI_ERANGE (the host logits or scratch of steps of max_rows rows exceed physical memory,
+ * checked before allocating), DI_ENOMEM, or the forward's codes. rm and be must outlive the
+ * executor. */
 di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
                              const runner_exec_options *opt, runner_exec **out, di_error *err);
 void runner_exec_free(runner_exec *ex); /* NULL-safe */

@@ -36,6 +36,7 @@
 
 #include "common/model/config.h"
 #include "common/model/safetensors.h"
+#include "common/model/shard_sums.h"
 #include "common/util/log.h"
 #include "common/util/status.h"
 
@@ -173,6 +174,8 @@ enum {
     MODEL_LOAD_WO_A_BF16 = 1u << 0,  /* materialise wo_a as BF16 (owned) instead of FP8 */
     MODEL_LOAD_PREFAULT = 1u << 1,   /* read every mapped page during the load */
     MODEL_LOAD_ALLOW_EXTRA = 1u << 2, /* unexpected tensors: a warning, not an error */
+    MODEL_LOAD_TRUST_SUMS = 1u << 3, /* do not verify the checksum manifest: take the weights
+                                        fingerprint from it without hashing the shards */
 };
 
 typedef struct model_load_options {
@@ -182,6 +185,7 @@ typedef struct model_load_options {
     const di_logger *log;            /* warnings and debug lines; may be NULL */
     const model_config *config;      /* NULL: read dir/config.json; else use this config
                                         (the directory's config.json is then not read) */
+    uint32_t hash_threads;           /* threads hashing the shards; 0 = one per online CPU */
 } model_load_options;
 
 /* A loaded checkpoint. Read-only after load; any number of threads may read it. */
@@ -198,6 +202,8 @@ typedef struct model_weights {
                                         elements of every checked tensor, scales excluded;
                                         seeded Engram rows included) */
     uint64_t bytes;                  /* data bytes of every checked tensor */
+    shard_sums_result sums;          /* the weights fingerprint (mixed into config.model_id)
+                                        and how it was obtained */
     /* storage (private to the loader) */
     st_index *index;
     st_file **shards;                /* [index->n_shards] */
@@ -206,10 +212,14 @@ typedef struct model_weights {
     model_expert_weights *expert_pool; /* storage of every ffn.experts array */
 } model_weights;
 
-/* Loads the checkpoint in dir. opt may be NULL (defaults). Returns DI_OK; DI_ENOENT (no
- * config.json / index / shard); DI_EINVAL or DI_EUNSUPPORTED (config); DI_ECORRUPT naming the
- * tensor for a missing tensor, a wrong dtype or shape, a truncated or malformed shard, an
- * unexpected tensor (unless MODEL_LOAD_ALLOW_EXTRA); DI_ENOMEM. *out is set only on success;
+/* Loads the checkpoint in dir. opt may be NULL (defaults). Every shard is hashed once (in
+ * parallel, shard_sums.h) for the weights fingerprint and, when the checkpoint has a checksum
+ * manifest, checked against it (unless MODEL_LOAD_TRUST_SUMS); config.model_id then covers the
+ * config and the weights. Returns DI_OK; DI_ENOENT (no config.json / index / shard);
+ * DI_EINVAL or DI_EUNSUPPORTED (config); DI_ECORRUPT naming the tensor for a missing tensor, a
+ * wrong dtype or shape, a truncated or malformed shard, an unexpected tensor (unless
+ * MODEL_LOAD_ALLOW_EXTRA), or naming the shard and byte range that do not match the checksum
+ * manifest; DI_ENOMEM. *out is set only on success;
  * on failure everything mapped or allocated is released. */
 di_status model_weights_load(const char *dir, const model_load_options *opt, model_weights **out,
                              di_error *err);

@@ -281,6 +281,12 @@ static di_status load_into(model_weights *w, const char *dir, const model_load_o
         st = model_manifest_into(&w->config, w, check_spec, &ld, err);
     if (st == DI_OK)
         st = check_extra(&ld, err);
+    /* after the structural checks, which name the tensor; then every byte, once */
+    if (st == DI_OK)
+        st = shard_sums_fingerprint(dir, w->index, opt->hash_threads,
+                                    (opt->flags & MODEL_LOAD_TRUST_SUMS) != 0, &w->sums, err);
+    if (st == DI_OK)
+        w->config.model_id = model_config_id_with_weights(&w->config, w->sums.fingerprint);
     free(ld.used);
     if (st != DI_OK)
         return st;

@@ -320,7 +320,7 @@ static uint32_t ms_until(uint64_t deadline_ns)
  * granted twice ends by its timeout). Alloc and Commit are not: a lost reply would turn into a
  * conflict with the caller's own allocation. */
 static const char *const retry_unavailable[] = {"Connect", "Lookup", "Lease", "Release",
-                                                "Delete", "Abort"};
+                                                "Delete", "Abort", "ReportCorrupt"};
 
 static int may_retry(const char *method)
 {
@@ -708,15 +708,12 @@ static size_t compact_ops(const kvc_client *c, kvc_item *items, ucxt_op *ops, co
     return k;
 }
 
-di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err)
+/* One pass of a get: lease, transfer with verification, release. */
+static di_status get_once(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline,
+                          di_error *err)
 {
-    if (!c)
-        return di_fail(err, DI_EINVAL, "kvc_get: client is NULL");
-    di_status st = check_items(items, n, 1, err);
-    if (st != DI_OK || n == 0)
-        return st;
+    di_status st = DI_OK;
     mark_pending(items, n);
-    uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
     ucxt_op *ops = calloc(n, sizeof(*ops));
     size_t *which = calloc(n, sizeof(*which)), *get_which = calloc(n, sizeof(*get_which));
     uint64_t *ids = calloc(n, sizeof(*ids));
@@ -759,6 +756,62 @@ di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err)
     free(get_which);
     free(ids);
     return st;
+}
+
+/* Tells the store which objects failed verification here; it checks its DRAM copies again
+ * and drops the bad ones. Per-item answers are not needed: the caller reads again. */
+static di_status report_corrupt(kvc_client *c, const kvc_item *items, size_t n,
+                                uint64_t deadline_ns, di_error *err)
+{
+    Di__Kvstore__ObjRef *refs, **ptrs;
+    di_status st = make_refs(items, n, &refs, &ptrs, err);
+    if (st != DI_OK)
+        return st;
+    Di__Kvstore__ReportCorruptRequest req = DI__KVSTORE__REPORT_CORRUPT_REQUEST__INIT;
+    req.n_items = n;
+    req.items = ptrs;
+    Di__Kvstore__ReportCorruptReply *r = NULL;
+    st = call_msg(c, "ReportCorrupt", &req.base, &di__kvstore__report_corrupt_reply__descriptor,
+                  deadline_ns, (ProtobufCMessage **)&r, err);
+    free(refs);
+    free(ptrs);
+    if (st == DI_OK)
+        di__kvstore__report_corrupt_reply__free_unpacked(r, NULL);
+    return st;
+}
+
+di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err)
+{
+    if (!c)
+        return di_fail(err, DI_EINVAL, "kvc_get: client is NULL");
+    di_status st = check_items(items, n, 1, err);
+    if (st != DI_OK || n == 0)
+        return st;
+    uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
+    st = get_once(c, items, n, deadline, err);
+    size_t nbad = 0;
+    for (size_t i = 0; st == DI_OK && i < n; i++)
+        nbad += items[i].status == DI_ECORRUPT;
+    if (nbad == 0)
+        return st;
+    /* A copy failed verification: report it (the store drops a bad DRAM copy) and read those
+     * objects once more, which gets the disk copy, a clean transfer or a miss. */
+    kvc_item *again = calloc(nbad, sizeof(*again));
+    size_t *pos = calloc(nbad, sizeof(*pos));
+    size_t k = 0;
+    for (size_t i = 0; again && pos && i < n; i++)
+        if (items[i].status == DI_ECORRUPT) {
+            pos[k] = i;
+            again[k++] = items[i];
+        }
+    di_error re;
+    if (again && pos && report_corrupt(c, again, nbad, deadline, &re) == DI_OK &&
+        get_once(c, again, nbad, deadline, &re) == DI_OK)
+        for (k = 0; k < nbad; k++)
+            items[pos[k]] = again[k];
+    free(again);
+    free(pos);
+    return DI_OK;
 }
 
 /* Alloc RPC; fills ops for granted items (EEXIST items are done). */
@@ -1030,6 +1083,10 @@ di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l,
         }
         if (c->o.verify)
             job_verify(&b, 0);
+    }
+    if (it.status == DI_ECORRUPT) {
+        di_error re; /* the store drops a bad DRAM copy once this lease ends */
+        report_corrupt(c, &it, 1, deadline, &re);
     }
     if (it.status != DI_OK && err)
         *err = it.error;

@@ -104,7 +104,10 @@ typedef struct kvc_item {
 
 /* Reads up to KVC_MAX_BATCH objects into their buffers. Items that fail (not stored, buffer
  * too small, failed verification) have their own status; a failure of the whole batch
- * (store unreachable, deadline) is returned and marks every item with it. */
+ * (store unreachable, deadline) is returned and marks every item with it. An object that fails
+ * verification is reported to the store (ReportCorrupt: the store checks its DRAM copy and
+ * drops it if bad) and read once more, which returns the disk copy, a miss, or DI_ECORRUPT
+ * again; a corrupt object is never returned as DI_OK. */
 di_status kvc_get(kvc_client *c, kvc_item *items, size_t n, di_error *err);
 /* Writes up to KVC_MAX_BATCH objects (each a full object with its kv_header). An item is
  * DI_OK once durable at the store's level, DI_EEXIST when already stored. */
@@ -133,7 +136,8 @@ typedef struct kvc_lease {
 di_status kvc_acquire(kvc_client *c, int cls, const kvkey *key, uint32_t lease_ms, kvc_lease *out,
                       di_error *err);
 /* Copies a leased object into buf with verification (unless verify is off). DI_OK,
- * DI_ERANGE (buf too small), DI_ECORRUPT (failed verification), DI_EUNAVAIL (connection lost:
+ * DI_ERANGE (buf too small), DI_ECORRUPT (failed verification; reported to the store, which
+ * drops a bad DRAM copy once the lease ends: acquire again), DI_EUNAVAIL (connection lost:
  * acquire again), DI_ETIMEDOUT. buf is written even on failure. */
 di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l, void *buf,
                    uint64_t cap, di_error *err);

@@ -2,6 +2,8 @@
 
 #include <string.h>
 
+#include "common/util/hostport.h"
+
 di_status svc_engine_check(const svc_engine_opts *o, di_error *err)
 {
     if (!o->model_dir == !o->config)
@@ -16,14 +18,12 @@ di_status svc_engine_check(const svc_engine_opts *o, di_error *err)
     if (o->kvstore_token && !o->kvstore)
         return di_fail(err, DI_EINVAL, "a store token (--kvstore-token-file or "
                                        "$DI_KVSTORE_TOKEN) without --kvstore");
-    if (o->kvstore) {
-        int port = 0;
-        di_status st = svc_parse_hostport(o->kvstore, NULL, 0, &port, err);
-        if (st != DI_OK)
+    if (o->kvstore) { /* a listen address may say port 0, the store's address may not */
+        di_status st = di_hostport_parse(o->kvstore, false, NULL, err);
+        if (st != DI_OK) {
+            di_error_prefix(err, "--kvstore: ");
             return st;
-        if (port == 0)
-            return di_fail(err, DI_EINVAL, "--kvstore %s: the store's port cannot be 0",
-                           o->kvstore);
+        }
     }
     return DI_OK;
 }

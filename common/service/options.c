@@ -8,6 +8,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "common/util/hostport.h"
+
 /* ------------------------------------------------------------------ values */
 
 /* A number followed by one of the unit suffixes, scaled. */
@@ -63,36 +65,17 @@ di_status svc_parse_duration(const char *s, uint64_t *ms, di_error *err)
 di_status svc_parse_hostport(const char *s, char *host, size_t host_len, int *port,
                              di_error *err)
 {
-    if (!s || !*s)
-        return di_fail(err, DI_EINVAL, "an empty HOST:PORT");
-    const char *h = s, *colon;
-    size_t hn;
-    if (s[0] == '[') {
-        const char *close = strchr(s, ']');
-        if (!close || close[1] != ':')
-            return di_fail(err, DI_EINVAL, "\"%s\" is not [IPv6]:PORT", s);
-        h = s + 1;
-        hn = (size_t)(close - h);
-        colon = close + 1;
-    } else {
-        colon = strrchr(s, ':');
-        if (!colon)
-            return di_fail(err, DI_EINVAL, "\"%s\" has no :PORT", s);
-        if (memchr(s, ':', (size_t)(colon - s)))
-            return di_fail(err, DI_EINVAL, "\"%s\": write an IPv6 host in brackets", s);
-        hn = (size_t)(colon - s);
+    di_hostport hp;
+    di_status st = di_hostport_parse(s, true, &hp, err);
+    if (st != DI_OK)
+        return st;
+    /* The host without the brackets of an IPv6 address. */
+    const char *h = hp.host;
+    size_t hn = strlen(h);
+    if (h[0] == '[') {
+        h++;
+        hn -= 2;
     }
-    if (hn == 0)
-        return di_fail(err, DI_EINVAL, "\"%s\" has no host", s);
-    for (size_t i = 0; i < hn; i++)
-        if (!isalnum((unsigned char)h[i]) && !strchr(".-_:", h[i]))
-            return di_fail(err, DI_EINVAL, "\"%s\": bad character in the host", s);
-    const char *p = colon + 1;
-    if (!*p || strspn(p, "0123456789") != strlen(p) || strlen(p) > 5)
-        return di_fail(err, DI_EINVAL, "\"%s\": the port must be a number 0..65535", s);
-    long v = strtol(p, NULL, 10);
-    if (v > 65535)
-        return di_fail(err, DI_ERANGE, "\"%s\": port %ld is outside 0..65535", s, v);
     if (host) {
         if (hn + 1 > host_len)
             return di_fail(err, DI_ERANGE, "\"%s\": the host is too long", s);
@@ -100,17 +83,14 @@ di_status svc_parse_hostport(const char *s, char *host, size_t host_len, int *po
         host[hn] = '\0';
     }
     if (port)
-        *port = (int)v;
+        *port = hp.port;
     return DI_OK;
 }
 
 int svc_hostport_is_loopback(const char *s)
 {
-    char host[256];
-    if (svc_parse_hostport(s, host, sizeof(host), NULL, NULL) != DI_OK)
-        return 0;
-    return strncmp(host, "127.", 4) == 0 || strcmp(host, "::1") == 0 ||
-           strcmp(host, "localhost") == 0;
+    di_hostport hp;
+    return di_hostport_parse(s, true, &hp, NULL) == DI_OK && di_hostport_is_loopback(&hp);
 }
 
 /* ------------------------------------------------------------------ secrets */
@@ -169,15 +149,18 @@ static void *field(const svc_opt *o, void *opts)
     return (char *)opts + o->offset;
 }
 
-static di_status in_bounds(const svc_opt *o, double v, const char *text, di_error *err)
+/* The value in the unit of the field (the form every binary's range errors take). */
+static di_status in_bounds(const svc_opt *o, double v, di_error *err)
 {
     if (v >= o->min && (o->max == 0 || v <= o->max))
         return DI_OK;
+    const char *unit = o->kind == SVC_OPT_DURATION ? " ms" : o->kind == SVC_OPT_SIZE ? " bytes"
+                                                                                      : "";
     if (o->max == 0)
-        return di_fail(err, DI_ERANGE, "--%s: %s is below the least value %.15g", o->name, text,
-                       o->min);
-    return di_fail(err, DI_ERANGE, "--%s: %s is outside %.15g..%.15g", o->name, text, o->min,
-                   o->max);
+        return di_fail(err, DI_ERANGE, "--%s: %.15g%s is below the least, %.15g%s", o->name, v,
+                       unit, o->min, unit);
+    return di_fail(err, DI_ERANGE, "--%s: %.15g%s is outside [%.15g, %.15g]", o->name, v, unit,
+                   o->min, o->max);
 }
 
 static int choice_ok(const char *choices, const char *v)
@@ -294,7 +277,7 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         long long x = strtoll(v, &end, 10);
         if (!*v || *end || errno)
             return di_fail(err, DI_EINVAL, "--%s: \"%s\" is not an integer", o->name, v);
-        di_status st = in_bounds(o, (double)x, v, err);
+        di_status st = in_bounds(o, (double)x, err);
         if (st == DI_OK)
             *(int64_t *)f = x;
         return st;
@@ -305,7 +288,7 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         double x = strtod(v, &end);
         if (!*v || *end || errno || !isfinite(x))
             return di_fail(err, DI_EINVAL, "--%s: \"%s\" is not a number", o->name, v);
-        di_status st = in_bounds(o, x, v, err);
+        di_status st = in_bounds(o, x, err);
         if (st == DI_OK)
             *(double *)f = x;
         return st;
@@ -316,7 +299,7 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         uint64_t u = 0;
         di_status st = unsigned_value(o, v, &u, err);
         if (st == DI_OK)
-            st = in_bounds(o, (double)u, v, err);
+            st = in_bounds(o, (double)u, err);
         if (st == DI_OK)
             *(uint64_t *)f = u;
         return st;

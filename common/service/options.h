@@ -3,8 +3,8 @@
  * metavar, help. Parsing, validation, defaults and --help are all generated from the rows.
  *
  * Values: sizes take units (4096, 64KiB, 1.5GiB, 2G: powers of 1024), durations take units
- * (500ms, 60s, 10m, 2h, 3d; a bare number is ms), HOST:PORT is checked (a host, or [v6] in
- * brackets, and a port 0..65535), input files must be readable when parsed, directories must
+ * (500ms, 60s, 10m, 2h, 3d; a bare number is ms), HOST:PORT is checked by the project's one
+ * parser (common/util/hostport.h: a host, or [v6] in brackets, and a port 0..65535), input files must be readable when parsed, directories must
  * exist, output files must have an existing directory. Secrets never come from argv: a SECRET
  * row's value is the path of a file whose first line is the secret; without the option, the
  * row's environment variable is read. String values point into argv (they live as long as
@@ -72,7 +72,8 @@ void svc_opts_print(FILE *f, const svc_opt *rows, size_t n);
 /* Value parsers, also for programs' own checks. Outputs written only on success. */
 di_status svc_parse_size(const char *s, uint64_t *bytes, di_error *err);
 di_status svc_parse_duration(const char *s, uint64_t *ms, di_error *err);
-/* "127.0.0.1:8000", "localhost:0", "[::1]:9000". host receives the host without brackets. */
+/* "127.0.0.1:8000", "localhost:0", "[::1]:9000", checked by the project's one HOST:PORT parser
+ * (common/util/hostport.h, port 0 allowed). host receives the host without brackets. */
 di_status svc_parse_hostport(const char *s, char *host, size_t host_len, int *port,
                              di_error *err);
 /* 1 when a HOST:PORT names a loopback host (127.0.0.0/8, ::1, localhost). */

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include "common/util/clock.h"
+#include "common/util/outclose.h"
 
 /* After the drain deadline, how long stop may take to cancel what is left before the process
  * gives up on it, ms. */
@@ -77,6 +78,24 @@ static void *drain_main(void *arg)
     atomic_store(&j->done, 1);
     pthread_kill(j->main_thread, SIGUSR1);
     return NULL;
+}
+
+/* Waits for a stop signal, running the tick meanwhile; returns the signal. */
+static int wait_stop(const svc_spec *sp, const svc_ctx *ctx, const sigset_t *stop_sigs)
+{
+    if (!sp->tick || sp->tick_ms == 0) {
+        int sig = 0;
+        sigwait(stop_sigs, &sig);
+        return sig;
+    }
+    const struct timespec every = {.tv_sec = sp->tick_ms / 1000,
+                                   .tv_nsec = (long)(sp->tick_ms % 1000) * 1000000L};
+    for (;;) {
+        int sig = sigtimedwait(stop_sigs, NULL, &every);
+        if (sig > 0)
+            return sig;
+        sp->tick(sp->app, ctx);
+    }
 }
 
 /* Waits for the drain, a second signal or the deadline (plus the margin). Returns 0 when the
@@ -147,11 +166,7 @@ static int parse_options(const svc_spec *sp, int argc, char **argv)
     if (help) {
         print_usage(sp);
         svc_opts_free(sp->rows, sp->n_rows, sp->opts);
-        if (fflush(stdout) != 0 || ferror(stdout)) {
-            fprintf(stderr, "%s: cannot write the help: %s\n", sp->name, strerror(errno));
-            return 1;
-        }
-        return 0;
+        return di_close_stdout(sp->name, 0); /* 1 when the help could not be written */
     }
     if (next < argc) {
         di_fail(&e, DI_EINVAL, "unexpected argument \"%s\" (see --help)", argv[next]);
@@ -207,14 +222,13 @@ int svc_main(const svc_spec *sp, int argc, char **argv)
         if (b->port_file)
             unlink(b->port_file);
         svc_opts_free(sp->rows, sp->n_rows, sp->opts);
-        return st == DI_EINVAL ? 2 : 1;
+        return st == DI_EINVAL || st == DI_ERANGE ? 2 : 1;
     }
     di_log(&ctx.log, DI_LOG_INFO, "serving on %s (port %d)", b->listen, port);
 
     sigset_t stop_sigs = sigs;
     sigdelset(&stop_sigs, SIGUSR1);
-    int sig = 0;
-    sigwait(&stop_sigs, &sig);
+    int sig = wait_stop(sp, &ctx, &stop_sigs);
     uint64_t deadline = di_mono_ns() + b->drain_ms * 1000000ull;
     di_log(&ctx.log, DI_LOG_INFO, "signal %d: draining (up to %llums)", sig,
            (unsigned long long)b->drain_ms);

@@ -12,7 +12,7 @@
  *
  * Exit codes (returned by svc_main; main returns them): 0 after a clean drain, 1 for a
  * failure while starting or a drain that missed its deadline (or a second signal during it),
- * 2 for a usage error (bad option or value). Every failure prints one line
+ * 2 for a usage error (bad option or value, or a start that fails with DI_EINVAL/DI_ERANGE). Every failure prints one line
  * "NAME: what: why" on stderr.
  */
 #ifndef DI_SERVICE_SERVICE_H
@@ -66,9 +66,14 @@ typedef struct svc_spec {
     size_t base_offset;     /* offsetof the svc_base_opts member in it */
     void *app;              /* handed to the callbacks */
     /* Checks options beyond the table, opens resources and starts serving; *port receives the
-     * bound port. DI_EINVAL is reported as a usage error (exit 2), anything else exit 1. The
+     * bound port. DI_EINVAL and DI_ERANGE (a bad value, or a size this machine cannot hold)
+     * are usage errors (exit 2), anything else exit 1. The
      * message is printed once by svc_main; start must not print it. May be NULL. */
     di_status (*start)(void *app, const svc_ctx *ctx, int *port, di_error *err);
+    /* Periodic work while serving (load reports, counts of rate-limited logs), every tick_ms on
+     * the main thread; not during the drain. May be NULL. */
+    void (*tick)(void *app, const svc_ctx *ctx);
+    uint32_t tick_ms;       /* 0: no tick */
     /* Stops taking work, finishes or fails the work in flight with a clear status by
      * deadline_ns (di_mono_ns time), and returns. Runs on its own thread. May be NULL. */
     void (*drain)(void *app, const svc_ctx *ctx, uint64_t deadline_ns);

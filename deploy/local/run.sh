@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on one machine, everything on loopback, small model on the CPU backend:
 #   1. builds the project (build/);
-#   2. starts the KV store (di-kvstore) with engine and admin tokens, RocksDB in a temp dir;
+#   2. writes a random-weight `demo` checkpoint (di-mkmodel, with its checksum manifest) and
+#      starts the KV store (di-kvstore) for it with engine and admin tokens, RocksDB in a temp dir;
 #   3. generates text with the offline NORMAL engine (di-generate: scheduler, V4.1 forward on the
 #      CPU, speculative decoding with the draft model, sampler) on the `demo` config (random
 #      weights, the DeepSeek tokenizer's vocabulary), twice on the same long prompt with the KV
@@ -36,7 +37,7 @@ if [ ! -f build/build.ninja ]; then
 fi
 ninja -C build >/dev/null
 for b in kvstore/di-kvstore kvstore/di-kvctl tools/generate/di-generate \
-         tools/sim/di-sim tools/plan/di-plan; do
+         tools/mkmodel/di-mkmodel tools/sim/di-sim tools/plan/di-plan; do
   [ -x "build/$b" ] || { echo "run.sh: build/$b was not built (missing dependencies? run deploy/local/install-deps.sh)" >&2; exit 1; }
 done
 tok=data/tokenizer/deepseek-v3/tokenizer.json
@@ -54,11 +55,14 @@ cleanup() {
 }
 trap cleanup EXIT
 
-step "KV store on loopback"
+step "a random-weight demo checkpoint with its checksum manifest: di-mkmodel demo"
+build/tools/mkmodel/di-mkmodel --quiet demo "$work/demo"
+
+step "KV store on loopback, for that checkpoint (model id from its config and manifest)"
 head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/engine.token"
 head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/admin.token"
 build/kvstore/di-kvstore --dir "$work/kv" --listen 127.0.0.1:0 --port-file "$work/port" \
-  --geometry demo --token-file "$work/engine.token" --admin-token-file "$work/admin.token" \
+  --model "$work/demo" --token-file "$work/engine.token" --admin-token-file "$work/admin.token" \
   --dram-bytes 64MiB --disk-bytes 1GiB --log-level warn >"$work/kvstore.log" 2>&1 &
 store_pid=$!
 for _ in $(seq 1 200); do
@@ -70,16 +74,16 @@ done
 addr=127.0.0.1:$(cat "$work/port")
 echo "di-kvstore serving on $addr (pid $store_pid, data in $work/kv)"
 
-step "generate twice with the KV store: di-generate --config demo (random weights, so the text is noise)"
+step "generate twice with the KV store: di-generate --model demo (random weights, so the text is noise)"
 # a long system prompt (whole 128-token blocks to cache) and the question
 system=$(for i in $(seq 1 30); do printf 'Rule %d: answer briefly, and name the source of every number you give. ' "$i"; done)
 printf '%s Question: %s' "$system" "$prompt" >"$work/prompt.txt"
 for run in 1 2; do
   echo "-- run $run"
-  build/tools/generate/di-generate --config demo --prompt "$(cat "$work/prompt.txt")" \
+  build/tools/generate/di-generate --model "$work/demo" --prompt "$(cat "$work/prompt.txt")" \
     --max-tokens 24 --temperature 0.8 --seed 7 --kvstore "$addr" \
     --kvstore-token-file "$work/engine.token" >"$work/run$run.out" 2>"$work/run$run.err"
-  grep -E 'prompt 1:|KV store:|prefill|warning' "$work/run$run.err" | sed 's/^di-generate: /  /'
+  grep -E 'model id|prompt 1:|KV store:|prefill|warning' "$work/run$run.err" | sed 's/^di-generate: /  /'
   grep '^text' "$work/run$run.out" | sed 's/^/  /'
 done
 if cmp -s "$work/run1.out" "$work/run2.out"; then echo "same tokens and text in both runs"

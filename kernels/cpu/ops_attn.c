@@ -3,11 +3,18 @@
  * Phase 1 decodes every cache entry the call reads exactly once (window positions of each
  * sequence, the union of its rows' compressed picks) into fp32; phase 2 computes each row
  * from those, in parallel over rows. A row's result does not depend on the other rows.
+ *
+ * Each row follows the reference kernel's numerics (MODEL.md §2.5): its key slots (the window
+ * slots, empty ones included, then the compressed picks, -1 included) are walked in blocks of
+ * ATTN_BLOCK with a running fp32 max and an fp32 denominator of the fp32 probabilities, while
+ * the numerator takes each probability rounded to BF16 before the product with its value.
  */
 #include <stdlib.h>
 
 #include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/simd.h"
+
+#define ATTN_BLOCK 64u          /* key slots per softmax block */
 
 typedef struct seq_buf {
     double *win;                /* [n_win, hd] window entries (widened) */
@@ -150,7 +157,8 @@ typedef struct row_scratch {
     float *s;
     float *qf;
     double *qd;
-    double *o;
+    double *o;                  /* [hd] one block's sum of bf16(p) * kv */
+    float *acc;                 /* [hd] the running numerator */
 } row_scratch;
 
 static void attn_row(attn_job *j, uint32_t t, row_scratch *sc)
@@ -166,36 +174,50 @@ static void attn_row(attn_job *j, uint32_t t, row_scratch *sc)
     } else {
         for (int64_t w = window_lo_of(p, q, pos); w <= pos; w++)
             sc->ents[n++] = b->win + (size_t)(w - b->wlo) * hd;
+        while (n < p->window) /* empty window slots */
+            sc->ents[n++] = NULL;
     }
     if (p->topk) {
         const int32_t *ids = p->topk + (size_t)t * p->topk_n;
         for (uint32_t i = 0; i < p->topk_n; i++)
-            if (ids[i] >= 0)
-                sc->ents[n++] = b->comp + (size_t)b->cmap[ids[i]] * hd;
+            sc->ents[n++] = ids[i] >= 0 ? b->comp + (size_t)b->cmap[ids[i]] * hd : NULL;
     }
     assert(n <= j->max_ents);
     for (uint32_t h = 0; h < p->n_heads; h++) {
         const uint16_t *qh = p->q + ((size_t)t * p->n_heads + h) * hd;
         cpu_bf16_to_f32(qh, sc->qf, hd);
         cpu_widen(sc->qf, sc->qd, hd);
-        /* s_e = fp32(fp32(q . kv_e) * scale); softmax with the sink in double */
-        float mx = -1e30f;
-        for (uint32_t e = 0; e < n; e++) {
-            sc->s[e] = (float)cpu_dotd(sc->qd, sc->ents[e], hd) * p->scale;
-            if (sc->s[e] > mx)
-                mx = sc->s[e];
+        float m = -1e30f, sum = 0.0f;
+        for (uint32_t d = 0; d < hd; d++)
+            sc->acc[d] = 0.0f;
+        for (uint32_t b0 = 0; b0 < n; b0 += ATTN_BLOCK) {
+            uint32_t b1 = b0 + ATTN_BLOCK < n ? b0 + ATTN_BLOCK : n;
+            float mb = m;
+            for (uint32_t e = b0; e < b1; e++) {
+                if (!sc->ents[e])
+                    continue;
+                sc->s[e] = (float)cpu_dotd(sc->qd, sc->ents[e], hd) * p->scale;
+                mb = sc->s[e] > mb ? sc->s[e] : mb;
+            }
+            float alpha = (float)exp((double)(m - mb));
+            double psum = 0.0;
+            memset(sc->o, 0, hd * sizeof(double));
+            for (uint32_t e = b0; e < b1; e++) {
+                if (!sc->ents[e])
+                    continue;
+                float pe = (float)exp((double)(sc->s[e] - mb));
+                psum += pe;
+                cpu_axpyd(sc->o, sc->ents[e], di_bf16_round(pe), hd);
+            }
+            sum = sum * alpha + (float)psum;
+            for (uint32_t d = 0; d < hd; d++)
+                sc->acc[d] = sc->acc[d] * alpha + (float)sc->o[d];
+            m = mb;
         }
-        memset(sc->o, 0, hd * sizeof(double));
-        double sum = 0.0;
-        for (uint32_t e = 0; e < n; e++) {
-            double pe = exp((double)sc->s[e] - (double)mx);
-            sum += pe;
-            cpu_axpyd(sc->o, sc->ents[e], pe, hd);
-        }
-        double denom = sum + exp((double)p->sink[h] - (double)mx);
+        sum += (float)exp((double)(p->sink[h] - m));
         uint16_t *out = p->out + ((size_t)t * p->n_heads + h) * hd;
         for (uint32_t d = 0; d < hd; d++)
-            out[d] = to_bf((float)(sc->o[d] / denom));
+            out[d] = to_bf(sc->acc[d] / sum);
     }
 }
 
@@ -209,7 +231,8 @@ static void attn_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     sc.s = malloc((size_t)j->max_ents * sizeof(float));
     sc.qf = cpu_xmalloc((size_t)hd * sizeof(float));
     sc.o = cpu_xmalloc((size_t)hd * sizeof(double));
-    assert(sc.ents && sc.s && sc.qf && sc.qd && sc.o);
+    sc.acc = cpu_xmalloc((size_t)hd * sizeof(float));
+    assert(sc.ents && sc.s && sc.qf && sc.qd && sc.o && sc.acc);
     for (uint32_t t = r0; t < r1; t++)
         attn_row(j, t, &sc);
     free(sc.ents);
@@ -217,6 +240,7 @@ static void attn_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
     free(sc.qf);
     free(sc.qd);
     free(sc.o);
+    free(sc.acc);
 }
 
 static di_status cpu_sparse_attn(void *ctx, const kern_sparse_attn *p)

@@ -120,8 +120,8 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
         const uint16_t *w = p->w + (size_t)t * nh;
         double hw[256];
         assert(nh <= 256);
-        for (uint32_t h = 0; h < nh; h++) /* fp32(bf16 weight * the exact scale) */
-            hw[h] = (float)((double)bf(w[h]) * p->w_scale);
+        for (uint32_t h = 0; h < nh; h++) /* bf16(bf16 weight * the exact scale) */
+            hw[h] = di_bf16_round((float)((double)bf(w[h]) * p->w_scale));
         cpu_bf16_to_f32(p->q + (size_t)t * nh * hd, qf, (size_t)nh * hd);
         cpu_widen(qf, qd, (size_t)nh * hd);
         for (int32_t e = 0; e < j->max_vis; e++) {
@@ -131,12 +131,12 @@ static void iscore_rows(void *arg, uint32_t r0, uint32_t r1, uint32_t worker)
                 continue;
             }
             const double *k = b->keys + (size_t)e * hd;
-            double acc = 0.0;
+            float acc = 0.0f;
             for (uint32_t h = 0; h < nh; h++) {
-                float d = (float)cpu_dotd(qd + (size_t)h * hd, k, hd);
-                acc += hw[h] * (double)(d > 0.0f ? d : 0.0f);
+                float d = di_bf16_round((float)cpu_dotd(qd + (size_t)h * hd, k, hd));
+                acc += di_bf16_round((float)hw[h] * (d > 0.0f ? d : 0.0f));
             }
-            out[e] = di_bf16_round((float)acc);
+            out[e] = di_bf16_round(acc);
         }
     }
     free(qf);

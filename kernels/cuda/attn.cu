@@ -6,17 +6,22 @@
  *
  * One CTA per (row, group of ATTN_HG = 16 heads), ATTN_WARPS warps, tensor cores through WMMA
  * (bf16 operands, fp32 accumulation):
- *  1. the row's entry list (addresses and formats) in shared memory; top-k ids of -1 and ids
- *     past the block table are dropped (the twin skips -1 and asserts the rest);
+ *  1. the row's entry list (addresses, formats and the 64-slot block of each entry's key slot)
+ *     in shared memory; top-k ids of -1 and ids past the block table are dropped (the twin
+ *     keeps -1 as empty slots and asserts the rest);
  *  2. scores: for each tile of ATTN_TE entries, the entries are decoded into bf16 (E4M3 x UE8M0
  *     ring entries and E2M1 x E4M3 compressed entries are exact in bf16) and S = Q K^T is one
  *     16 x 16 tile per warp; s = fp32(S * scale);
- *  3. softmax with the sink in fp32: M = max(-1e30, max s), p = exp(s - M), denominator
- *     sum p + exp(sink - M); p is split into p_hi = bf16(p) and p_lo = bf16(p - p_hi), so the
- *     product below carries about 16 bits of p instead of bf16's 8;
- *  4. O = p_hi V + p_lo V, the tiles decoded again; out = bf16(O / denominator).
- * Against the twin (double sums, exp in double): the dot products are exact products summed in
- * fp32 in another order, and p carries ~2^-16 relative error; outputs agree well within
+ *  3. softmax with the sink, the reference kernel's rounding (MODEL.md §2.5 (a)-(d)): m_b = the
+ *     running max (from -1e30) after key-slot block b, M the last; p = fp32 exp(s - m_b) for
+ *     an entry of block b, weight w = bf16(p) * exp(m_b - M) (the rescalings the blockwise
+ *     walk applies later, as one factor), denominator sum p * exp(m_b - M) + exp(sink - M);
+ *     w is split into w_hi = bf16(w) and w_lo = bf16(w - w_hi): with one block (or a max that
+ *     the first block already holds) w = bf16(p) exactly and w_lo = 0;
+ *  4. O = w_hi V + w_lo V, the tiles decoded again; out = bf16(O / denominator).
+ * Against the twin (blockwise fp32 walk, exp in double): the dot products are exact products
+ * summed in fp32 in another order, the rescaling chain is one fp32 factor, and a weight carries
+ * ~2^-16 relative error where the max moved between blocks; outputs agree well within
  * kernels.h's abs 2e-2 and cosine 0.9999 per head. Each row's arithmetic does not depend on
  * the other rows of the call. */
 #include <assert.h>
@@ -42,6 +47,8 @@ using namespace nvcuda;
 #define ATTN_MAX_NJ (ATTN_MAX_HD / 16 / ATTN_WARPS) /* output column tiles per warp */
 #define ATTN_LANES (ATTN_THREADS / ATTN_HG)   /* softmax lanes per head */
 #define ATTN_SMEM_LIMIT (227 * 1024)
+#define ATTN_BLOCK 64                         /* key slots per softmax block */
+#define ATTN_MAX_BLK 128                      /* blocks per row at most (fmt holds 7 bits) */
 
 typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> frag_a;
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> frag_bt;
@@ -71,7 +78,7 @@ typedef struct attn_args {
 
 /* Byte offsets of the shared buffers for a head width and entry capacity. */
 typedef struct attn_smem {
-    size_t q, k, s, ph, pl, ptr, fmt, lut, misc, total;
+    size_t q, k, s, ph, pl, ptr, fmt, lut, blk, misc, total;
 } attn_smem;
 
 static __host__ __device__ size_t smem_round(size_t b)
@@ -91,7 +98,8 @@ static __host__ __device__ attn_smem attn_layout(uint32_t hd, uint32_t ne_pad)
     L.ptr = L.pl + smem_round((size_t)ATTN_HG * ne_pad * 2);
     L.fmt = L.ptr + smem_round((size_t)ne_pad * sizeof(void *));
     L.lut = L.fmt + smem_round(ne_pad);
-    L.misc = L.lut + smem_round((256 + 16) * 4);
+    L.blk = L.lut + smem_round((256 + 16) * 4);
+    L.misc = L.blk + smem_round(((size_t)ATTN_HG * ATTN_MAX_BLK + ATTN_MAX_BLK + 1) * 4);
     L.total = L.misc + smem_round((ATTN_HG + 8) * 4);
     return L;
 }
@@ -104,8 +112,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float a, float b)
 }
 
 /* Decodes entries e0 .. e0 + ATTN_TE - 1 of the list into Ks [ATTN_TE][ldq] bf16 (zeros past
- * n_ent). Format 0: ring entry (hd E4M3, hd/32 UE8M0); 1: compressed (hd/2 packed E2M1, hd/16
- * E4M3). Eight numbers per thread and step. */
+ * n_ent). Format (fmt bit 0) 0: ring entry (hd E4M3, hd/32 UE8M0); 1: compressed (hd/2 packed
+ * E2M1, hd/16 E4M3). Eight numbers per thread and step. */
 __device__ void decode_tile(const uint8_t *const *ptr, const uint8_t *fmt, uint32_t e0,
                             uint32_t n_ent, uint32_t hd, uint16_t *Ks, uint32_t ldq,
                             const float *lut8, const float *lut4)
@@ -116,7 +124,7 @@ __device__ void decode_tile(const uint8_t *const *ptr, const uint8_t *fmt, uint3
         uint32_t w[4] = {0u, 0u, 0u, 0u};
         if (e0 + e < n_ent) {
             const uint8_t *src = ptr[e0 + e];
-            if (fmt[e0 + e] == 0) {
+            if ((fmt[e0 + e] & 1u) == 0) {
                 float s = dev_ue8m0_decode(src[hd + c / 32]);
 #pragma unroll
                 for (int k = 0; k < 4; k++)
@@ -146,7 +154,10 @@ __device__ __forceinline__ int64_t window_first(const attn_args &a, const cuda_s
 }
 
 /* The row's entry list: window entries (threads in parallel), then the valid top-k ids
- * compacted in list order by warp 0. Returns the entry count (all threads). */
+ * compacted in list order by warp 0. fmt[i] = format | block << 1, block = the entry's key
+ * slot / ATTN_BLOCK: window slots first (a normal row's window takes `window` slots, empty ones
+ * included), then one slot per top-k position, -1 included. Returns the entry count (all
+ * threads). */
 __device__ uint32_t build_entries(const attn_args &a, uint32_t t, const uint8_t **ptr,
                                   uint8_t *fmt, uint32_t *misc)
 {
@@ -175,11 +186,12 @@ __device__ uint32_t build_entries(const attn_args &a, uint32_t t, const uint8_t 
                 src = s.slot + a.ring_offset + (size_t)((uint64_t)w % a.ring_positions) * eb;
         }
         ptr[i] = src;
-        fmt[i] = 0;
+        fmt[i] = (uint8_t)(i / ATTN_BLOCK << 1);
     }
     if (threadIdx.x < 32) {
         const uint32_t lane = threadIdx.x;
         uint32_t n = 0;
+        const uint32_t slot0 = s.ring_hi >= 0 ? n_win : a.window; /* first top-k slot */
         for (uint32_t i0 = 0; a.topk && i0 < a.topk_n; i0 += 32) {
             const uint8_t *src = NULL;
             if (i0 + lane < a.topk_n) {
@@ -192,7 +204,7 @@ __device__ uint32_t build_entries(const attn_args &a, uint32_t t, const uint8_t 
             if (src) {
                 uint32_t at = n_win + n + (uint32_t)__popc(m & ((1u << lane) - 1u));
                 ptr[at] = src;
-                fmt[at] = 1;
+                fmt[at] = (uint8_t)(1u | (slot0 + i0 + lane) / ATTN_BLOCK << 1);
             }
             n += (uint32_t)__popc(m);
         }
@@ -220,6 +232,8 @@ sparse_attn_kernel(attn_args a)
     const uint8_t **ptr = (const uint8_t **)(attn_smem_buf + L.ptr);
     uint8_t *fmt = attn_smem_buf + L.fmt;
     float *lut8 = (float *)(attn_smem_buf + L.lut), *lut4 = lut8 + 256;
+    float *runmax = (float *)(attn_smem_buf + L.blk);          /* [ATTN_HG][ATTN_MAX_BLK] */
+    uint32_t *bstart = (uint32_t *)(runmax + ATTN_HG * ATTN_MAX_BLK); /* first entry of block */
     float *denom = (float *)(attn_smem_buf + L.misc);
     uint32_t *misc = (uint32_t *)(denom + ATTN_HG);
 
@@ -232,6 +246,16 @@ sparse_attn_kernel(attn_args a)
     }
     const uint32_t n_ent = build_entries(a, t, ptr, fmt, misc);
     const uint32_t n_tiles = (n_ent + ATTN_TE - 1) / ATTN_TE;
+    const uint32_t n_blk = n_ent ? (fmt[n_ent - 1] >> 1) + 1u : 0u;
+    if (threadIdx.x == 0) { /* entries are in slot order: each block is a range of entries */
+        uint32_t b = 0;
+        for (uint32_t e = 0; e < n_ent; e++)
+            while (b <= (uint32_t)(fmt[e] >> 1))
+                bstart[b++] = e;
+        while (b <= n_blk)
+            bstart[b++] = n_ent;
+    }
+    __syncthreads();
 
     /* scores: S[h][e] = q_h . k_e */
     for (uint32_t tile = 0; tile < n_tiles; tile++) {
@@ -258,28 +282,43 @@ sparse_attn_kernel(attn_args a)
     {
         const uint32_t h = threadIdx.x / ATTN_LANES, sub = threadIdx.x % ATTN_LANES;
         float *Sh = S + (size_t)h * ne_pad;
-        float mx = -1e30f;
-        for (uint32_t e = sub; e < n_ent; e += ATTN_LANES) {
-            float s = __fmul_rn(Sh[e], a.scale);
-            Sh[e] = s;
-            mx = s > mx ? s : mx;
+        float *rm = runmax + (size_t)h * ATTN_MAX_BLK;
+        float m = -1e30f;
+        for (uint32_t b = 0; b < n_blk; b++) { /* the running max after each block */
+            for (uint32_t e = bstart[b] + sub; e < bstart[b + 1]; e += ATTN_LANES) {
+                float s = __fmul_rn(Sh[e], a.scale);
+                Sh[e] = s;
+                m = s > m ? s : m;
+            }
+            for (int off = ATTN_LANES / 2; off > 0; off /= 2) {
+                float o = __shfl_xor_sync(0xffffffffu, m, off);
+                m = o > m ? o : m;
+            }
+            rm[b] = m;  /* every lane of the head writes the same value */
         }
-        for (int off = ATTN_LANES / 2; off > 0; off /= 2) {
-            float o = __shfl_xor_sync(0xffffffffu, mx, off);
-            mx = o > mx ? o : mx;
-        }
+        __syncwarp();
+        const float mx = m;
         float sum = 0.0f;
         for (uint32_t e = sub; e < n_tiles * ATTN_TE; e += ATTN_LANES) {
-            float p = e < n_ent ? expf(Sh[e] - mx) : 0.0f;
-            uint16_t hi = dev_f32_to_bf16(p);
+            float p = 0.0f, w = 0.0f;
+            if (e < n_ent) {
+                const float mb = rm[fmt[e] >> 1];
+                const float f = (float)exp((double)__fsub_rn(mb, mx));
+                p = (float)exp((double)__fsub_rn(Sh[e], mb));
+                w = __fmul_rn(dev_bf16_to_f32(dev_f32_to_bf16(p)), f);
+                p = __fmul_rn(p, f);
+            }
+            uint16_t hi = dev_f32_to_bf16(w);
             Ph[(size_t)h * ne_pad + e] = hi;
-            Pl[(size_t)h * ne_pad + e] = dev_f32_to_bf16(p - dev_bf16_to_f32(hi));
+            Pl[(size_t)h * ne_pad + e] = dev_f32_to_bf16(__fsub_rn(w, dev_bf16_to_f32(hi)));
             sum += p;
         }
         for (int off = ATTN_LANES / 2; off > 0; off /= 2)
             sum += __shfl_xor_sync(0xffffffffu, sum, off);
-        if (sub == 0)
-            denom[h] = sum + expf((h0 + h < a.n_heads ? a.sink[h0 + h] : 0.0f) - mx);
+        if (sub == 0) {
+            float sk = h0 + h < a.n_heads ? a.sink[h0 + h] : 0.0f;
+            denom[h] = __fadd_rn(sum, (float)exp((double)__fsub_rn(sk, mx)));
+        }
     }
     __syncthreads();
 
@@ -415,6 +454,9 @@ di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p)
     uint32_t max_ent = 0;
     if ((st = attn_bound(c, p, &max_ent)) != DI_OK)
         return st;
+    if ((uint64_t)max_ent + p->window > (uint64_t)ATTN_MAX_BLK * ATTN_BLOCK)
+        return cuda_fail(c, DI_EUNSUPPORTED, "sparse_attn: %u keys per row and a window of %u "
+                         "exceed %d key slots", max_ent, p->window, ATTN_MAX_BLK * ATTN_BLOCK);
     uint32_t ne_pad = (max_ent + ATTN_TE - 1) / ATTN_TE * ATTN_TE;
     if (ne_pad == 0)
         ne_pad = ATTN_TE;

@@ -44,6 +44,22 @@ typedef void (*any_fn)(void);
 static_assert(sizeof(kern_ops) == sizeof(op_rows) / sizeof(op_rows[0]) * sizeof(any_fn),
               "op_rows must list every kern_ops field");
 
+/* ---- device attributes ---- */
+
+/* A device attribute, queried once into *cache (0 = not yet); fallback when the query fails. */
+int cuda_device_attr(cuda_ctx *c, cudaDeviceAttr attr, int *cache, int fallback)
+{
+    if (*cache > 0)
+        return *cache;
+    int v = 0;
+    if (cudaDeviceGetAttribute(&v, attr, c->device) != cudaSuccess || v <= 0) {
+        cudaGetLastError();
+        return fallback;
+    }
+    *cache = v;
+    return v;
+}
+
 /* ---- errors ---- */
 
 di_status cuda_fail(cuda_ctx *c, di_status code, const char *fmt, ...)
@@ -74,7 +90,10 @@ di_status cuda_op_begin(cuda_ctx *c, const void *params, const char *op)
     }
     if (!params)
         return cuda_fail(c, DI_EINVAL, "%s: params are NULL", op);
-    return cuda_check(c, cudaSetDevice(c->device), "cudaSetDevice");
+    di_status st = cuda_check(c, cudaSetDevice(c->device), "cudaSetDevice");
+    if (st == DI_OK && c->prof)
+        st = cuda_prof_mark(c, op);
+    return st;
 }
 
 /* ---- memory ---- */
@@ -343,6 +362,7 @@ static void ctx_release(cuda_ctx *c)
     cudaSetDevice(c->device);
     if (c->stream)
         cudaStreamSynchronize(c->stream);
+    cuda_prof_free(c);
     cuda_gemm_release(c);
     if (c->scratch)
         cudaFree(c->scratch);
@@ -430,6 +450,8 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     c->moe_grouped_rows = cfg->moe_grouped_rows < 0 ? 0 : (cfg->moe_grouped_rows == 0
                                                                ? CUDA_MOE_GROUPED_ROWS
                                                                : cfg->moe_grouped_rows);
+    c->moe_cuda_cores = cfg->moe_cuda_cores != 0;
+    c->moe_unstaged = cfg->moe_unstaged != 0;
     c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;
     di_status st = ctx_init(c, err);
     if (st != DI_OK) {

@@ -54,8 +54,13 @@ typedef struct kern_cuda_config {
                                  * cuBLASLt (how the checks exercise that path) */
     int moe_grouped_rows;       /* moe_experts' grouped path (docs/cuda.md) runs when the
                                  * largest expert group of a call has at most this many rows:
-                                 * 0 = the default (16), negative = never (cuBLASLt path
+                                 * 0 = the default (64), negative = never (cuBLASLt path
                                  * only); above 16, groups are split into chunks of 16 rows */
+    int moe_cuda_cores;         /* 1: the grouped path runs its CUDA-core kernel instead of the
+                                 * tensor-core one (the previous version, for comparison) */
+    int moe_unstaged;           /* 1: the tensor-core kernel reads the weights straight from
+                                 * global memory instead of staging them through shared memory
+                                 * (the previous version, for comparison) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
@@ -68,6 +73,8 @@ typedef struct kern_cuda_stats {
                                  * path */
     uint64_t moe_gemm;          /* moe_experts calls whose routed experts took the per-expert
                                  * cuBLASLt path */
+    uint64_t linear_stream;     /* linear_fp8 / linear_fp4 calls of at most 16 rows run by the
+                                 * weight-streaming tensor-core kernel (not cuBLASLt) */
     size_t scratch_bytes;       /* current size of the device scratch */
 } kern_cuda_stats;
 
@@ -103,6 +110,22 @@ di_status kern_cuda_sync(kern_backend *be, di_error *err);
 
 /* Copies the counters into *out. */
 void kern_cuda_get_stats(const kern_backend *be, kern_cuda_stats *out);
+
+/* Per-op device time (profile.cu): on = 1 starts charging each op the stream time from its
+ * start to the next op's start (anything charged before is dropped); 0 stops. DI_OK;
+ * DI_EINVAL (not a CUDA backend); DI_ENOMEM; a CUDA failure. */
+typedef struct kern_cuda_op_time {
+    const char *op;             /* kern_ops field name */
+    double ms;                  /* total over the calls */
+    uint32_t calls;
+} kern_cuda_op_time;
+di_status kern_cuda_profile(kern_backend *be, int on, di_error *err);
+
+/* Waits for the queue, then fills out[0, *n_out) (at most cap) with the ops charged since
+ * profiling started or since the last read, longest first, and starts counting afresh.
+ * DI_EINVAL when profiling is off. */
+di_status kern_cuda_profile_read(kern_backend *be, kern_cuda_op_time *out, size_t cap,
+                                 size_t *n_out, di_error *err);
 
 #ifdef __cplusplus
 }

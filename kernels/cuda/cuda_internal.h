@@ -46,6 +46,17 @@ typedef struct cuda_plan {
 
 /* The backend state, handed to every op as ctx. Written by backend_cuda.cu except where a
  * field says otherwise. */
+/* profile.cu: events at each op start while profiling (kern_cuda_profile). */
+#define CUDA_PROF_EVENTS 1024
+#define CUDA_PROF_OPS 48
+typedef struct cuda_prof {
+    cudaEvent_t ev[CUDA_PROF_EVENTS];
+    const char *name[CUDA_PROF_EVENTS]; /* the op started at each event (NULL: a read) */
+    uint32_t n_ev;
+    kern_cuda_op_time ops[CUDA_PROF_OPS]; /* charged so far */
+    uint32_t n_ops;
+} cuda_prof;
+
 typedef struct cuda_ctx {
     int device;                 /* CUDA device ordinal */
     cudaStream_t stream;        /* every op and transfer runs on it */
@@ -66,15 +77,26 @@ typedef struct cuda_ctx {
     int simple_gemm;            /* 1: GEMMs bypass cuBLASLt (kern_cuda_config) */
     int moe_grouped_rows;       /* largest expert group of moe_experts' grouped path; 0 =
                                  * never (kern_cuda_config.moe_grouped_rows resolved) */
+    struct cuda_prof *prof;     /* per-op times while kern_cuda_profile is on; else NULL */
+    int moe_cuda_cores;         /* 1: the grouped path on the CUDA-core kernel (kern_cuda_config) */
+    int moe_unstaged;           /* 1: the tensor-core kernel without the staging (kern_cuda_config) */
     int smem_optin;             /* the device's opt-in shared memory per block (bytes); 0
-                                 * until moe_grouped.cu first queries it */
-    int sm_count;               /* the device's SMs; 0 until moe_grouped.cu first queries it */
+                                 * until first queried (cuda_device_attr) */
+    int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
     uint32_t plan_next;         /* slot the next new plan replaces */
     kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */
     di_error last;              /* message of the last failure */
     di_status pending;          /* failure of a transfer, returned by the next op */
 } cuda_ctx;
+
+/* Records the start of op (profile.cu); called by cuda_op_begin while profiling. */
+di_status cuda_prof_mark(cuda_ctx *c, const char *op);
+void cuda_prof_free(cuda_ctx *c);
+
+/* A device attribute, queried once into *cache (0 = not yet); fallback when the query fails
+ * (backend_cuda.cu). */
+int cuda_device_attr(cuda_ctx *c, cudaDeviceAttr attr, int *cache, int fallback);
 
 /* ---- errors (backend_cuda.cu) ---- */
 
@@ -213,7 +235,7 @@ di_status cuda_linear_run(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt);
 
 /* Default of kern_cuda_config.moe_grouped_rows: the grouped path runs when the largest expert
  * group has at most this many rows. */
-#define CUDA_MOE_GROUPED_ROWS 16
+#define CUDA_MOE_GROUPED_ROWS 64
 /* Rows of one group in a launch (a larger expert group is split into several). */
 #define CUDA_MOE_GROUP_ROWS 16
 
@@ -232,10 +254,13 @@ typedef struct cuda_moe_group {
 /* One call of the grouped path; every pointer is device memory. */
 typedef struct cuda_moe_grouped {
     uint32_t n_groups;
-    const cuda_moe_group *groups; /* [n_groups] */
+    const cuda_moe_group *groups; /* [n_groups]; NULL: the one group `one` */
+    cuda_moe_group one;         /* the group when groups is NULL (a linear layer's rows) */
     uint32_t max_rows;          /* largest n of the groups */
     int fp8;                    /* 0: routed FP4 weights; 1: the shared expert's FP8 weights */
     int aligned;                /* every w1, w3, w2 is 4-byte (FP8: 8-byte) aligned */
+    int aligned16;              /* every w1, w3, w2 is 16-byte aligned: the tensor-core
+                                 * kernel streams the weights through shared memory */
     uint32_t dim, inter, top_k;
     uint32_t n_pairs;           /* rows of h and og */
     const uint16_t *xq;         /* [n_rows, dim] x quantised by (A) */
@@ -246,6 +271,12 @@ typedef struct cuda_moe_grouped {
     uint16_t *h;                /* [n_pairs, inter] hidden activations (written, then
                                  * quantised by (A) in place) */
     uint16_t *og;               /* [n_pairs, dim] expert outputs, bucket order */
+    size_t og_ld;               /* og's row stride; 0 = dim */
+    size_t x_ld;                /* xq's row stride; 0 = dim */
+    void *xc;                   /* tensor-core kernel: [n_rows, dim] x's E4M3 codes as FP16 */
+    float *xcs;                 /* [n_rows, dim/32] and their scales (moe_mma.cu) */
+    void *hc;                   /* [n_pairs, inter] h's codes and */
+    float *hcs;                 /* [n_pairs, inter/32] their scales */
 } cuda_moe_grouped;
 
 /* 1 when groups of `rows` rows at these widths fit the device's shared memory per block. */
@@ -254,6 +285,18 @@ int cuda_moe_grouped_fits(cuda_ctx *c, uint32_t rows, uint32_t dim, uint32_t int
 /* Queues the up launch, the (A) quantisation of h and the down launch. DI_OK; DI_EINVAL (a
  * launch too large); a CUDA failure. */
 di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g);
+
+/* moe_mma.cu: the same on the tensor cores (FP16 mma.sync), which cuda_moe_grouped_run calls
+ * unless cuda_ctx.moe_cuda_cores: x's and h's codes, the up launch, the down launch. */
+di_status cuda_moe_mma_run(cuda_ctx *c, const cuda_moe_grouped *g);
+
+/* Most rows of a linear_fp8 / linear_fp4 call that the tensor-core kernel above runs (the
+ * weight streamed once, kern_cuda_stats.linear_stream); more rows go to cuBLASLt. */
+#define CUDA_LINEAR_STREAM_ROWS 16
+
+/* linear_fp8 (fp8 = 1) or linear_fp4 on that kernel: p->m <= CUDA_LINEAR_STREAM_ROWS, bf16
+ * output without accumulate, p->w 16-byte aligned (the caller checks; moe_mma.cu). */
+di_status cuda_linear_stream(cuda_ctx *c, const kern_linear *p, int fp8);
 
 /* ---- table entries (one op file each) ---- */
 

@@ -5,10 +5,11 @@
  *
  * Arithmetic order on the device, against the twin:
  *  - mixes: the sum of squares and the (2+hc)*hc dot products fn[i] . v are summed in double
- *    (every product of two floats is exact there) in another order than the twin's lanes, so
+ *    (every product of two floats is exact there; a block per 1,024 inputs of a row, more
+ *    when the rows fill the GPU, then a block per row adds the blocks in order) in another order than the twin's lanes, so
  *    their fp32 roundings match except at a double rounding tie; every later step is the twin's
  *    step for step (fp32 multiply and add with the _rn intrinsics so that nothing is fused,
- *    sigmoid and Sinkhorn in double). Tolerance: abs 1e-5 (kernels.h).
+ *    sigmoid and Sinkhorn in double, the Sinkhorn one thread per entry). Tolerance: abs 1e-5 (kernels.h).
  *  - collapse and expand: each output is the twin's double expression in the twin's order
  *    (products of fp32 and bf16 are exact in double), rounded once to fp32 then to bf16:
  *    bit-identical.
@@ -24,6 +25,8 @@
 #define HC_MAX 8                      /* copies supported (the twin's HC_MAX) */
 #define HC_CHUNK 24                   /* mixes accumulated per pass over a row (one pass at hc 4) */
 #define HC_WARPS (CUDA_THREADS / 32)
+#define HC_SPLIT_K 1024               /* least inputs of a row per block of hc_mixes' first pass */
+#define HC_BLOCKS_PER_SM 8            /* first-pass blocks per SM the split aims at */
 
 /* ---- device helpers ---- */
 
@@ -40,59 +43,82 @@ __device__ __forceinline__ double sigmoid_d(double x)
 }
 
 /* The twin's sinkhorn(): row softmax + eps, a column step, then (iters - 1) x (row step,
- * column step), all in double, in place on s[hc * hc]. */
+ * column step), all in double, in place on s[hc * hc] in shared memory. Thread e < hc * hc
+ * owns entry (e / hc, e % hc) and computes its row's or column's sum itself in the twin's
+ * order, so every entry gets the twin's expression bit for bit; every thread of the block
+ * must call it. */
 __device__ void sinkhorn_dev(double *s, uint32_t hc, uint32_t iters, double eps)
 {
-    for (uint32_t i = 0; i < hc; i++) {
-        double *row = s + i * hc, mx = row[0], sum = 0.0;
-        for (uint32_t j = 1; j < hc; j++)
-            mx = row[j] > mx ? row[j] : mx;
-        for (uint32_t j = 0; j < hc; j++) {
-            row[j] = exp(row[j] - mx);
-            sum += row[j];
-        }
-        for (uint32_t j = 0; j < hc; j++)
-            row[j] = row[j] / sum + eps;
+    const uint32_t e = threadIdx.x, i = e / hc, j = e % hc;
+    const bool own = e < hc * hc;
+    double v = own ? s[e] : 0.0, sum = 0.0;
+    if (own) {
+        double mx = s[i * hc];
+        for (uint32_t k = 1; k < hc; k++)
+            mx = s[i * hc + k] > mx ? s[i * hc + k] : mx;
+        v = exp(v - mx);
+    }
+    __syncthreads();
+    if (own)
+        s[e] = v;
+    __syncthreads();
+    if (own) {
+        for (uint32_t k = 0; k < hc; k++)
+            sum += s[i * hc + k];
+        v = v / sum + eps;
     }
     for (uint32_t it = 0; it < iters; it++) {
         if (it > 0) {
-            for (uint32_t i = 0; i < hc; i++) {
-                double sum = 0.0;
-                for (uint32_t j = 0; j < hc; j++)
-                    sum += s[i * hc + j];
-                for (uint32_t j = 0; j < hc; j++)
-                    s[i * hc + j] /= sum + eps;
+            __syncthreads();
+            if (own)
+                s[e] = v;
+            __syncthreads();
+            if (own) {
+                sum = 0.0;
+                for (uint32_t k = 0; k < hc; k++)
+                    sum += s[i * hc + k];
+                v /= sum + eps;
             }
         }
-        for (uint32_t j = 0; j < hc; j++) {
-            double sum = 0.0;
-            for (uint32_t i = 0; i < hc; i++)
-                sum += s[i * hc + j];
-            for (uint32_t i = 0; i < hc; i++)
-                s[i * hc + j] /= sum + eps;
+        __syncthreads();
+        if (own)
+            s[e] = v;
+        __syncthreads();
+        if (own) {
+            sum = 0.0;
+            for (uint32_t k = 0; k < hc; k++)
+                sum += s[k * hc + j];
+            v /= sum + eps;
         }
     }
+    __syncthreads();
+    if (own)
+        s[e] = v;
+    __syncthreads();
 }
 
 /* ---- kernels ---- */
 
-/* One block per row. Pass 0 also sums the squares; pass q accumulates mixes
- * [q*HC_CHUNK, (q+1)*HC_CHUNK). Thread sums fold by warp shuffles, then the warps in order, so
- * the result does not depend on the other rows. Thread 0 finishes the row. */
-__global__ void hc_mixes_kernel(kern_hc_mixes p)
+/* Pass 1: block (row, split) sums its split_k inputs of the row (the last split fewer):
+ * pass 0 also sums the squares; pass q accumulates mixes [q*HC_CHUNK, (q+1)*HC_CHUNK). Thread
+ * sums fold by warp shuffles, then the warps in order, into part[row][split][n_mix + 1] (the
+ * mixes, then the sum of squares). */
+__global__ void hc_mixes_part_kernel(kern_hc_mixes p, uint32_t splits, uint32_t split_k,
+                                     double *part_out)
 {
     __shared__ double part[HC_WARPS][HC_CHUNK + 1];
-    __shared__ double tot[(2 + HC_MAX) * HC_MAX + 1]; /* mixes, then the sum of squares */
-    __shared__ double z[HC_MAX * HC_MAX];
     const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
-    const uint16_t *v = p.h + (size_t)blockIdx.x * width;
+    const uint32_t row = blockIdx.x / splits, sp = blockIdx.x % splits;
+    const uint32_t k_lo = sp * split_k, k_hi = width - k_lo > split_k ? k_lo + split_k : width;
+    const uint16_t *v = p.h + (size_t)row * width;
+    double *out = part_out + ((size_t)row * splits + sp) * (n_mix + 1);
     const uint32_t lane = threadIdx.x & 31, warp = threadIdx.x / 32;
     for (uint32_t i0 = 0; i0 < n_mix; i0 += HC_CHUNK) {
         double acc[HC_CHUNK], sq = 0.0;
 #pragma unroll
         for (int i = 0; i < HC_CHUNK; i++)
             acc[i] = 0.0;
-        for (uint32_t k = threadIdx.x; k < width; k += blockDim.x) {
+        for (uint32_t k = k_lo + threadIdx.x; k < k_hi; k += blockDim.x) {
             double x = (double)dev_bf16_to_f32(v[k]);
             sq += x * x;
 #pragma unroll
@@ -116,33 +142,52 @@ __global__ void hc_mixes_kernel(kern_hc_mixes p)
                 s += part[w][threadIdx.x];
             if (threadIdx.x == HC_CHUNK) {
                 if (i0 == 0)
-                    tot[n_mix] = s;
+                    out[n_mix] = s;
             } else if (i0 + threadIdx.x < n_mix) {
-                tot[i0 + threadIdx.x] = s;
+                out[i0 + threadIdx.x] = s;
             }
         }
         __syncthreads();
     }
-    if (threadIdx.x != 0)
-        return;
+}
+
+/* Pass 2: one block of HC_MAX * HC_MAX threads per row: the splits summed in order, then the
+ * twin's roundings from there on (the Sinkhorn over the block, one thread per entry). */
+__global__ void __launch_bounds__(HC_MAX * HC_MAX) hc_mixes_finish_kernel(kern_hc_mixes p,
+                                                                         uint32_t splits,
+                                                                         const double *part_in)
+{
+    __shared__ double tot[(2 + HC_MAX) * HC_MAX + 1];
+    __shared__ double z[HC_MAX * HC_MAX];
+    const uint32_t t = blockIdx.x;
+    const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
+    const double *in = part_in + (size_t)t * splits * (n_mix + 1);
+    for (uint32_t i = threadIdx.x; i <= n_mix; i += blockDim.x) {
+        double s = 0.0;
+        for (uint32_t sp = 0; sp < splits; sp++)
+            s += in[(size_t)sp * (n_mix + 1) + i];
+        tot[i] = s;
+    }
+    __syncthreads();
     /* the twin's roundings: mean of squares to fp32, + eps in fp32, rsqrt in double to fp32 */
     float ms = (float)(tot[n_mix] / (double)width);
     float rs = (float)(1.0 / sqrt((double)__fadd_rn(ms, p.norm_eps)));
-    const size_t t = blockIdx.x;
-    for (uint32_t c = 0; c < hc; c++) {
+    const uint32_t c = threadIdx.x;
+    if (c < hc) {
         float m_pre = __fmul_rn((float)tot[c], rs), m_post = __fmul_rn((float)tot[hc + c], rs);
         float zp = __fadd_rn(__fmul_rn(m_pre, p.scale[0]), p.base[c]);
         float zq = __fadd_rn(__fmul_rn(m_post, p.scale[1]), p.base[hc + c]);
-        p.pre[t * hc + c] = __fadd_rn((float)sigmoid_d((double)zp), (float)p.eps);
-        p.post[t * hc + c] = (float)(2.0 * sigmoid_d((double)zq));
+        p.pre[(size_t)t * hc + c] = __fadd_rn((float)sigmoid_d((double)zp), (float)p.eps);
+        p.post[(size_t)t * hc + c] = (float)(2.0 * sigmoid_d((double)zq));
     }
-    for (uint32_t i = 0; i < hc * hc; i++) {
-        float m = __fmul_rn((float)tot[2 * hc + i], rs);
-        z[i] = (double)__fadd_rn(__fmul_rn(m, p.scale[2]), p.base[2 * hc + i]);
+    if (c < hc * hc) {
+        float m = __fmul_rn((float)tot[2 * hc + c], rs);
+        z[c] = (double)__fadd_rn(__fmul_rn(m, p.scale[2]), p.base[2 * hc + c]);
     }
+    __syncthreads();
     sinkhorn_dev(z, hc, p.sinkhorn_iters, p.eps);
-    for (uint32_t i = 0; i < hc * hc; i++)
-        p.comb[t * hc * hc + i] = (float)z[i];
+    if (c < hc * hc)
+        p.comb[(size_t)t * hc * hc + c] = (float)z[c];
 }
 
 /* One thread per (row, d): the copies summed in the twin's order, c = 0 first. */
@@ -195,10 +240,47 @@ static unsigned elem_blocks(size_t n)
     return (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS);
 }
 
+/* Inputs of a row per first-pass block: HC_SPLIT_K while the rows alone leave the GPU short
+ * of HC_BLOCKS_PER_SM blocks per SM (decode: few rows, many blocks per row), else the fewest
+ * multiples of it that still give that many blocks, down to the whole row (prefill: a block
+ * per row, each block's closing reduction paid once per row, not once per 1,024 inputs). The
+ * double sums then come in another order per row count: their fp32 roundings differ only at
+ * a double rounding tie, as against the twin. */
+static uint32_t hc_split_k(cuda_ctx *c, uint32_t rows, uint32_t width)
+{
+    const uint64_t want = (uint64_t)HC_BLOCKS_PER_SM *
+                          cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
+    const uint32_t most = (width + HC_SPLIT_K - 1) / HC_SPLIT_K; /* splits of HC_SPLIT_K */
+    uint64_t splits = (want + rows - 1) / rows;
+    if (splits >= most)
+        return HC_SPLIT_K;
+    if (splits < 1)
+        splits = 1;
+    const uint32_t units = (uint32_t)((most + splits - 1) / splits); /* HC_SPLIT_K per split */
+    return units * HC_SPLIT_K;
+}
+
 static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream_t stream)
 {
-    hc_mixes_kernel<<<p->n_rows, CUDA_THREADS, 0, stream>>>(*p);
-    return cuda_launched(c, "hc_mixes_kernel");
+    const uint32_t width = p->n_copies * p->dim, n_mix = (2 + p->n_copies) * p->n_copies;
+    const uint32_t split_k = hc_split_k(c, p->n_rows, width);
+    const uint32_t splits = (width + split_k - 1) / split_k;
+    const uint64_t blocks = (uint64_t)p->n_rows * splits;
+    if (blocks > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "hc_mixes: %u rows x %u splits in one launch", p->n_rows,
+                         splits);
+    uint8_t *part = NULL;
+    di_status st = cuda_scratch(c, (size_t)blocks * (n_mix + 1) * sizeof(double), &part);
+    if (st != DI_OK)
+        return st;
+    hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits, split_k,
+                                                                       (double *)part);
+    st = cuda_launched(c, "hc_mixes_part_kernel");
+    if (st != DI_OK)
+        return st;
+    hc_mixes_finish_kernel<<<p->n_rows, HC_MAX * HC_MAX, 0, stream>>>(*p, splits,
+                                                                      (const double *)part);
+    return cuda_launched(c, "hc_mixes_finish_kernel");
 }
 
 static di_status launch_hc_collapse(cuda_ctx *c, const kern_hc_collapse *p, cudaStream_t stream)

@@ -8,9 +8,11 @@
  * queries are (B) fake-quantised, so every product in a block is a multiple of the same power
  * of two below 2^13 times it and the block's sum is exact in fp32 whatever the order; the blocks
  * are then added in double and rounded to fp32 once: the twin's fp32(double dot), bit for bit
- * (queries that are not FP4 values round differently, within a few fp32 ulps). ReLU, the head
- * weights fp32(bf16 w * w_scale) and their sum in double follow, four partial sums per entry
- * folded in a fixed order; the score is rounded to bf16. Tolerance: bf16 1 ulp.
+ * (queries that are not FP4 values round differently, within a few fp32 ulps). Then the
+ * reference's BF16 roundings (MODEL.md §2.7), as the twin: each head's dot rounded to bf16,
+ * ReLU, times the head weight bf16(bf16 w * w_scale), the product rounded to bf16, the heads
+ * summed in fp32 in head order by one thread per entry; the score is rounded to bf16.
+ * Tolerance: bf16 1 ulp.
  *
  * Selection (candidates and top-k), one CTA per row: the rank of an item is the twin's 64-bit
  * key (order-preserving bits of the score above the complemented index, so ties go to the lower
@@ -227,8 +229,9 @@ index_scores_kernel(scores_args a)
         uint32_t h = i / hd, d = i % hd;
         Qs[h * ld + d] = h < nh ? a.q[((size_t)t * nh + h) * hd + d] : 0;
     }
-    for (uint32_t h = threadIdx.x; h < nhp; h += blockDim.x) /* fp32(bf16 w * the exact scale) */
-        hw[h] = h < nh ? (double)(float)((double)dev_bf16_to_f32(a.w[(size_t)t * nh + h]) * a.w_scale)
+    for (uint32_t h = threadIdx.x; h < nhp; h += blockDim.x) /* bf16(bf16 w * the exact scale) */
+        hw[h] = h < nh ? (double)dev_bf16_to_f32(dev_f32_to_bf16(
+                             (float)((double)dev_bf16_to_f32(a.w[(size_t)t * nh + h]) * a.w_scale)))
                        : 0.0;
     decode_keys(a, s, e0, nv, Ks, ld);
     __syncthreads();
@@ -251,20 +254,19 @@ index_scores_kernel(scores_args a)
         }
     }
     __syncthreads();
-    /* per entry: IDX_SUB threads share the heads, then fold their sums in a fixed order */
+    /* per entry: one thread sums the heads in order (fp32, as the twin) */
     const uint32_t e = threadIdx.x / IDX_SUB, sub = threadIdx.x % IDX_SUB, ge = e0 + e;
-    double acc = 0.0;
-    for (uint32_t h = sub; h < nh; h += IDX_SUB) {
+    if (sub != 0 || ge >= a.max_vis)
+        return;
+    float acc = 0.0f;
+    for (uint32_t h = 0; h < nh; h++) {
         double dot = 0.0;
         for (uint32_t b = 0; b < hd / 32; b++)
             dot += (double)part[((size_t)b * nhp + h) * IDX_TE + e];
-        float d = (float)dot;
-        acc = __dadd_rn(acc, __dmul_rn(hw[h], (double)(d > 0.0f ? d : 0.0f)));
+        float d = dev_bf16_to_f32(dev_f32_to_bf16((float)dot));
+        float w = __fmul_rn((float)hw[h], d > 0.0f ? d : 0.0f);
+        acc = __fadd_rn(acc, dev_bf16_to_f32(dev_f32_to_bf16(w)));
     }
-    for (int off = 1; off < IDX_SUB; off *= 2)
-        acc = __dadd_rn(acc, __shfl_xor_sync(0xffffffffu, acc, off));
-    if (sub != 0 || ge >= a.max_vis)
-        return;
     bool masked = a.cand_mask && !a.cand_mask[(size_t)t * a.cand_stride + ge / a.cand_block];
     out[ge] = ge >= nv || masked ? -INFINITY : dev_bf16_to_f32(dev_f32_to_bf16((float)acc));
 }

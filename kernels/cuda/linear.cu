@@ -169,9 +169,14 @@ static di_status linear_check(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt, 
 
 /* ---- the two paths ---- */
 
-/* FP8 / FP4 weight: quantise x, dequantise W, GEMM. */
+/* FP8 / FP4 weight: up to CUDA_LINEAR_STREAM_ROWS rows (bf16 output, no accumulate, the
+ * weight 16-byte aligned, cuBLASLt not bypassed) on the weight-streaming tensor-core kernel
+ * (moe_mma.cu); else quantise x, dequantise W, GEMM. */
 static di_status linear_quantised(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt)
 {
+    if (p->m <= CUDA_LINEAR_STREAM_ROWS && !p->out_f32 && !p->accumulate && !c->simple_gemm &&
+        (uintptr_t)p->w % 16 == 0)
+        return cuda_linear_stream(c, p, fmt == KERN_W_FP8);
     size_t xq_bytes = cuda_align_up((size_t)p->m * p->k * sizeof(uint16_t));
     size_t wd_bytes = cuda_align_up((size_t)p->n * p->k * sizeof(uint16_t));
     uint8_t *scratch;

@@ -12,9 +12,10 @@
  *  - swiglu: element-wise, the twin's double expressions: bit-identical.
  *  - moe_experts: the (row, slot) pairs are bucketed by expert on the host (the ids are read
  *    back: one synchronisation per call). When the largest bucket has at most
- *    cuda_ctx.moe_grouped_rows pairs (default 16) and fits a block's shared memory, the routed
- *    experts take the grouped path (moe_grouped.cu: one launch for W1 and W3 with SwiGLU and
- *    the routing weight over every bucket, one for W2, the FP4 weights dequantised in
+ *    cuda_ctx.moe_grouped_rows pairs (default 64; groups of at most 16 per launch) and fits a
+ *    block's shared memory, the routed experts take the grouped path (moe_grouped.cu: one
+ *    launch for W1 and W3 with SwiGLU and the routing weight over every bucket, one for W2;
+ *    on the tensor cores, moe_mma.cu, or on the CUDA cores with the FP4 weights dequantised in
  *    registers). Otherwise the rows are gathered into the work buffer in the twin's order,
  *    each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8 activations by
  *    (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM) and SwiGLU with the routing
@@ -258,11 +259,13 @@ typedef struct moe_plan {
     cuda_moe_group *groups;     /* [n_groups] the grouped path's groups (host); NULL otherwise */
     uint32_t n_groups;
     int aligned;                /* every used expert's w1, w3, w2 is 4-byte aligned */
+    int aligned16;              /* ... and 16-byte aligned */
     int shared_grouped;         /* 1: the shared expert takes the grouped path too (grouped,
                                  * at most CUDA_MOE_GROUP_ROWS rows) */
     cuda_moe_group shared;      /* its one group: every row of x */
     size_t off_pair, off_pos, off_groups, off_shared; /* metadata offsets */
     size_t xq, xg, wg, g, u, h, og, gs, us, hs, os, total; /* work offsets after the metadata */
+    size_t xc, xcs, hc, hcs;    /* the grouped path's codes and scales (moe_mma.cu) */
 } moe_plan;
 
 static void plan_free(moe_plan *pl)
@@ -284,7 +287,7 @@ static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *p
     pl->groups = (cuda_moe_group *)calloc(n ? n : 1, sizeof(cuda_moe_group));
     if (!pl->groups)
         return cuda_fail(c, DI_ENOMEM, "moe_experts: %u groups", n);
-    pl->aligned = 1;
+    pl->aligned = 1, pl->aligned16 = 1;
     for (uint32_t e = 0; e < p->n_experts; e++) {
         const kern_expert *ex = &p->experts[e];
         for (uint32_t at = 0; at < pl->count[e]; at += CUDA_MOE_GROUP_ROWS) {
@@ -298,6 +301,9 @@ static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *p
         if (pl->count[e] && ((uintptr_t)ex->w1 % 4 || (uintptr_t)ex->w3 % 4 ||
                              (uintptr_t)ex->w2 % 4))
             pl->aligned = 0;
+        if (pl->count[e] && ((uintptr_t)ex->w1 % 16 || (uintptr_t)ex->w3 % 16 ||
+                             (uintptr_t)ex->w2 % 16))
+            pl->aligned16 = 0;
     }
     assert(pl->n_groups == n);
     return DI_OK;
@@ -392,6 +398,11 @@ static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t
     MOE_BUF(us, (size_t)T * S * 2);
     MOE_BUF(hs, (size_t)T * S * 2);
     MOE_BUF(os, (size_t)T * D * 2);
+    size_t HC = P * I > T * S ? P * I : T * S; /* h's codes: routed, then shared */
+    MOE_BUF(xc, G * T * D * 2);
+    MOE_BUF(xcs, G * T * (D / 32) * 4);
+    MOE_BUF(hc, G * HC * 2);
+    MOE_BUF(hcs, G * (HC / 32) * 4);
 #undef MOE_BUF
     pl->total = at;
     return DI_OK;
@@ -472,6 +483,13 @@ static di_status run_routed(cuda_ctx *c, const kern_moe_experts *p, const moe_pl
     return st;
 }
 
+/* The codes buffers of the grouped path's tensor-core kernel. */
+static void grouped_codes(const moe_plan *pl, uint8_t *w, cuda_moe_grouped *g)
+{
+    g->xc = w + pl->xc, g->xcs = (float *)(w + pl->xcs);
+    g->hc = w + pl->hc, g->hcs = (float *)(w + pl->hcs);
+}
+
 /* The routed experts on the grouped path: x quantised by (A) once per row, then
  * cuda_moe_grouped_run over the plan's groups. groups: their device copy. */
 static di_status run_routed_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
@@ -485,10 +503,12 @@ static di_status run_routed_grouped(cuda_ctx *c, const kern_moe_experts *p, cons
     cuda_moe_grouped g;
     memset(&g, 0, sizeof(g));
     g.n_groups = pl->n_groups, g.groups = groups, g.aligned = pl->aligned;
+    g.aligned16 = pl->aligned16 && !c->moe_unstaged;
     g.max_rows = pl->max_count < CUDA_MOE_GROUP_ROWS ? pl->max_count : CUDA_MOE_GROUP_ROWS;
     g.dim = p->dim, g.inter = p->inter, g.top_k = p->top_k, g.n_pairs = pl->n_pairs;
     g.xq = xq, g.pair = pair, g.weights = p->weights, g.limit = p->swiglu_limit;
     g.h = (uint16_t *)(w + pl->h), g.og = (uint16_t *)(w + pl->og);
+    grouped_codes(pl, w, &g);
     return cuda_moe_grouped_run(c, &g);
 }
 
@@ -503,10 +523,13 @@ static di_status run_shared_grouped(cuda_ctx *c, const kern_moe_experts *p, cons
     g.n_groups = 1, g.groups = group, g.max_rows = p->n_rows, g.fp8 = 1;
     g.aligned = (uintptr_t)sh->w1 % 8 == 0 && (uintptr_t)sh->w3 % 8 == 0 &&
                 (uintptr_t)sh->w2 % 8 == 0;
+    g.aligned16 = (uintptr_t)sh->w1 % 16 == 0 && (uintptr_t)sh->w3 % 16 == 0 &&
+                  (uintptr_t)sh->w2 % 16 == 0 && !c->moe_unstaged;
     g.dim = p->dim, g.inter = p->shared_inter, g.top_k = p->top_k, g.n_pairs = p->n_rows;
     g.xq = (const uint16_t *)(w + pl->xq), g.pair = NULL, g.weights = NULL;
     g.limit = p->swiglu_limit;
     g.h = (uint16_t *)(w + pl->hs), g.og = (uint16_t *)(w + pl->os);
+    grouped_codes(pl, w, &g);
     return cuda_moe_grouped_run(c, &g);
 }
 

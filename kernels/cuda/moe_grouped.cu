@@ -211,23 +211,9 @@ static size_t smem_bytes(uint32_t rows, uint32_t width)
     return (size_t)rows * width * sizeof(uint16_t);
 }
 
-/* A device attribute, queried once into *cache (0 = not yet); fallback when the query fails. */
-static int device_attr(cuda_ctx *c, cudaDeviceAttr attr, int *cache, int fallback)
-{
-    if (*cache > 0)
-        return *cache;
-    int v = 0;
-    if (cudaDeviceGetAttribute(&v, attr, c->device) != cudaSuccess || v <= 0) {
-        cudaGetLastError();
-        return fallback;
-    }
-    *cache = v;
-    return v;
-}
-
 static int smem_limit(cuda_ctx *c)
 {
-    return device_attr(c, cudaDevAttrMaxSharedMemoryPerBlockOptin, &c->smem_optin,
+    return cuda_device_attr(c, cudaDevAttrMaxSharedMemoryPerBlockOptin, &c->smem_optin,
                        GRP_DEFAULT_SMEM);
 }
 
@@ -236,7 +222,7 @@ static int smem_limit(cuda_ctx *c)
 static uint32_t warp_rows_for(cuda_ctx *c, uint32_t n_groups, uint32_t outputs)
 {
     uint64_t want = (uint64_t)GRP_BLOCKS_PER_SM *
-                    device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
+                    cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
     uint32_t wr = GRP_WARP_ROWS;
     while (wr > 1 &&
            (uint64_t)n_groups * ((outputs + GRP_WARPS * wr - 1) / (GRP_WARPS * wr)) < want)
@@ -305,6 +291,8 @@ di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g)
     if (!cuda_moe_grouped_fits(c, g->max_rows, g->dim, g->inter))
         return cuda_fail(c, DI_EINVAL, "moe grouped: %u rows of %u inputs exceed the shared "
                          "memory of a block", g->max_rows, g->dim > g->inter ? g->dim : g->inter);
+    if (!c->moe_cuda_cores)
+        return cuda_moe_mma_run(c, g);
     di_status st = launch_fmt<true>(c, g);
     if (st == DI_OK)
         st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, g->h, g->inter, g->h, g->inter, g->n_pairs,

@@ -1,7 +1,16 @@
-/* kvbench: stores and reads N KV blocks (114,048 bytes each by default) through di-kvstore and
- * through Redis in the same run, next to a plain memcpy of the same bytes. Started by
- * bench.sh, which runs both servers on loopback. Prints one table: throughput (GB/s, batched)
- * and latency (p50/p99 of single operations) of put and get for each. */
+/* kvbench: di-kvstore against Redis, like for like, next to memcpy, in one run.
+ *
+ * Every row moves the same objects (114,048-byte KV blocks by default) with 1, 4 and 16
+ * client threads, each with its own store client or its own Redis connection: puts and gets
+ * of one object per call (store put vs Redis SET, store get vs Redis GET), then batched gets
+ * (the store's kvc_get of 64 objects vs Redis GET pipelines of 64). Each put row writes its
+ * own fresh keys. Gets are checked against the written bytes. memcpy of the same bytes with
+ * the same thread counts is the hardware reference. Started by bench.sh, which runs both
+ * servers on loopback with comparable persistence and says which.
+ *
+ * Redis is spoken to with a small RESP client here (no hiredis), over TCP loopback with
+ * TCP_NODELAY; bulk replies are read straight into the destination buffer.
+ */
 #include <errno.h>
 #include <pthread.h>
 #include <netinet/in.h>
@@ -18,199 +27,62 @@
 #include "common/net/kv_client.h"
 #include "common/model/config.h"
 #include "common/util/clock.h"
+#include "common/util/hostport.h"
+#include "common/util/machine.h"
+#include "common/util/outclose.h"
 #include "kvstore/cli.h"
+#include "kvstore/store.h"
 #include "kvstore/synth.h"
+
+#define N_CONC 3
+#define MAX_THREADS 16
+#define MAX_BATCH 256
+static const int conc[N_CONC] = {1, 4, 16};
 
 typedef struct bopts {
     const char *store;      /* di-kvstore host:port */
     const char *redis;      /* redis host:port (NULL: skip) */
-    uint64_t blocks;        /* objects per run */
+    const char *redis_conf; /* how bench.sh configured Redis (printed) */
+    const char *store_conf; /* how bench.sh configured the store (printed) */
+    uint64_t objects;       /* objects per row */
     uint64_t bytes;         /* object size */
-    uint64_t batch;         /* objects per batch / pipeline depth */
-    uint64_t latency_ops;   /* single operations timed for p50/p99 */
-    uint64_t threads;       /* client threads for the multi-threaded get row */
+    uint64_t batch;         /* objects per batched get / pipeline depth */
+    uint64_t repeat;        /* get rows: best of this many passes */
+    const char *core_dir;   /* store core in process (no RPC) in this directory; NULL: skip */
+    const char *core_durability; /* its durability */
+    kv_geometry geometry;   /* V4.1-Flash (not an option) */
+    kvs_store *core;        /* opened by main when core_dir is set (not an option) */
+    uint8_t *arena;         /* its DRAM arena */
 } bopts;
 
 #define B(f) offsetof(bopts, f)
 static const kvcli_opt rows[] = {
-    {"store", KVCLI_STRING, B(store), "127.0.0.1:9470", 0, 0, "HOST:PORT", "di-kvstore"},
+    {"store", KVCLI_STRING, B(store), "127.0.0.1:9470", 0, 0, "HOST:PORT",
+     "di-kvstore (none: skip)"},
     {"redis", KVCLI_STRING, B(redis), NULL, 0, 0, "HOST:PORT", "redis-server (none: skip)"},
-    {"blocks", KVCLI_UINT, B(blocks), "10000", 1, 1e7, "N", "objects written and read"},
+    {"redis-conf", KVCLI_STRING, B(redis_conf), "unknown", 0, 0, "TEXT",
+     "Redis persistence settings, for the report"},
+    {"store-conf", KVCLI_STRING, B(store_conf), "unknown", 0, 0, "TEXT",
+     "store settings, for the report"},
+    {"objects", KVCLI_UINT, B(objects), "2000", 16, 1e6, "N", "objects per row"},
     {"bytes", KVCLI_SIZE, B(bytes), "114048", 256, 1 << 24, "SIZE", "object size"},
-    {"batch", KVCLI_UINT, B(batch), "256", 1, 1024, "N", "objects per batch / pipeline"},
-    {"latency-ops", KVCLI_UINT, B(latency_ops), "1000", 10, 1e6, "N", "single ops timed"},
-    {"threads", KVCLI_UINT, B(threads), "2", 1, 8, "N",
-     "threads of the multi-threaded get and memcpy rows"},
+    {"batch", KVCLI_UINT, B(batch), "64", 2, MAX_BATCH, "N", "objects per batched get"},
+    {"repeat", KVCLI_UINT, B(repeat), "3", 1, 20, "N", "get rows: best of N passes"},
+    {"core-dir", KVCLI_STRING, B(core_dir), NULL, 0, 0, "DIR",
+     "also time the store core in this process (no gRPC, no UCX), RocksDB in DIR"},
+    {"core-durability", KVCLI_STRING, B(core_durability), "wal", 0, 0, "LEVEL",
+     "durability of the in-process store core"},
 };
-
-/* One line of the result table. */
-typedef struct result {
-    int threads;                              /* client threads */
-    double put_gbs, get_gbs;                  /* batched throughput */
-    double put_p50, put_p99, get_p50, get_p99; /* single-op latency (us) */
-} result;
 
 static double now_s(void)
 {
     return (double)di_mono_ns() / 1e9;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-static void percentiles(double *us, size_t n, double *p50, double *p99)
-{
-    qsort(us, n, sizeof(double), cmp_double);
-    *p50 = us[n / 2];
-    *p99 = us[(size_t)((double)n * 0.99)];
-}
-
 static void die(const char *what, const char *msg)
 {
     fprintf(stderr, "kvbench: %s: %s\n", what, msg);
     exit(1);
-}
-
-/* ---------------------------------------------------------------- memcpy */
-
-/* One thread's share of the memcpy baseline. */
-typedef struct copy_part {
-    uint8_t *dst;
-    const uint8_t *src;
-    uint64_t first, n, bytes;
-} copy_part;
-
-static void *copy_main(void *arg)
-{
-    copy_part *c = arg;
-    for (uint64_t i = c->first; i < c->first + c->n; i++)
-        memcpy(c->dst + i * c->bytes, c->src + i * c->bytes, c->bytes);
-    return NULL;
-}
-
-/* Best of three: the same objects copied buffer to buffer by `threads` threads. */
-static double memcpy_gbs(uint8_t *dst, const uint8_t *src, const bopts *o, int threads)
-{
-    double best = 0;
-    for (int r = 0; r < 3; r++) {
-        pthread_t t[8];
-        copy_part parts[8];
-        double t0 = now_s();
-        for (int k = 0; k < threads; k++) {
-            uint64_t per = o->blocks / (uint64_t)threads;
-            parts[k] = (copy_part){dst, src, per * (uint64_t)k,
-                                   k == threads - 1 ? o->blocks - per * (uint64_t)k : per, o->bytes};
-            pthread_create(&t[k], NULL, copy_main, &parts[k]);
-        }
-        for (int k = 0; k < threads; k++)
-            pthread_join(t[k], NULL);
-        double gbs = (double)(o->blocks * o->bytes) / (now_s() - t0) / 1e9;
-        if (gbs > best)
-            best = gbs;
-    }
-    return best;
-}
-
-/* ---------------------------------------------------------------- di-kvstore */
-
-static void store_batch(kvc_client *c, int get, kvkey *keys, uint8_t *buf, uint64_t first,
-                        uint64_t n, const bopts *o)
-{
-    kvc_item items[1024];
-    for (uint64_t j = 0; j < n; j++)
-        items[j] = (kvc_item){.cls = KVKEY_BLOCK, .key = keys[first + j],
-                              .buf = buf + (first + j) * o->bytes, .cap = o->bytes};
-    di_error e;
-    di_status st = get ? kvc_get(c, items, n, &e) : kvc_put(c, items, n, &e);
-    if (st != DI_OK)
-        die(get ? "store get" : "store put", e.msg);
-    for (uint64_t j = 0; j < n; j++)
-        if (items[j].status != DI_OK && !(items[j].status == DI_EEXIST && !get))
-            die(get ? "store get item" : "store put item", items[j].error.msg);
-}
-
-static kvc_client *store_client(const bopts *o, int threads)
-{
-    kvc_options co;
-    kvc_options_default(&co);
-    co.target = o->store;
-    co.verify_threads = threads - 1;
-    co.deadline_ms = 60000;
-    kvc_client *c;
-    di_error e;
-    if (kvc_open(&co, &c, &e) != DI_OK)
-        die("store", e.msg);
-    kvc_store_info info;
-    if (kvc_info(c, &info, &e) != DI_OK)
-        die("store", e.msg);
-    return c;
-}
-
-/* Writes every object (batched, then single puts for latency) with `threads` threads. */
-static void store_puts(const bopts *o, kvkey *keys, uint8_t *src, result *r)
-{
-    kvc_client *c = store_client(o, r->threads);
-    uint64_t lat = o->latency_ops < o->blocks ? o->latency_ops : o->blocks;
-    double t = now_s();
-    for (uint64_t i = lat; i < o->blocks; i += o->batch)
-        store_batch(c, 0, keys, src, i, o->blocks - i < o->batch ? o->blocks - i : o->batch, o);
-    r->put_gbs = (double)((o->blocks - lat) * o->bytes) / (now_s() - t) / 1e9;
-    double *us = malloc(lat * sizeof(double));
-    for (uint64_t i = 0; i < lat; i++) {
-        t = now_s();
-        store_batch(c, 0, keys, src, i, 1, o);
-        us[i] = (now_s() - t) * 1e6;
-    }
-    percentiles(us, lat, &r->put_p50, &r->put_p99);
-    free(us);
-    kvc_close(c);
-}
-
-/* After the puts RocksDB flushes and compacts in the background; on two cores that would
- * share the CPU with the timed reads. A compaction through the admin API finishes that work
- * first (the store runs without tokens here). */
-static void settle(const bopts *o)
-{
-    kvc_client *c = store_client(o, 1);
-    uint8_t *rep = NULL;
-    size_t len = 0;
-    di_error e;
-    fprintf(stderr, "kvbench: compacting the store before the reads...\n");
-    if (kvc_call(c, "Compact", NULL, 0, &rep, &len, &e) != DI_OK)
-        die("store compact", e.msg);
-    free(rep);
-    kvc_close(c);
-}
-
-/* Reads every object back (batched, checked against src), then single gets for latency. */
-static void store_gets(const bopts *o, kvkey *keys, const uint8_t *src, uint8_t *dst, result *r)
-{
-    kvc_client *c = store_client(o, r->threads);
-    uint64_t lat = o->latency_ops < o->blocks ? o->latency_ops : o->blocks;
-    /* An untimed pass first: a new client maps the store's arena and takes one page fault per
-     * page on its first read, once per process lifetime. */
-    for (uint64_t i = 0; i < o->blocks; i += o->batch)
-        store_batch(c, 1, keys, dst, i, o->blocks - i < o->batch ? o->blocks - i : o->batch, o);
-    memset(dst, 0, o->blocks * o->bytes);
-    double t = now_s();
-    for (uint64_t i = 0; i < o->blocks; i += o->batch)
-        store_batch(c, 1, keys, dst, i, o->blocks - i < o->batch ? o->blocks - i : o->batch, o);
-    r->get_gbs = (double)(o->blocks * o->bytes) / (now_s() - t) / 1e9;
-    if (memcmp(src, dst, o->blocks * o->bytes) != 0)
-        die("store", "bytes read back differ from the bytes written");
-    double *us = malloc(lat * sizeof(double));
-    for (uint64_t i = 0; i < lat; i++) {
-        uint64_t k = (i * 7919) % o->blocks;
-        t = now_s();
-        store_batch(c, 1, keys, dst, k, 1, o);
-        us[i] = (now_s() - t) * 1e6;
-    }
-    percentiles(us, lat, &r->get_p50, &r->get_p99);
-    free(us);
-    kvc_close(c);
 }
 
 /* ---------------------------------------------------------------- Redis (RESP) */
@@ -313,11 +185,12 @@ static void read_bulk(resp *r, uint8_t *dst, long n)
     r->pos += 2;
 }
 
-static void redis_batch(resp *r, int get, const kvkey *keys, uint8_t *buf, uint64_t first,
-                        uint64_t n, const bopts *o)
+
+static void redis_cmd(resp *r, int get, const kvkey *keys, uint8_t *buf, uint64_t first,
+                      uint64_t n, uint64_t bytes)
 {
-    static char heads[1024][160];
-    static struct iovec iov[3072];
+    char heads[MAX_BATCH][160];
+    struct iovec iov[3 * MAX_BATCH];
     int k = 0;
     for (uint64_t j = 0; j < n; j++) {
         char hex[65];
@@ -328,9 +201,9 @@ static void redis_batch(resp *r, int get, const kvkey *keys, uint8_t *buf, uint6
         } else {
             int len = snprintf(heads[j], sizeof(heads[j]),
                                "*3\r\n$3\r\nSET\r\n$64\r\n%s\r\n$%llu\r\n", hex,
-                               (unsigned long long)o->bytes);
+                               (unsigned long long)bytes);
             iov[k++] = (struct iovec){heads[j], (size_t)len};
-            iov[k++] = (struct iovec){buf + (first + j) * o->bytes, o->bytes};
+            iov[k++] = (struct iovec){buf + (first + j) * bytes, bytes};
             iov[k++] = (struct iovec){(char *)"\r\n", 2};
         }
     }
@@ -338,58 +211,216 @@ static void redis_batch(resp *r, int get, const kvkey *keys, uint8_t *buf, uint6
     for (uint64_t j = 0; j < n; j++) {
         long len = read_line(r);
         if (get) {
-            if (len != (long)o->bytes)
+            if (len != (long)bytes)
                 die("redis get", "unexpected reply length");
-            read_bulk(r, buf + (first + j) * o->bytes, len);
+            read_bulk(r, buf + (first + j) * bytes, len);
         }
     }
 }
 
-static void run_redis(const bopts *o, const kvkey *keys, uint8_t *src, uint8_t *dst, result *r)
+/* ---------------------------------------------------------------- rows */
+
+typedef enum op_kind { OP_PUT, OP_GET } op_kind;
+typedef enum target { T_STORE, T_REDIS, T_MEMCPY, T_CORE } target;
+
+/* What one thread of a row does: objects [first, first + n) of keys/src, `per_call` at a
+ * time, through its own client or connection. */
+typedef struct worker {
+    const bopts *o;
+    target tgt;
+    op_kind op;
+    uint64_t per_call;
+    const kvkey *keys;
+    uint8_t *src, *dst;
+    uint64_t first, n;
+    kvc_client *client;      /* T_STORE */
+    resp conn;               /* T_REDIS */
+    kvs_store *core;         /* T_CORE: the in-process store */
+    uint8_t *arena;          /* T_CORE: its DRAM arena */
+    pthread_barrier_t *go;   /* all threads start together */
+} worker;
+
+/* The store core without the network: alloc, copy into the slot, commit; lease, copy with
+ * verification, release. What a put or get costs the store itself. */
+static void core_call(worker *w, op_kind op, uint64_t i)
 {
-    resp rc;
-    resp_connect(&rc, o->redis);
-    uint64_t lat = o->latency_ops < o->blocks ? o->latency_ops : o->blocks;
-    double t = now_s();
-    for (uint64_t i = lat; i < o->blocks; i += o->batch)
-        redis_batch(&rc, 0, keys, src, i, o->blocks - i < o->batch ? o->blocks - i : o->batch, o);
-    r->put_gbs = (double)((o->blocks - lat) * o->bytes) / (now_s() - t) / 1e9;
-    double *us = malloc(lat * sizeof(double));
-    for (uint64_t i = 0; i < lat; i++) {
-        t = now_s();
-        redis_batch(&rc, 0, keys, src, i, 1, o);
-        us[i] = (now_s() - t) * 1e6;
+    uint64_t bytes = w->o->bytes;
+    const kvkey *k = &w->keys[i];
+    di_error e;
+    if (op == OP_PUT) {
+        uint64_t id, off;
+        if (kvs_alloc(w->core, KVKEY_BLOCK, k, bytes, &id, &off, &e) != DI_OK)
+            die("core alloc", e.msg);
+        memcpy(w->arena + off, w->src + i * bytes, bytes);
+        di_status st;
+        kvs_commit(w->core, &id, 1, &st, &e);
+        if (st != DI_OK)
+            die("core commit", e.msg);
+        return;
     }
-    percentiles(us, lat, &r->put_p50, &r->put_p99);
-    memset(dst, 0, o->blocks * o->bytes);
-    t = now_s();
-    for (uint64_t i = 0; i < o->blocks; i += o->batch)
-        redis_batch(&rc, 1, keys, dst, i, o->blocks - i < o->batch ? o->blocks - i : o->batch, o);
-    r->get_gbs = (double)(o->blocks * o->bytes) / (now_s() - t) / 1e9;
-    if (memcmp(src, dst, o->blocks * o->bytes) != 0)
-        die("redis", "bytes read back differ from the bytes written");
-    for (uint64_t i = 0; i < lat; i++) {
-        uint64_t k = (i * 7919) % o->blocks;
-        t = now_s();
-        redis_batch(&rc, 1, keys, dst, k, 1, o);
-        us[i] = (now_s() - t) * 1e6;
+    kvs_lease_info li;
+    if (kvs_lease(w->core, KVKEY_BLOCK, k, 10000, UINT64_MAX, &li, &e) != DI_OK)
+        die("core lease", e.msg);
+    if (kvkey_object_copy_verify(KVKEY_BLOCK, k, w->dst + i * bytes, w->arena + li.offset, bytes,
+                                 &w->o->geometry, &e) != DI_OK)
+        die("core get", e.msg);
+    if (kvs_release(w->core, li.lease_id, &e) != DI_OK)
+        die("core release", e.msg);
+}
+
+static kvc_client *store_client(const bopts *o)
+{
+    kvc_options co;
+    kvc_options_default(&co);
+    co.target = o->store;
+    co.verify_threads = 0; /* one thread per client: the thread copies and verifies */
+    co.deadline_ms = 60000;
+    kvc_client *c;
+    di_error e;
+    if (kvc_open(&co, &c, &e) != DI_OK)
+        die("store", e.msg);
+    kvc_store_info info;
+    if (kvc_info(c, &info, &e) != DI_OK)
+        die("store", e.msg);
+    return c;
+}
+
+static void store_call(kvc_client *c, op_kind op, const kvkey *keys, uint8_t *buf,
+                       uint64_t first, uint64_t n, uint64_t bytes)
+{
+    kvc_item items[MAX_BATCH];
+    for (uint64_t j = 0; j < n; j++)
+        items[j] = (kvc_item){.cls = KVKEY_BLOCK, .key = keys[first + j],
+                              .buf = buf + (first + j) * bytes, .cap = bytes};
+    di_error e;
+    di_status st = op == OP_GET ? kvc_get(c, items, n, &e) : kvc_put(c, items, n, &e);
+    if (st != DI_OK)
+        die(op == OP_GET ? "store get" : "store put", e.msg);
+    for (uint64_t j = 0; j < n; j++)
+        if (items[j].status != DI_OK)
+            die(op == OP_GET ? "store get item" : "store put item", items[j].error.msg);
+}
+
+static void *worker_main(void *arg)
+{
+    worker *w = arg;
+    uint64_t bytes = w->o->bytes;
+    pthread_barrier_wait(w->go);
+    for (uint64_t i = w->first; i < w->first + w->n; i += w->per_call) {
+        uint64_t k = w->first + w->n - i < w->per_call ? w->first + w->n - i : w->per_call;
+        uint8_t *buf = w->op == OP_PUT ? w->src : w->dst;
+        if (w->tgt == T_STORE)
+            store_call(w->client, w->op, w->keys, buf, i, k, bytes);
+        else if (w->tgt == T_REDIS)
+            redis_cmd(&w->conn, w->op == OP_GET, w->keys, buf, i, k, bytes);
+        else if (w->tgt == T_CORE)
+            core_call(w, w->op, i);
+        else
+            memcpy(w->dst + i * bytes, w->src + i * bytes, k * bytes);
     }
-    percentiles(us, lat, &r->get_p50, &r->get_p99);
-    free(us);
-    free(rc.buf);
-    close(rc.fd);
+    return NULL;
+}
+
+/* Runs one row at `threads` threads; returns GB/s (wall time from the common start to the
+ * last thread's end). Clients and connections are opened before the clock starts. */
+static double run_row(const bopts *o, target tgt, op_kind op, int threads, uint64_t per_call,
+                      const kvkey *keys, uint8_t *src, uint8_t *dst)
+{
+    worker w[MAX_THREADS];
+    pthread_t t[MAX_THREADS];
+    pthread_barrier_t go;
+    pthread_barrier_init(&go, NULL, (unsigned)threads + 1);
+    uint64_t per = o->objects / (uint64_t)threads;
+    for (int k = 0; k < threads; k++) {
+        w[k] = (worker){.o = o, .tgt = tgt, .op = op, .per_call = per_call, .keys = keys,
+                        .src = src, .dst = dst, .first = per * (uint64_t)k,
+                        .n = k == threads - 1 ? o->objects - per * (uint64_t)k : per, .go = &go,
+                        .core = o->core, .arena = o->arena};
+        if (tgt == T_STORE)
+            w[k].client = store_client(o);
+        else if (tgt == T_REDIS)
+            resp_connect(&w[k].conn, o->redis);
+        pthread_create(&t[k], NULL, worker_main, &w[k]);
+    }
+    pthread_barrier_wait(&go);
+    double t0 = now_s();
+    for (int k = 0; k < threads; k++)
+        pthread_join(t[k], NULL);
+    double secs = now_s() - t0;
+    for (int k = 0; k < threads; k++) {
+        if (tgt == T_STORE)
+            kvc_close(w[k].client);
+        else if (tgt == T_REDIS) {
+            free(w[k].conn.buf);
+            close(w[k].conn.fd);
+        }
+    }
+    pthread_barrier_destroy(&go);
+    return (double)(o->objects * o->bytes) / secs / 1e9;
+}
+
+/* Best of o->repeat passes of a get row, each checked against src. */
+static double get_row(const bopts *o, target tgt, int threads, uint64_t per_call,
+                      const kvkey *keys, const uint8_t *src, uint8_t *dst)
+{
+    double best = 0;
+    for (uint64_t r = 0; r < o->repeat; r++) {
+        memset(dst, 0, o->objects * o->bytes);
+        double g = run_row(o, tgt, OP_GET, threads, per_call, keys, (uint8_t *)src, dst);
+        if (tgt != T_MEMCPY && memcmp(src, dst, o->objects * o->bytes) != 0)
+            die(tgt == T_REDIS ? "redis" : "store", "bytes read back differ from those written");
+        best = g > best ? g : best;
+    }
+    return best;
 }
 
 /* ---------------------------------------------------------------- main */
 
-static void row(const char *name, const result *r, int with_put)
+enum { R_STORE_PUT, R_REDIS_SET, R_STORE_GET, R_REDIS_GET, R_STORE_BATCH, R_REDIS_PIPE, R_MEMCPY,
+       R_CORE_PUT, R_CORE_GET, N_ROWS };
+
+/* Opens the store core in process with room for every object of a row in DRAM. */
+static void open_core(bopts *o, const kv_geometry *g)
 {
-    if (with_put)
-        printf("%-30s %7d %8.2f %8.2f %9.0f %9.0f %9.0f %9.0f\n", name, r->threads, r->put_gbs,
-               r->get_gbs, r->put_p50, r->put_p99, r->get_p50, r->get_p99);
-    else
-        printf("%-30s %7d %8s %8.2f %9s %9s %9.0f %9.0f\n", name, r->threads, "", r->get_gbs, "",
-               "", r->get_p50, r->get_p99);
+    uint64_t slot = (o->bytes + 63) / 64 * 64;
+    uint64_t arena_bytes = (o->objects + 64) * slot * 100 / 96 + (64 << 20);
+    o->arena = aligned_alloc(4096, arena_bytes);
+    int dur = kvdisk_durability_parse(o->core_durability);
+    if (!o->arena || dur < 0)
+        die("core", !o->arena ? "out of memory" : "--core-durability must be none, wal or fsync");
+    kvs_config cfg = {.arena = o->arena, .arena_bytes = arena_bytes,
+                      .dram_share = {0.96, 0.02, 0.02}, .geometry = *g,
+                      .object_bytes = {o->bytes, 1501184, 1501184 + o->bytes},
+                      .disk = {.dir = o->core_dir, .durability = dur},
+                      .disk_capacity = 1ull << 40, .ttl_ms = {0, 0, 60000},
+                      .alloc_timeout_ms = 60000, .lease_max_ms = 60000, .max_leases = 4096,
+                      .max_objects = 1u << 22};
+    di_error e;
+    if (kvs_open(&cfg, &o->core, &e) != DI_OK)
+        die("core open", e.msg);
+}
+
+static void print_row(const char *name, const double *v)
+{
+    printf("%-36s", name);
+    for (int c = 0; c < N_CONC; c++)
+        printf(" %10.2f", v[c]);
+    printf("\n");
+}
+
+static double max3(const double *v)
+{
+    double m = v[0];
+    for (int c = 1; c < N_CONC; c++)
+        m = v[c] > m ? v[c] : m;
+    return m;
+}
+
+static int verdict(const char *what, double got, double want)
+{
+    int ok = got >= want;
+    printf("  %-62s %8.2f vs %8.2f GB/s  %s\n", what, got, want, ok ? "met" : "MISSED");
+    return ok;
 }
 
 int main(int argc, char **argv)
@@ -403,58 +434,141 @@ int main(int argc, char **argv)
         fprintf(stderr, "kvbench: %s\n", e.msg);
         return 2;
     }
-    if (help || next < argc) {
-        printf("usage: kvbench [options] (normally started by kvstore/bench/bench.sh)\n");
-        kvcli_print_options(stdout, rows, sizeof(rows) / sizeof(rows[0]));
-        return help ? 0 : 2;
+    if (o.store && strcmp(o.store, "none") == 0)
+        o.store = NULL;
+    if (o.redis && strcmp(o.redis, "none") == 0)
+        o.redis = NULL;
+    const char *addrs[2][2] = {{"--store", o.store}, {"--redis", o.redis}};
+    for (int i = 0; i < 2; i++) {
+        di_hostport hp;
+        if (addrs[i][1] && di_hostport_parse(addrs[i][1], false, &hp, &e) != DI_OK) {
+            fprintf(stderr, "kvbench: %s: %s\n", addrs[i][0], e.msg);
+            return 2;
+        }
     }
-    kv_geometry g;
-    kv_geometry_v41_flash(5, &g);
-    size_t total = o.blocks * o.bytes;
+    if (help || next < argc) {
+        FILE *f = help ? stdout : stderr;
+        fprintf(f, "usage: kvbench [options] (normally started by kvstore/bench/bench.sh)\n");
+        kvcli_print_options(f, rows, sizeof(rows) / sizeof(rows[0]));
+        return help ? di_close_stdout("kvbench", 0) : 2;
+    }
+    /* Two copies of every object (source and destination) are held in memory. */
+    if (di_machine_check_memory("--objects x --bytes x 2", 2 * o.objects * o.bytes, &e) != DI_OK) {
+        fprintf(stderr, "kvbench: %s\n", e.msg);
+        return 2;
+    }
+    kv_geometry_v41_flash(5, &o.geometry);
+    const kv_geometry g = o.geometry;
+    size_t total = o.objects * o.bytes;
     uint8_t *src = malloc(total), *dst = malloc(total);
-    kvkey *keys = malloc(o.blocks * sizeof(*keys));
+    /* One key set per put row (each writes fresh keys); gets read the last one. */
+    kvkey *keys = malloc(N_CONC * o.objects * sizeof(*keys));
     if (!src || !dst || !keys)
         die("setup", "out of memory");
     fprintf(stderr, "kvbench: making %llu objects of %llu bytes (%.2f GB)...\n",
-            (unsigned long long)o.blocks, (unsigned long long)o.bytes, (double)total / 1e9);
-    for (uint64_t i = 0; i < o.blocks; i++) {
-        int32_t t[2] = {(int32_t)i, (int32_t)(i >> 31)};
-        kvkey_block(NULL, g.model_id, t, 2, &keys[i], NULL);
-        kvsynth_object(src + i * o.bytes, o.bytes, KV_BLOCK_MAGIC, &g, &keys[i], i, 128, i * 128);
-    }
+            (unsigned long long)o.objects, (unsigned long long)o.bytes, (double)total / 1e9);
+    for (uint64_t s = 0; s < N_CONC; s++)
+        for (uint64_t i = 0; i < o.objects; i++) {
+            int32_t t[3] = {(int32_t)i, (int32_t)s, 0x6b76};
+            kvkey_block(NULL, g.model_id, t, 3, &keys[s * o.objects + i], NULL);
+        }
     memset(dst, 1, total); /* fault the pages in before timing */
-    int nt = (int)o.threads;
-    double mc1 = memcpy_gbs(dst, src, &o, 1), mcn = memcpy_gbs(dst, src, &o, nt);
-    fprintf(stderr, "kvbench: memcpy %.2f GB/s (1 thread), %.2f GB/s (%d); di-kvstore...\n", mc1,
-            mcn, nt);
-    result s1 = {.threads = 1}, sn = {.threads = nt}, rr = {.threads = 1};
-    store_puts(&o, keys, src, &s1);
-    settle(&o);
-    store_gets(&o, keys, src, dst, &s1);
-    store_gets(&o, keys, src, dst, &sn);
-    if (o.redis) {
-        fprintf(stderr, "kvbench: Redis...\n");
-        run_redis(&o, keys, src, dst, &rr);
+    if (o.core_dir)
+        open_core(&o, &g);
+    double v[N_ROWS][N_CONC] = {{0}};
+    for (int c = 0; c < N_CONC; c++) {
+        const kvkey *ks = keys + (size_t)c * o.objects;
+        /* The payload depends on the key, so each key set has its own bytes. */
+        for (uint64_t i = 0; i < o.objects; i++)
+            kvsynth_object(src + i * o.bytes, o.bytes, KV_BLOCK_MAGIC, &g, &ks[i], i, 128,
+                           i * 128);
+        fprintf(stderr, "kvbench: puts, %d threads...\n", conc[c]);
+        if (o.store)
+            v[R_STORE_PUT][c] = run_row(&o, T_STORE, OP_PUT, conc[c], 1, ks, src, dst);
+        if (o.redis)
+            v[R_REDIS_SET][c] = run_row(&o, T_REDIS, OP_PUT, conc[c], 1, ks, src, dst);
+        if (o.core)
+            v[R_CORE_PUT][c] = run_row(&o, T_CORE, OP_PUT, conc[c], 1, ks, src, dst);
     }
-    printf("\n%llu objects of %llu bytes (%.2f GB); throughput in batches of %llu (Redis: "
-           "pipelines of %llu); latency of %llu single operations (us)\n\n",
-           (unsigned long long)o.blocks, (unsigned long long)o.bytes, (double)total / 1e9,
-           (unsigned long long)o.batch, (unsigned long long)o.batch,
-           (unsigned long long)o.latency_ops);
-    printf("%-30s %7s %8s %8s %9s %9s %9s %9s\n", "", "threads", "put GB/s", "get GB/s",
-           "put p50", "put p99", "get p50", "get p99");
-    row("di-kvstore, DRAM tier", &s1, 1);
-    row("di-kvstore, DRAM tier", &sn, 0);
-    if (o.redis)
-        row("redis-server, TCP loopback", &rr, 1);
-    printf("%-30s %7d %8s %8.2f\n", "memcpy of the same bytes", 1, "", mc1);
-    printf("%-30s %7d %8s %8.2f\n", "memcpy of the same bytes", nt, "", mcn);
-    printf("\nget, 1 thread: di-kvstore / Redis = %.2fx (target >= 2x); memcpy / di-kvstore = "
-           "%.2fx (target <= 2x)\n",
-           o.redis && rr.get_gbs > 0 ? s1.get_gbs / rr.get_gbs : 0.0, mc1 / s1.get_gbs);
-    printf("get, %d threads: memcpy / di-kvstore = %.2fx\n", nt, mcn / sn.get_gbs);
+    const kvkey *ks = keys + (size_t)(N_CONC - 1) * o.objects; /* src holds this set now */
+    /* One untimed pass: a new process maps the store's arena and takes its page faults once. */
+    if (o.store)
+        get_row(&o, T_STORE, 1, o.batch, ks, src, dst);
+    for (int c = 0; c < N_CONC; c++) {
+        fprintf(stderr, "kvbench: gets, %d threads...\n", conc[c]);
+        if (o.store) {
+            v[R_STORE_GET][c] = get_row(&o, T_STORE, conc[c], 1, ks, src, dst);
+            v[R_STORE_BATCH][c] = get_row(&o, T_STORE, conc[c], o.batch, ks, src, dst);
+        }
+        if (o.redis) {
+            v[R_REDIS_GET][c] = get_row(&o, T_REDIS, conc[c], 1, ks, src, dst);
+            v[R_REDIS_PIPE][c] = get_row(&o, T_REDIS, conc[c], o.batch, ks, src, dst);
+        }
+        v[R_MEMCPY][c] = get_row(&o, T_MEMCPY, conc[c], o.objects, ks, src, dst);
+        if (o.core)
+            v[R_CORE_GET][c] = get_row(&o, T_CORE, conc[c], 1, ks, src, dst);
+    }
+    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    printf("\n%llu objects of %llu bytes per row (%.2f GB); one store client or Redis connection "
+           "per thread; %ld CPU cores\n",
+           (unsigned long long)o.objects, (unsigned long long)o.bytes, (double)total / 1e9,
+           cores);
+    printf("store: %s\nRedis: %s\n", o.store_conf, o.redis ? o.redis_conf : "not run");
+    printf("Redis client: RESP written in kvbench over TCP loopback (no hiredis, no "
+           "redis-benchmark); gets: best of %llu passes, every pass checked byte for byte\n\n",
+           (unsigned long long)o.repeat);
+    printf("%-36s %10s %10s %10s\n", "GB/s", "1 thread", "4 threads", "16 threads");
+    print_row("store put, 1 object per call", v[R_STORE_PUT]);
+    print_row("Redis SET, 1 per call", v[R_REDIS_SET]);
+    print_row("store get, 1 object per call", v[R_STORE_GET]);
+    print_row("Redis GET, 1 per call", v[R_REDIS_GET]);
+    char name[64];
+    snprintf(name, sizeof(name), "store get, %llu objects per call", (unsigned long long)o.batch);
+    print_row(name, v[R_STORE_BATCH]);
+    snprintf(name, sizeof(name), "Redis GET, pipelines of %llu", (unsigned long long)o.batch);
+    print_row(name, v[R_REDIS_PIPE]);
+    print_row("memcpy of the same bytes", v[R_MEMCPY]);
+    if (o.core) {
+        printf("store core in this process (no gRPC, no UCX; --durability %s):\n",
+               o.core_durability);
+        print_row("  put: alloc, copy, verify, RocksDB", v[R_CORE_PUT]);
+        print_row("  get: lease, copy and verify, release", v[R_CORE_GET]);
+    }
+    if (!o.redis || !o.store) {
+        printf("\n(targets need the store and Redis)\n");
+    } else {
+        double redis_best = max3(v[R_REDIS_GET]) > max3(v[R_REDIS_PIPE]) ? max3(v[R_REDIS_GET])
+                                                                        : max3(v[R_REDIS_PIPE]);
+        int met = 0, all = 0;
+        printf("\ntargets\n");
+        for (int c = 0; c < N_CONC; c++) {
+            char what[96];
+            snprintf(what, sizeof(what), "put >= Redis SET, %d thread%s", conc[c], conc[c] > 1 ? "s" : "");
+            met += verdict(what, v[R_STORE_PUT][c], v[R_REDIS_SET][c]);
+            snprintf(what, sizeof(what), "get >= Redis GET, %d thread%s", conc[c], conc[c] > 1 ? "s" : "");
+            met += verdict(what, v[R_STORE_GET][c], v[R_REDIS_GET][c]);
+            all += 2;
+        }
+        met += verdict("best batched get >= 2x Redis's best get", max3(v[R_STORE_BATCH]),
+                       2 * redis_best);
+        double best_ratio = 0;
+        int at = 0;
+        for (int c = 0; c < N_CONC; c++)
+            if (v[R_STORE_BATCH][c] / v[R_MEMCPY][c] > best_ratio) {
+                best_ratio = v[R_STORE_BATCH][c] / v[R_MEMCPY][c];
+                at = c;
+            }
+        char what[96];
+        snprintf(what, sizeof(what), "batched get >= 50%% of memcpy, %d thread%s", conc[at],
+                 conc[at] > 1 ? "s" : "");
+        met += verdict(what, v[R_STORE_BATCH][at], 0.5 * v[R_MEMCPY][at]);
+        all += 2;
+        printf("%d of %d targets met\n", met, all);
+    }
+    kvs_close(o.core);
+    free(o.arena);
     free(src);
     free(dst);
     free(keys);
-    return 0;
+    return di_close_stdout("kvbench", 0);
 }

@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "common/net/kv_client.h"
+#include "common/util/outclose.h"
 #include "kvstore/cli.h"
 #include "kvstore/synth.h"
 
@@ -28,8 +29,9 @@ typedef struct dopts {
 
 #define D(f) offsetof(dopts, f)
 static const kvcli_opt rows[] = {
-    {"store", KVCLI_STRING, D(store), "127.0.0.1:9470", 0, 0, "HOST:PORT", "di-kvstore"},
-    {"token", KVCLI_STRING, D(token), NULL, 0, 0, "TOKEN", "engine token"},
+    {"store", KVCLI_ADDR, D(store), "127.0.0.1:9470", 0, 0, "HOST:PORT", "di-kvstore"},
+    {"token", KVCLI_STRING, D(token), NULL, 0, 0, "TOKEN",
+     "engine token (default: $DI_KVSTORE_TOKEN; none when unset)"},
     {"tokens", KVCLI_UINT, D(tokens), "1000", 1, 1 << 21, "N", "tokens per prompt"},
     {"prompts", KVCLI_UINT, D(prompts), "3", 1, 1000, "P", "prompts"},
     {"shared", KVCLI_UINT, D(shared), "512", 0, 1 << 21, "S", "tokens shared by all prompts"},
@@ -72,6 +74,7 @@ static int put(kvc_client *c, int cls, const kvkey *k, uint8_t *buf, size_t byte
 int main(int argc, char **argv)
 {
     dopts o;
+    memset(&o, 0, sizeof(o)); /* options without a default (--token, --ids-dir) stay NULL */
     di_error e;
     int next, help;
     if (kvcli_defaults(rows, N_ROWS, &o, &e) || kvcli_parse(rows, N_ROWS, argc, argv, 1, &o, &next, &help, &e)) {
@@ -79,10 +82,18 @@ int main(int argc, char **argv)
         return 2;
     }
     if (help || next < argc) {
-        printf("usage: kvdemo [options]\n");
-        kvcli_print_options(stdout, rows, N_ROWS);
-        return help ? 0 : 2;
+        FILE *f = help ? stdout : stderr;
+        fprintf(f, "usage: kvdemo [options]\n");
+        kvcli_print_options(f, rows, N_ROWS);
+        return help ? di_close_stdout("kvdemo", 0) : 2;
     }
+    if (o.shared > o.tokens) {
+        fprintf(stderr, "kvdemo: --shared %llu is more than --tokens %llu\n",
+                (unsigned long long)o.shared, (unsigned long long)o.tokens);
+        return 2;
+    }
+    if (!o.token)
+        o.token = getenv("DI_KVSTORE_TOKEN");
     kvc_options co;
     kvc_options_default(&co);
     co.target = o.store;
@@ -139,5 +150,5 @@ int main(int argc, char **argv)
     free(ids);
     free(keys);
     kvc_close(c);
-    return rc;
+    return di_close_stdout("kvdemo", rc);
 }

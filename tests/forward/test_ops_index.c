@@ -174,6 +174,7 @@ Test(ops_index, scores_match_double_and_honour_visibility_and_mask)
                 const uint8_t *ke = pool + 128 * eb + e * eb;
                 di_dequant_fp4_b32(ke, ke + id / 2, id, k);
                 double ref = 0, mag = 0;
+                float rounded = 0.0f; /* MODEL.md §2.7: the reference's BF16 roundings */
                 for (uint32_t h = 0; h < nh; h++) {
                     double d = 0;
                     for (uint32_t i = 0; i < id; i++)
@@ -181,9 +182,13 @@ Test(ops_index, scores_match_double_and_honour_visibility_and_mask)
                     double wh = (double)(float)(bfd(w[t * nh + h]) * 0.0883883f);
                     ref += wh * (d > 0 ? d : 0);
                     mag += fabs(wh * d);
+                    float db = di_bf16_round((float)d), wb = di_bf16_round((float)wh);
+                    rounded += di_bf16_round(wb * (db > 0.0f ? db : 0.0f));
                 }
-                cr_assert(fabs(got - ref) <= fabs(ref) / 128 + 1e-5 * mag,
-                          "row %u entry %d: %g vs %g", t, e, got, ref);
+                cr_assert_eq(got, di_bf16_round(rounded), "row %u entry %d: %g vs %g", t, e,
+                             got, di_bf16_round(rounded));
+                cr_assert(fabs(got - ref) <= fabs(ref) / 64 + mag / 128,
+                          "row %u entry %d: %g vs the exact %g", t, e, got, ref);
                 cr_assert_eq(got, di_bf16_round(got), "scores are bf16 values");
             }
     }

@@ -1013,6 +1013,7 @@ static double bench_row_flops(const model_config *c, int64_t p)
 }
 
 typedef struct bench_ctx {
+    kern_backend *be;           /* the CUDA backend the model runs on */
     fwd_run *run;
     fwd_kv *kv;
     float *logits;
@@ -1035,6 +1036,31 @@ static double bench_step_ms(bench_ctx *b, const fwd_step *st, int reps)
     }
     qsort(t, (size_t)reps, sizeof(double), cmp_double);
     return t[reps / 2];
+}
+
+/* One more run of a step with the backend's per-op profile on: each op's device time (from
+ * its start to the next op's start) per step and per layer, and its share of the step. */
+static void bench_profile(bench_ctx *b, const fwd_step *st, const char *what, uint32_t layers)
+{
+    di_error e;
+    kern_cuda_op_time t[48];
+    size_t n = 0;
+    if (kern_cuda_profile(b->be, 1, &e) != DI_OK ||
+        fwd_step_run(b->run, b->kv, st, b->logits, &e) != DI_OK ||
+        kern_cuda_profile_read(b->be, t, 48, &n, &e) != DI_OK) {
+        printf("    profile of %s: %s\n", what, e.msg);
+        kern_cuda_profile(b->be, 0, &e);
+        return;
+    }
+    kern_cuda_profile(b->be, 0, &e);
+    double total = 0;
+    for (size_t i = 0; i < n; i++)
+        total += t[i].ms;
+    printf("    per-op device time of one %s (profiled: %.2f ms in all)\n", what, total);
+    printf("    %-18s %6s %10s %12s %7s\n", "op", "calls", "ms", "ms per layer", "share");
+    for (size_t i = 0; i < n; i++)
+        printf("    %-18s %6u %10.3f %12.3f %6.1f%%\n", t[i].op, t[i].calls, t[i].ms,
+               t[i].ms / layers, 100.0 * t[i].ms / total);
 }
 
 /* The widened weights (see above): views, not copies, of the generated checkpoint. */
@@ -1124,6 +1150,9 @@ static void bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, doub
            "tokens/s; weights read %.2f GB (%.0f experts per layer expected) in %.2f ms at the "
            "copy bandwidth: %.1f%% of it\n", n, ms, ms / c->n_layers, n / (ms / 1e3),
            bytes / 1e9, used, ideal, 100.0 * ideal / ms);
+    char what[48];
+    snprintf(what, sizeof what, "decode step of %u rows", n);
+    bench_profile(b, &st, what, c->n_layers);
 }
 
 static void bench_forward(chk_env *env)
@@ -1167,7 +1196,7 @@ static void bench_forward(chk_env *env)
     const model_config *c = &bw.w.config;
     fwd_options o = {.nextn = 0, .max_rows = BENCH_CONTEXT, .token_map_pad = -1};
     fwd_model *m = NULL;
-    bench_ctx b = {.vocab = c->vocab_size};
+    bench_ctx b = {.be = &env->gpu, .vocab = c->vocab_size};
     t0 = di_mono_ns();
     di_status st = fwd_model_create(&bw.w, &env->gpu, &o, &m, &e);
     if (st == DI_OK)
@@ -1206,6 +1235,7 @@ static void bench_forward(chk_env *env)
                    "%.1f TFLOP/s = %.1f%% of the BF16 GEMM ceiling\n", BENCH_CONTEXT, ms,
                    ms / c->n_layers, BENCH_CONTEXT / (ms / 1e3), fl / (ms / 1e3) / 1e12,
                    100.0 * fl / (ms / 1e3) / 1e12 / peak);
+            bench_profile(&b, &ps, "prefill chunk", c->n_layers);
             /* every decode sequence starts from the prompt's rings and pending state */
             for (uint32_t i = 1; i < BENCH_MAX_SEQS && st == DI_OK; i++) {
                 kern_copy_rows cp = {.n_rows = 1, .row_bytes = b.kv->slot_bytes,

@@ -6,7 +6,9 @@
  * block maxima on E4M3/E2M1 rounding ties and scale steps; weights with random, extreme
  * (+-448, subnormal, signed zero) codes and UE8M0 scales near both ends; rows 1, 3, 63, 127,
  * n off multiples of 32 (a partial last 32-row scale block for FP8), groups 8, padded strides.
- * Every case runs on cuBLASLt and a subset again on the plain GEMM kernel (simple_gemm).
+ * Every case runs on the default backend (FP8/FP4 calls of up to 16 rows with bf16 output on the
+ * weight-streaming kernel of moe_mma.cu, the rest on cuBLASLt) and a subset again on the plain
+ * GEMM kernel (simple_gemm).
  * With --bench: the ops at V4.1-Flash shapes next to the copy bandwidth and an 8192^3 BF16 GEMM
  * measured in the same run.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error.
@@ -562,8 +564,8 @@ static void bench(chk_env *env)
         }
     kern_cuda_stats st;
     kern_cuda_get_stats(&env->gpu, &st);
-    printf("\nLinear ops (whole op: quantise x + dequantise W + cuBLASLt; GEMM: the BF16 GEMM of the"
-           " same shape alone)\n");
+    printf("\nLinear ops (whole op: FP8/FP4 up to 16 rows the weight-streaming kernel, else "
+           "quantise x + dequantise W + cuBLASLt; GEMM: the BF16 GEMM of the same shape alone)\n");
     printf("ceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s; GB/s counts each"
            " input once and the output once;\nroof%% = max(TFLOP/s / GEMM ceiling, GB/s / copy)."
            " Inputs rotate over >= 256 MB per shape (one set when larger).\n",
@@ -608,8 +610,13 @@ int main(int argc, char **argv)
     kern_cuda_stats st;
     kern_cuda_get_stats(&env.gpu, &st);
     printf("check_linear: %d CUDA-vs-C cases, %d with mismatches; GEMMs: %" PRIu64
-           " cuBLASLt, %" PRIu64 " plain kernel (no cuBLASLt algorithm for the shape)\n",
-           env.checks, env.failures, st.gemm_cublaslt, st.gemm_simple);
+           " cuBLASLt, %" PRIu64 " plain kernel (no cuBLASLt algorithm for the shape); %" PRIu64
+           " FP8/FP4 calls of <= 16 rows on the weight-streaming kernel\n",
+           env.checks, env.failures, st.gemm_cublaslt, st.gemm_simple, st.linear_stream);
+    if (st.linear_stream == 0) {
+        fprintf(stderr, "FAIL: no linear call took the weight-streaming kernel\n");
+        env.failures++;
+    }
     kern_cuda_destroy(&simple);
     int rc = env.failures ? 1 : 0;
     if (want_bench) {

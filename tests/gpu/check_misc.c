@@ -4,7 +4,8 @@
  *   hc_mixes: abs 1e-5 on pre, post and comb;  hc_collapse, hc_expand: bit for bit;
  *   copy_rows: bytes, and every byte of the destination outside the copied rows untouched;
  *   engram_hash, engram_lookup: exact;  engram_gate: bf16 1 ulp.
- * Inputs: zeros, ones, arange, N(0,1), tiny, large, rounding edges, NaN/Inf; rows 1, 3, 63, 127;
+ * Inputs: zeros, ones, arange, N(0,1), tiny, large, rounding edges, NaN/Inf; rows 1, 3, 63, 127
+ * (and 1,500 for hc_mixes: a block per row);
  * hc 1, 2, 4 and 8; widths of the tiny and full models; padded strides; outputs poisoned;
  * Engram lookbacks across sequence starts and histories, tables stored and generated on demand
  * (row_fn), hash columns of one layer among several (hash_stride).
@@ -474,6 +475,7 @@ static void sweep_hc(chk_env *env)
         {3, 1, 96, 1e-2, CHK_NORMAL, 20}, {5, 2, 64, 1.0, CHK_NORMAL, 3},
         {2, 8, 160, 1e-2, CHK_NORMAL, 20}, {7, 4, 32, 10.0, CHK_NORMAL, 1},
         {1, 4, 5120, 0.5, CHK_LARGE, 20},
+        {1500, 4, 4096, 1e-4, CHK_NORMAL, 20}, /* enough rows for a block per row */
     };
     for (size_t i = 0; i < sizeof(odd) / sizeof(odd[0]); i++)
         check_hc_mixes(env, &odd[i]);

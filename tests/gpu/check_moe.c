@@ -11,13 +11,14 @@
  * small models' shapes and wider ones, rows 1, 3, 63, 127, repeated experts in a row, every
  * expert of a set routed or only a few, with and without the shared expert.
  * Both paths of moe_experts: the default backend (grouped path when the largest expert group
- * has at most 16 rows, with the shared expert when the call has at most 16 rows; cases on either side of it, groups of 0, 1 and many rows, widths off the
+ * has at most 64 rows, in launches of groups of at most 16, with the shared expert when the call has at most 16 rows; cases on either side of it, groups of 0, 1 and many rows, widths off the
  * kernel's tiles, weights off alignment), a backend that always takes the grouped path (groups
- * past 16 rows split) and one that never does; each case checks the path taken (the backend's
+ * past 16 rows split; its tensor-core kernel, the default), one that does so on the CUDA-core
+ * kernel, and one that never does; each case checks the path taken (the backend's
  * counters) as well as the result.
  * With --bench: moe_experts at V4.1-Flash shapes (384 experts top-6, 5120 x 2304, the shared
  * expert; all 384 experts of one layer fit one H200: 7.2 GB) for 1, 8, 64 and 384 rows on
- * each path, and the gate, next to the copy bandwidth and the BF16 GEMM ceiling of the same
+ * each path (the grouped one on both kernels), and the gate, next to the copy bandwidth and the BF16 GEMM ceiling of the same
  * run; GB/s counts the weights of the experts used (and the shared one) once.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error. */
 #include <inttypes.h>
@@ -236,6 +237,8 @@ typedef struct experts_case {
  * only. Made in main. */
 typedef struct moe_backends {
     kern_backend grouped;
+    kern_backend cores;         /* grouped path only, on its CUDA-core kernel */
+    kern_backend unstaged;      /* grouped path only, tensor cores without the weight staging */
     kern_backend gemm;
 } moe_backends;
 
@@ -255,7 +258,7 @@ static int expect_grouped(const int32_t *ids, size_t n, uint32_t experts, int th
 }
 
 /* Threshold of each backend of the checks (kern_cuda_config.moe_grouped_rows resolved). */
-#define THR_DEFAULT 16
+#define THR_DEFAULT 64
 #define THR_ALWAYS (1 << 30)
 #define THR_NEVER 0
 
@@ -442,9 +445,12 @@ static void sweep(chk_env *env)
         {17, 32, 6, 512, 256, 0, 7, 0, CHK_NORMAL, 0, 0},
         {2, 4, 3, 96, 32, 32, 0, 1, CHK_ZEROS, 0, 0},
         {9, 16, 4, 256, 128, 128, 0, 0, CHK_TINY, 0, 0},
-        /* the default threshold (16 rows in the largest group) from both sides */
+        /* a group of one launch's 16 rows and one split in two; the default threshold (64 rows
+         * in the largest group) from both sides */
         {16, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 16, 0},
         {17, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 17, 0},
+        {64, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 64, 0},
+        {65, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 65, 0},
         /* one row over many experts (most with no rows); widths off the 64-output tile and
          * the 256-input step; weights off 4-byte alignment; V4.1-Flash widths */
         {1, 384, 6, 128, 64, 64, 0, 0, CHK_NORMAL, 0, 0},
@@ -468,11 +474,14 @@ static void sweep(chk_env *env)
     double worst[3] = {0, 1, 0}; /* |err|/tolerance, row cosine, row relative error */
     for (size_t i = 0; i < sizeof(ecs) / sizeof(ecs[0]); i++)
         check_experts(env, &env->gpu, THR_DEFAULT, &ecs[i], worst);
-    for (size_t i = 0; i < sizeof(grouped) / sizeof(grouped[0]); i++)
+    for (size_t i = 0; i < sizeof(grouped) / sizeof(grouped[0]); i++) {
         check_experts(env, &g_be.grouped, THR_ALWAYS, &grouped[i], worst);
+        check_experts(env, &g_be.cores, THR_ALWAYS, &grouped[i], worst);
+        check_experts(env, &g_be.unstaged, THR_ALWAYS, &grouped[i], worst);
+    }
     for (size_t i = 0; i < sizeof(gemm) / sizeof(gemm[0]); i++)
         check_experts(env, &g_be.gemm, THR_NEVER, &gemm[i], worst);
-    printf("moe_experts: %d cases (both paths); worst |err|/tolerance %.3g, worst row cosine "
+    printf("moe_experts: %d cases (both paths, the grouped one on tensor cores staged and not, and on CUDA cores); worst |err|/tolerance %.3g, worst row cosine "
            "%.7f, worst row |y - y_cpu| / |y_cpu| %.3g\n", env->checks - c0, worst[0], worst[1],
            worst[2]);
     check_refusals(env);
@@ -486,14 +495,17 @@ typedef struct bench_arg {
     chk_env *env;
     kern_moe_experts p;
     kern_moe_gate g;
-    int op;
+    int op;                     /* BENCH_OPS */
 } bench_arg;
+
+/* The timed ops: moe_experts forced onto each path, then moe_gate. */
+enum { OP_MMA, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
     bench_arg *b = arg;
     kern_backend *g = &b->env->gpu;
-    return b->op < 2 ? g->ops.moe_experts(g->ctx, &b->p) : g->ops.moe_gate(g->ctx, &b->g);
+    return b->op != OP_GATE ? g->ops.moe_experts(g->ctx, &b->p) : g->ops.moe_gate(g->ctx, &b->g);
 }
 
 static void bench(chk_env *env)
@@ -583,18 +595,23 @@ static void bench(chk_env *env)
                               .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
                               .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
                               .weights = chk_dev_alloc(env, nk * 4)};
-        static const char *const names[3] = {"moe_experts grouped", "moe_experts cublaslt",
-                                             "moe_gate"};
-        for (int op = 0; op < 3; op++) {
+        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped unstaged",
+                                                     "grouped cuda-core",
+                                                     "moe_experts cublaslt", "moe_gate"};
+        for (int op = 0; op < BENCH_OPS; op++) {
             b.op = op;
             /* the forced backends run on their own streams: time them as env->gpu */
             kern_backend keep = env->gpu;
-            if (op < 2)
-                env->gpu = op == 0 ? g_be.grouped : g_be.gemm;
-            double ms = chk_time_ms(env, bench_call, &b, 2, op < 2 ? 7 : 30);
+            const int ex_op = op != OP_GATE;
+            if (ex_op)
+                env->gpu = op == OP_MMA        ? g_be.grouped
+                           : op == OP_UNSTAGED ? g_be.unstaged
+                           : op == OP_CORES    ? g_be.cores
+                                               : g_be.gemm;
+            double ms = chk_time_ms(env, bench_call, &b, 2, ex_op ? 7 : 30);
             env->gpu = keep;
-            double flops = op < 2 ? 2.0 * 3 * B_D * (double)B_I * (nk + T) : 0;
-            double bytes = op < 2 ? n_used * (double)per + 3.0 * (sh8 + shs) + 4.0 * T * B_D
+            double flops = ex_op ? 2.0 * 3 * B_D * (double)B_I * (nk + T) : 0;
+            double bytes = ex_op ? n_used * (double)per + 3.0 * (sh8 + shs) + 4.0 * T * B_D
                                   : T * (B_E * 4.0 + B_K * 8.0);
             if (ms <= 0) {
                 printf("%-22s %5u failed (message above)\n", names[op], T);
@@ -618,8 +635,12 @@ int main(int argc, char **argv)
     chk_env env;
     int want_bench = chk_init(&env, argc, argv, usage);
     kern_cuda_config always = {.moe_grouped_rows = THR_ALWAYS}, never = {.moe_grouped_rows = -1};
+    kern_cuda_config cores = {.moe_grouped_rows = THR_ALWAYS, .moe_cuda_cores = 1};
+    kern_cuda_config unstaged = {.moe_grouped_rows = THR_ALWAYS, .moe_unstaged = 1};
     di_error e;
     if (kern_cuda_create(&always, &g_be.grouped, &e) != DI_OK ||
+        kern_cuda_create(&cores, &g_be.cores, &e) != DI_OK ||
+        kern_cuda_create(&unstaged, &g_be.unstaged, &e) != DI_OK ||
         kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK) {
         fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
         return 2;
@@ -627,6 +648,8 @@ int main(int argc, char **argv)
     sweep(&env);
     int rc = chk_finish(&env, "check_moe", want_bench, bench);
     kern_cuda_destroy(&g_be.grouped);
+    kern_cuda_destroy(&g_be.cores);
+    kern_cuda_destroy(&g_be.unstaged);
     kern_cuda_destroy(&g_be.gemm);
     return rc;
 }

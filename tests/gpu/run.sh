@@ -2,7 +2,9 @@
 # One call on a GPU machine: builds the engine, model and kernels with CUDA (no service
 # libraries), checks every CUDA kernel against its C twin on random and adversarial data, and
 # runs the benchmarks, each printing its figure next to the hardware limit measured in the same
-# run. Logs go to $OUT when it is set. Usage: tests/gpu/run.sh [--no-bench]
+# run. Logs go to $OUT when it is set.
+# Usage: tests/gpu/run.sh [--no-bench] [--only "check_moe check_forward"]
+#   --only: build and run just these check programs (no di-generate end to end)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -10,7 +12,24 @@ out=${OUT:-$root/build-gpu/logs}
 mkdir -p "$out"
 export PATH=/usr/local/cuda/bin:$PATH
 bench=1
-[ "${1:-}" = "--no-bench" ] && bench=0
+only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --no-bench) bench=0 ;;
+    --only) [ $# -ge 2 ] || { echo "run.sh: --only needs a list of check programs" >&2; exit 2; }
+            only=$2; shift ;;
+    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    *) echo "run.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
+  esac
+  shift
+done
+targets=()
+for name in $only; do
+  case "$name" in
+    check_[a-z]*) targets+=("tests/gpu/$name") ;;
+    *) echo "run.sh: --only takes check program names (check_moe ...), not '$name'" >&2; exit 2 ;;
+  esac
+done
 
 # jansson is the one non-CUDA library the model needs; a machine without it gets the Debian
 # packages carried in .gpu-deps/ (apt-get download libjansson4 libjansson-dev), unpacked here.
@@ -40,13 +59,14 @@ if [ ! -f build-gpu/build.ninja ]; then
   "${meson_cmd[@]}" setup build-gpu --buildtype=release -Dservices=disabled -Dtests=disabled \
     -Dtokenizer=disabled -Dcuda=enabled >"$out/setup.log" 2>&1 || { tail -30 "$out/setup.log"; exit 2; }
 fi
-ninja -C build-gpu >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 2; }
+ninja -C build-gpu "${targets[@]}" >"$out/build.log" 2>&1 || { tail -40 "$out/build.log"; exit 2; }
 
 status=0
 summary=()
 for exe in build-gpu/tests/gpu/check_*; do
   [ -f "$exe" ] && [ -x "$exe" ] || continue
   name=$(basename "$exe")
+  [ -z "$only" ] || [[ " $only " == *" $name "* ]] || continue
   args=()
   [ "$bench" = 1 ] && args=(--bench)
   if "$exe" "${args[@]}" >"$out/$name.log" 2>&1; then
@@ -57,6 +77,11 @@ for exe in build-gpu/tests/gpu/check_*; do
   fi
   cat "$out/$name.log"
 done
+if [ -n "$only" ]; then
+  echo "== tests/gpu summary (only: $only) =="
+  printf '%s\n' "${summary[@]}"
+  exit $status
+fi
 # End to end: di-generate on a random-weight `small` checkpoint, a 2,048-token prompt and 256
 # greedy tokens, on the CPU backend (16 threads) and on the CUDA backend. Both must produce every
 # token; the figures are the engine's own (load, prefill and decode tokens/s).

@@ -129,17 +129,22 @@ void th_store_kill(th_store *s)
     s->pid = 0;
 }
 
-int th_store_log_has(const th_store *s, const char *needle)
+int th_store_log_count(const th_store *s, const char *needle)
 {
     FILE *f = fopen(s->log, "r");
     if (!f)
         return 0;
     char line[1024];
-    int found = 0;
-    while (!found && fgets(line, sizeof(line), f))
-        found = strstr(line, needle) != NULL;
+    int n = 0;
+    while (fgets(line, sizeof(line), f))
+        n += strstr(line, needle) != NULL;
     fclose(f);
-    return found;
+    return n;
+}
+
+int th_store_log_has(const th_store *s, const char *needle)
+{
+    return th_store_log_count(s, needle) > 0;
 }
 
 kvc_client *th_client(const th_store *s, const char *token)

@@ -35,6 +35,8 @@ void th_store_kill(th_store *s);
 void th_store_dump_log(const th_store *s);
 /* Returns 1 when the log contains `needle`. */
 int th_store_log_has(const th_store *s, const char *needle);
+/* Number of log lines containing `needle`. */
+int th_store_log_count(const th_store *s, const char *needle);
 
 /* A client with default options for the store (token may be NULL). */
 kvc_client *th_client(const th_store *s, const char *token);

@@ -734,3 +734,57 @@ Test(index, random_operations_keep_every_invariant)
     cr_assert_gt(st.expirations + st.disk_evictions, 10);
     teardown(&f);
 }
+
+Test(index, a_corrupt_dram_copy_leaves_dram_with_its_last_reader_and_is_loaded_again)
+{
+    fixture f;
+    setup(&f, 1 << 20, 0);
+    put(&f, BLK, 1, 1000, 10);
+    kvkey k = key_of(1);
+    kvkey absent = key_of(2);
+    cr_assert_null(kvidx_pin_resident(f.idx, BLK, &absent, 11));
+    kvidx_lease_info held, li;
+    di_error e;
+    cr_assert_eq(kvidx_lease(f.idx, BLK, &k, 1000, 11, &held, &e), DI_OK, "%s", e.msg);
+    cr_assert_not(held.need_load, "resident after its commit");
+    kvidx_obj *o = kvidx_pin_resident(f.idx, BLK, &k, 12);
+    cr_assert_eq(o, held.obj);
+    cr_assert_eq(kvidx_dram_corrupt(f.idx, o), 1);
+    kvidx_unpin(f.idx, o, 12);
+    kvidx_check(f.idx);
+    kvidx_stats st;
+    kvidx_get_stats(f.idx, &st);
+    cr_assert_eq(st.corrupt_dropped, 1);
+    cr_assert_eq(st.cls[BLK].dram_objects, 0);
+    cr_assert_eq(st.cls[BLK].objects, 1, "still on disk");
+    int resident = 1;
+    cr_assert(present(&f, BLK, 1, 12, &resident));
+    cr_assert_not(resident);
+    /* The holder still has the slot: new leases miss, a second report finds nothing. */
+    kvslab_class_stats ss;
+    kvslab_stats(f.slab, BLK, &ss);
+    cr_assert_eq(ss.used, 1);
+    cr_assert_eq(kvidx_lease(f.idx, BLK, &k, 1000, 13, &li, &e), DI_ENOENT);
+    cr_assert_null(kvidx_pin_resident(f.idx, BLK, &k, 13));
+    cr_assert_eq(kvidx_release(f.idx, held.lease_id, 14, &e), DI_OK, "%s", e.msg);
+    kvidx_check(f.idx);
+    kvslab_stats(f.slab, BLK, &ss);
+    cr_assert_eq(ss.used, 0, "the slot went with the last reader");
+    /* The next lease loads the disk copy into a fresh slot. */
+    cr_assert_eq(kvidx_lease(f.idx, BLK, &k, 1000, 15, &li, &e), DI_OK, "%s", e.msg);
+    cr_assert(li.need_load);
+    kvidx_load_done(f.idx, li.obj, KVIDX_LOAD_OK, 15);
+    cr_assert_eq(kvidx_release(f.idx, li.lease_id, 16, &e), DI_OK);
+    kvidx_check(f.idx);
+    /* Deleted while a reader holds the bad copy: the delete path frees the slot. */
+    cr_assert_eq(kvidx_lease(f.idx, BLK, &k, 1000, 17, &held, &e), DI_OK);
+    o = kvidx_pin_resident(f.idx, BLK, &k, 17);
+    cr_assert_eq(kvidx_dram_corrupt(f.idx, o), 1);
+    kvidx_unpin(f.idx, o, 17);
+    cr_assert_eq(kvidx_delete(f.idx, BLK, &k, 18, &e), DI_OK);
+    cr_assert_eq(kvidx_release(f.idx, held.lease_id, 19, &e), DI_OK);
+    cr_assert_eq(drain_deletes(&f), 1);
+    kvslab_stats(f.slab, BLK, &ss);
+    cr_assert_eq(ss.used, 0);
+    teardown(&f);
+}

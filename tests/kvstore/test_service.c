@@ -337,6 +337,13 @@ Test(service, a_full_disk_fails_puts_clearly_reads_go_on_and_writes_resume, .tim
                  di_status_name(st), e.msg);
     cr_assert(strstr(e.msg, "disk full"), "%s", e.msg);
     cr_assert_gt(i, 5);
+    /* Every further put fails the same way; the log keeps to a few lines and a count. */
+    for (uint64_t j = 0; j < 40; j++) {
+        kvkey k = th_key(50000 + j);
+        uint8_t *p = object(KVKEY_BLOCK, &k, 114048, 0);
+        cr_assert_eq(kvc_put1(c, KVKEY_BLOCK, &k, p, 114048, &e), DI_ENOSPC, "%s", e.msg);
+        free(p);
+    }
     /* Acknowledged blocks are still served, and so are lookups and stats. */
     for (uint64_t j = 0; j + 1 < i; j += 7) {
         kvkey k = th_key(j);
@@ -373,6 +380,10 @@ Test(service, a_full_disk_fails_puts_clearly_reads_go_on_and_writes_resume, .tim
     cr_assert_eq(get_check(c, KVKEY_BLOCK, &k0b, 114048, 0, &e), DI_OK, "%s", e.msg);
     kvc_close(c);
     th_store_stop(&s);
+    /* 40+ failed commits: at most 5 lines per 10 s, then the count of the rest. */
+    int lines = th_store_log_count(&s, "Commit item");
+    cr_assert(lines >= 1 && lines <= 15, "%d commit-failure lines", lines);
+    cr_assert(th_store_log_has(&s, "more item failures in the last"), "no count line");
     th_rmtree(dir);
 }
 
@@ -425,6 +436,84 @@ static void write_file(const char *path, const char *text)
     cr_assert_not_null(f);
     fputs(text, f);
     fclose(f);
+}
+
+/* Flips one byte of an object's DRAM copy inside the running store (through /proc/PID/mem, as
+ * a memory fault would), at the address its lease names. */
+static void rot_dram_copy(const th_store *s, kvc_client *c, const kvkey *k)
+{
+    kvc_lease l;
+    di_error e;
+    cr_assert_eq(kvc_acquire(c, KVKEY_BLOCK, k, 1000, &l, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvc_release(c, &l, &e), DI_OK, "%s", e.msg);
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%d/mem", (int)s->pid);
+    FILE *f = fopen(path, "r+b");
+    cr_assert(f, "cannot open %s", path);
+    uint8_t b;
+    off_t at = (off_t)(l.remote_addr + KV_HEADER_BYTES + 321);
+    cr_assert_eq(pread(fileno(f), &b, 1, at), 1);
+    b ^= 0x21;
+    cr_assert_eq(pwrite(fileno(f), &b, 1, at), 1);
+    fclose(f);
+}
+
+Test(service, a_corrupt_dram_copy_is_reported_dropped_and_served_from_disk, .timeout = 60)
+{
+    char dir[256];
+    th_tmpdir(dir);
+    th_store s;
+    th_store_start(&s, dir, small_args);
+    kvc_client *c = th_client(&s, NULL);
+    kvkey a = th_key(1), b = th_key(2);
+    put_one(c, KVKEY_BLOCK, &a, BLOCK, 0);
+    put_one(c, KVKEY_BLOCK, &b, BLOCK, 0);
+    rot_dram_copy(&s, c, &a);
+    /* The low-level read sees the bad copy and says so; the store drops it afterwards. */
+    kvc_lease l;
+    di_error e;
+    uint8_t *buf = malloc(BLOCK);
+    cr_assert_eq(kvc_acquire(c, KVKEY_BLOCK, &a, 1000, &l, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvc_read(c, KVKEY_BLOCK, &a, &l, buf, BLOCK, &e), DI_ECORRUPT);
+    cr_assert_eq(kvc_release(c, &l, &e), DI_OK, "%s", e.msg);
+    free(buf);
+    /* A get now returns the verified disk copy; so do later ones. */
+    for (int r = 0; r < 3; r++)
+        cr_assert_eq(get_check(c, KVKEY_BLOCK, &a, BLOCK, 0, &e), DI_OK, "read %d: %s", r, e.msg);
+    cr_assert_eq(get_check(c, KVKEY_BLOCK, &b, BLOCK, 0, &e), DI_OK, "%s", e.msg);
+    Di__Kvstore__StatsReply *sr;
+    stats(c, &sr);
+    cr_assert_eq(sr->corrupt_dropped, 1);
+    cr_assert_eq(sr->promotions, 1, "one load from disk");
+    di__kvstore__stats_reply__free_unpacked(sr, NULL);
+    /* The same through a plain get: the client reports, the store drops, the retry reads
+     * the disk copy; the caller never sees the bad bytes. */
+    rot_dram_copy(&s, c, &b);
+    cr_assert_eq(get_check(c, KVKEY_BLOCK, &b, BLOCK, 0, &e), DI_OK, "%s", e.msg);
+    stats(c, &sr);
+    cr_assert_eq(sr->corrupt_dropped, 2);
+    di__kvstore__stats_reply__free_unpacked(sr, NULL);
+    /* A report about a sound copy changes nothing. */
+    Di__Kvstore__ObjRef ref = DI__KVSTORE__OBJ_REF__INIT, *refs[1] = {&ref};
+    ref.cls = DI__KVSTORE__OBJ_CLASS__BLOCK;
+    ref.key = (ProtobufCBinaryData){32, b.b};
+    Di__Kvstore__ReportCorruptRequest req = DI__KVSTORE__REPORT_CORRUPT_REQUEST__INIT;
+    req.n_items = 1;
+    req.items = refs;
+    uint8_t packed[128], *rep;
+    size_t len, n = di__kvstore__report_corrupt_request__pack(&req, packed);
+    cr_assert_eq(kvc_call(c, "ReportCorrupt", packed, n, &rep, &len, &e), DI_OK, "%s", e.msg);
+    Di__Kvstore__ReportCorruptReply *rr = di__kvstore__report_corrupt_reply__unpack(NULL, len, rep);
+    cr_assert(rr && rr->n_results == 1 && rr->results[0]->status == DI_EEXIST);
+    di__kvstore__report_corrupt_reply__free_unpacked(rr, NULL);
+    free(rep);
+    stats(c, &sr);
+    cr_assert_eq(sr->corrupt_dropped, 2);
+    di__kvstore__stats_reply__free_unpacked(sr, NULL);
+    kvc_close(c);
+    th_store_stop(&s);
+    cr_assert(th_store_log_has(&s, "corrupt copy reported"), "the drop is logged");
+    th_rmtree(dir);
 }
 
 Test(service, tokens_roles_and_tls, .timeout = 60)

@@ -3,6 +3,9 @@
  * injected disk faults, capacities and TTL changes at run time. The DRAM arena is plain
  * memory here; the UCX path is covered by the service tests. */
 #include <criterion/criterion.h>
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -341,4 +344,207 @@ Test(store, every_disk_write_failing_in_turn_leaks_nothing, .timeout = 120)
             break; /* the fault came after the last write: every position was covered */
         cr_assert_lt(nth, 200, "runaway fault loop");
     }
+}
+
+/* ---------------------------------------------------------------- corrupt DRAM copies */
+
+Test(store, a_reported_corrupt_dram_copy_is_dropped_and_the_disk_copy_served)
+{
+    fx f;
+    setup(&f, KVDISK_WAL);
+    kvkey a = th_key(1), b = th_key(2);
+    put(&f, KVKEY_BLOCK, &a, BLOCK, 0);
+    put(&f, KVKEY_BLOCK, &b, BLOCK, 0);
+    di_error e;
+    /* A report about a copy that verifies changes nothing. */
+    cr_assert_eq(kvs_report_corrupt(f.s, KVKEY_BLOCK, &a, &e), DI_EEXIST, "%s", e.msg);
+    kvs_lease_info li;
+    cr_assert_eq(kvs_lease(f.s, KVKEY_BLOCK, &a, 1000, UINT64_MAX, &li, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvs_release(f.s, li.lease_id, &e), DI_OK);
+    slot(&f, li.offset)[KV_HEADER_BYTES + 99] ^= 0x40; /* the DRAM copy rots */
+    cr_assert_eq(kvs_report_corrupt(f.s, KVKEY_BLOCK, &a, &e), DI_OK, "%s", e.msg);
+    cr_assert(strstr(e.msg, "dropped") && strstr(e.msg, "checksum"), "%s", e.msg);
+    kvs_stats s;
+    kvs_get_stats(f.s, &s);
+    cr_assert_eq(s.idx.corrupt_dropped, 1);
+    cr_assert_eq(s.idx.cls[KVKEY_BLOCK].dram_objects, 1, "only b is left in DRAM");
+    cr_assert_eq(s.idx.cls[KVKEY_BLOCK].objects, 2, "a is still on disk");
+    kvidx_info info;
+    kvs_inspect(f.s, KVKEY_BLOCK, &a, &info, NULL);
+    cr_assert(info.present && !info.resident);
+    /* The next read loads and verifies the disk copy. */
+    cr_assert_eq(check(&f, KVKEY_BLOCK, &a, BLOCK, 0, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(check(&f, KVKEY_BLOCK, &b, BLOCK, 0, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvs_report_corrupt(f.s, KVKEY_BLOCK, &a, &e), DI_EEXIST, "fine again");
+    kvkey none = th_key(99);
+    cr_assert_eq(kvs_report_corrupt(f.s, KVKEY_BLOCK, &none, &e), DI_ENOENT);
+    cr_assert_eq(kvs_report_corrupt(f.s, 7, &a, &e), DI_EINVAL);
+    kvs_get_stats(f.s, &s);
+    cr_assert_eq(s.idx.corrupt_dropped, 1, "false reports are not counted");
+    teardown(&f);
+}
+
+Test(store, a_corrupt_copy_still_leased_is_never_leased_again)
+{
+    fx f;
+    setup(&f, KVDISK_WAL);
+    kvkey a = th_key(1);
+    put(&f, KVKEY_BLOCK, &a, BLOCK, 0);
+    di_error e;
+    kvs_lease_info held, li;
+    cr_assert_eq(kvs_lease(f.s, KVKEY_BLOCK, &a, 5000, UINT64_MAX, &held, &e), DI_OK);
+    slot(&f, held.offset)[KV_HEADER_BYTES + 5] ^= 1;
+    cr_assert_eq(kvs_report_corrupt(f.s, KVKEY_BLOCK, &a, &e), DI_OK, "%s", e.msg);
+    /* Another reader still holds the slot: new readers get a miss, not the bad bytes. */
+    cr_assert_eq(kvs_lease(f.s, KVKEY_BLOCK, &a, 1000, UINT64_MAX, &li, &e), DI_ENOENT);
+    cr_assert(strstr(e.msg, "corrupt"), "%s", e.msg);
+    cr_assert_eq(kvs_report_corrupt(f.s, KVKEY_BLOCK, &a, &e), DI_ENOENT, "not counted twice");
+    cr_assert_eq(kvs_release(f.s, held.lease_id, &e), DI_OK);
+    /* With the last reader gone the slot is free and the disk copy comes back. */
+    cr_assert_eq(check(&f, KVKEY_BLOCK, &a, BLOCK, 0, &e), DI_OK, "%s", e.msg);
+    kvs_stats s;
+    kvs_get_stats(f.s, &s);
+    cr_assert_eq(s.idx.corrupt_dropped, 1);
+    cr_assert_eq(s.slab[KVKEY_BLOCK].used, 1, "one slot, no leak");
+    teardown(&f);
+}
+
+/* ---------------------------------------------------------------- corrupt RocksDB files */
+
+/* The .sst file in dir whose bytes contain needle (NULL-terminated path in out). */
+static int find_sst_with(const char *dir, const void *needle, size_t n, char *out, size_t cap)
+{
+    DIR *dp = opendir(dir);
+    cr_assert(dp);
+    int found = 0;
+    for (struct dirent *de; !found && (de = readdir(dp));) {
+        size_t len = strlen(de->d_name);
+        if (len < 4 || strcmp(de->d_name + len - 4, ".sst") != 0)
+            continue;
+        snprintf(out, cap, "%s/%s", dir, de->d_name);
+        FILE *fp = fopen(out, "rb");
+        cr_assert(fp);
+        fseek(fp, 0, SEEK_END);
+        long size = ftell(fp);
+        uint8_t *buf = malloc((size_t)size);
+        fseek(fp, 0, SEEK_SET);
+        cr_assert_eq(fread(buf, 1, (size_t)size, fp), (size_t)size);
+        fclose(fp);
+        found = memmem(buf, (size_t)size, needle, n) != NULL;
+        free(buf);
+    }
+    closedir(dp);
+    return found;
+}
+
+static uint64_t varint(const uint8_t **p)
+{
+    uint64_t v = 0;
+    for (int shift = 0; shift < 64; shift += 7) {
+        uint8_t b = *(*p)++;
+        v |= (uint64_t)(b & 0x7f) << shift;
+        if (!(b & 0x80))
+            break;
+    }
+    return v;
+}
+
+/* Flips one byte in the middle of an SST's index block, found through its footer (format
+ * version >= 1: checksum type, metaindex handle, index handle, padding to 41 bytes,
+ * format version, magic: 53 bytes). */
+static void flip_index_block(const char *path)
+{
+    int fd = open(path, O_RDWR);
+    cr_assert(fd >= 0);
+    off_t size = lseek(fd, 0, SEEK_END);
+    uint8_t foot[53];
+    cr_assert_eq(pread(fd, foot, sizeof(foot), size - 53), 53);
+    const uint8_t *p = foot + 1;
+    uint64_t meta_off = varint(&p), meta_size = varint(&p);
+    uint64_t index_off = varint(&p), index_size = varint(&p);
+    cr_assert(meta_size > 0 && index_size > 0 && index_off + index_size <= (uint64_t)size,
+              "footer of %s: metaindex %llu+%llu, index %llu+%llu", path,
+              (unsigned long long)meta_off, (unsigned long long)meta_size,
+              (unsigned long long)index_off, (unsigned long long)index_size);
+    uint8_t b;
+    off_t at = (off_t)(index_off + index_size / 2);
+    cr_assert_eq(pread(fd, &b, 1, at), 1);
+    b ^= 0x5a;
+    cr_assert_eq(pwrite(fd, &b, 1, at), 1);
+    close(fd);
+}
+
+/* Keeps the last warning the store logged. */
+static void keep_warning(void *ud, di_log_level level, const char *line)
+{
+    if (level <= DI_LOG_WARN)
+        snprintf(ud, 512, "%s", line);
+}
+
+Test(store, a_flipped_byte_in_an_sst_index_block_loses_that_file_only, .timeout = 60)
+{
+    fx f;
+    setup(&f, KVDISK_WAL);
+    char warning[512] = "";
+    di_logger lg = {.fn = keep_warning, .userdata = warning, .level = DI_LOG_WARN};
+    f.cfg.log = &lg;
+    /* Blocks 1-8 end up in one SST of the block family; windows 1-3 in another family's SST;
+     * blocks 11-14 only in the WAL when the store stops. */
+    for (uint64_t i = 1; i <= 8; i++) {
+        kvkey k = th_key(i);
+        put(&f, KVKEY_BLOCK, &k, BLOCK, 0);
+    }
+    for (uint64_t i = 1; i <= 3; i++) {
+        kvkey k = th_key(100 + i);
+        put(&f, KVKEY_WINDOW, &k, WINDOW, 0);
+    }
+    uint64_t expired, before, after;
+    kvs_compact(f.s, &expired, &before, &after);
+    cr_assert_gt(after, 0, "compaction wrote SST files");
+    for (uint64_t i = 11; i <= 14; i++) {
+        kvkey k = th_key(i);
+        put(&f, KVKEY_BLOCK, &k, BLOCK, 0);
+    }
+    kvs_close(f.s);
+    f.s = NULL;
+    kvkey k1 = th_key(1);
+    char sst[600];
+    /* The SST of the block family: the one holding block 1's bytes. */
+    cr_assert(find_sst_with(f.dir, k1.b, sizeof(k1.b), sst, sizeof(sst)), "no SST holds block 1");
+    flip_index_block(sst);
+    open_store(&f); /* starts */
+    di_error e;
+    kvs_stats s;
+    kvs_get_stats(f.s, &s);
+    cr_assert_eq(s.disk.files_lost, 1, "one file set aside, not %llu (%s)",
+                 (unsigned long long)s.disk.files_lost, s.disk.repair_note);
+    cr_assert(strstr(s.disk.repair_note, "orruption"), "%s", s.disk.repair_note);
+    cr_assert(strstr(warning, "1 unreadable RocksDB files set aside") && strstr(warning, ".sst"),
+              "log: %s", warning);
+    for (uint64_t i = 1; i <= 8; i++) {
+        kvkey k = th_key(i);
+        cr_assert_eq(check(&f, KVKEY_BLOCK, &k, BLOCK, 0, &e), DI_ENOENT, "block %llu",
+                     (unsigned long long)i);
+    }
+    for (uint64_t i = 11; i <= 14; i++) {
+        kvkey k = th_key(i);
+        cr_assert_eq(check(&f, KVKEY_BLOCK, &k, BLOCK, 0, &e), DI_OK, "block %llu: %s",
+                     (unsigned long long)i, e.msg);
+    }
+    for (uint64_t i = 1; i <= 3; i++) {
+        kvkey k = th_key(100 + i);
+        cr_assert_eq(check(&f, KVKEY_WINDOW, &k, WINDOW, 0, &e), DI_OK, "window %llu: %s",
+                     (unsigned long long)i, e.msg);
+    }
+    cr_assert_eq(s.idx.cls[KVKEY_BLOCK].objects, 4);
+    /* Writes work after the repair, and a restart is clean. */
+    kvkey n = th_key(50);
+    put(&f, KVKEY_BLOCK, &n, BLOCK, 0);
+    kvs_close(f.s);
+    open_store(&f);
+    kvs_get_stats(f.s, &s);
+    cr_assert_eq(s.disk.files_lost, 0);
+    cr_assert_eq(s.idx.cls[KVKEY_BLOCK].objects, 5);
+    cr_assert_eq(check(&f, KVKEY_BLOCK, &n, BLOCK, 0, &e), DI_OK, "%s", e.msg);
+    teardown(&f);
 }

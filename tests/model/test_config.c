@@ -192,7 +192,7 @@ Test(config, kv_geometry_of_v41_flash_matches_the_layout_module)
         cr_assert_eq(a.owner_ratio[k], b.owner_ratio[k]);
     }
     cr_assert_eq(a.yoco_boundary, b.yoco_boundary);
-    cr_assert_eq(a.model_id, c->model_id);
+    cr_assert_eq(a.model_id, kv_model_id(c->model_id, KV_YOCO_DEFAULT));
     cr_assert_eq(b.model_id, a.model_id, "both paths stamp blocks with one model id");
     cr_assert_eq(kv_block_bytes(&a), 114048);
     di_error e;

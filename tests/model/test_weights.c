@@ -397,6 +397,10 @@ Test(weights, unexpected_and_misplaced_tensors)
     rewrite_shard("e", "head.weight", NULL, true, extra, 2);
     model_weights *w = NULL;
     di_error e = {0};
+    expect_load_error("e", DI_ECORRUPT, "the checksum manifest says");
+    char dir[600];
+    snprintf(dir, sizeof dir, "%s/e", g_dir);
+    cr_assert_eq(mkmodel_write_sums(dir, 1, NULL, &e), DI_OK, "an intended change: %s", e.msg);
     cr_assert_eq(load("e", 0, &w, &e), DI_OK, "tensors missing from the index are unread: %s",
                  e.msg);
     model_weights_free(w);
@@ -589,7 +593,10 @@ Test(weights, seeded_engram_rows_equal_the_written_table)
     generate("small", "seed", 21, MKMODEL_ENGRAM_SEED, pb);
     cr_assert(!pa->engram_seeded && pb->engram_seeded);
     cr_assert(pb->config.has_engram_table_seed && !pa->config.has_engram_table_seed);
-    cr_assert_eq(pa->config.model_id, pb->config.model_id, "the seed is not geometry");
+    cr_assert_eq(model_config_fingerprint(&pa->config), model_config_fingerprint(&pb->config),
+                 "the seed is not geometry");
+    cr_assert_neq(pa->config.model_id, pb->config.model_id,
+                  "but the model id covers the weight files, which differ");
     cr_assert(pb->bytes < pa->bytes);
     model_weights *a, *b;
     di_error e;

@@ -42,12 +42,14 @@ MKMODEL_CMD = ["{mkmodel}", "--quiet", "--seed", "{seed}", "{config}", "{out}"]
 GENERATE_CMD = ["{generate}", "--quiet", "--model", "{model}", "--ids", "{ids}",
                 "--teacher-force", "{teacher}", "--dump-logits", "{dump}"]
 # Engine modes, each compared with the same reference rows ("decode equals prefill"): name,
-# extra di-generate flags, exact (must be within --tol). One decode token per step;
+# extra di-generate flags, exact (must be within --tol). The exact modes run the full prefill
+# (--yoco off; the engine's default is compact). One decode token per step;
 # speculative steps verifying the draft's proposals; the prompt prefilled in chunks of 64; YOCO
 # compact prefill of the layers above the boundary, which the explainer calls approximate
 # (layers above it run only the last 140 prompt rows), so its drift is reported, not judged.
-DECODE_MODES = [("decode", ["--nextn", "0"], True), ("spec", [], True),
-                ("chunk", ["--nextn", "0", "--chunk", "64"], True),
+DECODE_MODES = [("decode", ["--nextn", "0", "--yoco", "off"], True),
+                ("spec", ["--yoco", "off"], True),
+                ("chunk", ["--nextn", "0", "--chunk", "64", "--yoco", "off"], True),
                 ("yoco", ["--yoco", "compact"], False)]
 # binary name -> (path under the build root, ninja target)
 TOOLS = {"mkmodel": ("tools/mkmodel/di-mkmodel", "tools/mkmodel/di-mkmodel"),

@@ -719,6 +719,32 @@ def topk_ascending(scores, k):
     return np.where(np.isneginf(scores[picked]), -1, picked)
 
 
+ATTN_BLOCK = 64
+
+
+def sparse_attn_row(q, keys, block, scale, sink):
+    """One query row of the reference kernel's sparse attention (MODEL.md §2.5 (a)-(d)): keys
+    [n, hd] in slot order, block[n] the 64-slot block of each key. Running fp32 max from -1e30,
+    fp32 probabilities in the denominator, probabilities rounded to BF16 in the numerator,
+    both rescaled by exp(m - m') per block; bf16 output [H, hd]."""
+    H, hd = q.shape
+    s = f32(f32(q.astype(F64) @ keys.T) * scale)                              # [H, n] fp32
+    m = np.full(H, F32(-1e30), dtype=F32)
+    den = np.zeros(H, dtype=F32)
+    acc = np.zeros((H, hd), dtype=F32)
+    for b in np.unique(block):
+        sel = block == b
+        mb = np.maximum(m, s[:, sel].max(axis=1))
+        alpha = f32(exp(f32(m - mb)))
+        p = f32(exp(f32(s[:, sel] - mb[:, None])))                             # [H, nb] fp32
+        den = f32(f32(den * alpha) + f32(p.astype(F64).sum(axis=1)))
+        pv = f32(bf16(p).astype(F64) @ keys[sel])
+        acc = f32(f32(acc * alpha[:, None]) + pv)
+        m = mb
+    den = f32(den + f32(exp(f32(f32(sink) - m))))
+    return bf16(acc / den[:, None])                                          # fp32 division
+
+
 def n_visible(p, r):
     """Compressed entries visible to the token at position p: j < floor((p + 1) / r)."""
     return (p + 1) // r
@@ -990,16 +1016,15 @@ class Model:
         scale = F32(1.0 / math.sqrt(hd))
         o = np.zeros((T, Hn, hd), dtype=F32)
         for t in range(T):
-            keys = kv[window_positions(t, cfg.sliding_window)]
+            wpos = window_positions(t, cfg.sliding_window)
+            keys = kv[wpos]
+            # key slots: the window padded to sliding_window slots, then every top-k slot
+            slot = np.arange(len(wpos))
             if topk is not None:
-                picks = topk[t][topk[t] >= 0]
-                keys = np.concatenate([keys, comp[picks]], axis=0)
-            keys = keys.astype(F64)
-            s = f32(f32(q[t].astype(F64) @ keys.T) * scale).astype(F64)     # [H, n]
-            M = s.max(axis=1, keepdims=True)
-            ex = exp(s - M)
-            den = ex.sum(axis=1, keepdims=True) + exp(w["sink"][:, None] - M)
-            o[t] = bf16(f32((ex @ keys) / den))
+                valid = topk[t] >= 0
+                keys = np.concatenate([keys, comp[topk[t][valid]]], axis=0)
+                slot = np.concatenate([slot, cfg.sliding_window + np.nonzero(valid)[0]])
+            o[t] = sparse_attn_row(q[t], keys.astype(F64), slot // ATTN_BLOCK, scale, w["sink"])
         o = rope(o, pos, freqs, inverse=True)
         u = o.reshape(T, G, Hn // G * hd).astype(F64)
         wo_a = w["wo_a"].reshape(G, cfg.o_lora_rank, Hn // G * hd)
@@ -1039,11 +1064,15 @@ class Model:
         keys = shared[("keys", kvsrc)].astype(F64)                               # [n, idim]
         q = rope(linear_q(qr, w["i_wq_b"]).reshape(T, ih, idim), np.arange(T), self.freqs[r])
         q = quant_b(q).astype(F64)                                               # [T, ih, idim]
-        hw = linear_bf16(x, w["i_wproj"]) * F32(F64(idim) ** -0.5 * F64(ih) ** -0.5)  # fp32
-        dots = f32(np.einsum("thd,nd->thn", q, keys))                             # [T, ih, n]
-        score = bf16(f32(np.einsum("th,thn->tn", hw.astype(F64),
-                                   np.maximum(dots, 0.0).astype(F64))))           # [T, n]
-        score = score.astype(F64)
+        # the reference computes on BF16 tensors: each head's dot, the head weight and each
+        # weighted product are rounded to BF16; the head sum runs in fp32 (head order)
+        hw = bf16(linear_bf16(x, w["i_wproj"]) * F32(F64(idim) ** -0.5 * F64(ih) ** -0.5))
+        dots = bf16(np.einsum("thd,nd->thn", q, keys))                            # [T, ih, n]
+        prod = bf16(hw[:, :, None] * np.maximum(dots, F32(0.0)))                  # fp32 product
+        acc = np.zeros((T, keys.shape[0]), dtype=F32)
+        for h in range(ih):
+            acc = acc + prod[:, h]                                                # fp32 adds
+        score = bf16(acc).astype(F64)                                             # [T, n]
         topk = np.full((T, cfg.index_topk), -1, dtype=np.int64)
         masks = shared.get(("cand", kvsrc)) if l not in cfg.kv_sources else None
         cand = []

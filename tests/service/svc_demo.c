@@ -37,6 +37,7 @@ static const svc_opt demo_rows[] = {
 typedef struct demo_app {
     demo_opts *o;
     rpc_server *srv;
+    unsigned ticks;        /* periodic calls so far */
 } demo_app;
 
 typedef struct stream_job {
@@ -135,6 +136,14 @@ static void demo_drain(void *app, const svc_ctx *ctx, uint64_t deadline_ns)
     a->srv = rpc_server_stop(a->srv, grace);
 }
 
+static void demo_tick(void *app, const svc_ctx *ctx)
+{
+    demo_app *a = app;
+    a->ticks++;
+    di_log(&ctx->log, DI_LOG_DEBUG, "tick %u: %u calls", a->ticks,
+           a->srv ? rpc_server_live_calls(a->srv) : 0);
+}
+
 static void demo_stop(void *app, const svc_ctx *ctx)
 {
     (void)ctx;
@@ -152,6 +161,7 @@ int main(int argc, char **argv)
                      .guard = "token-file",
                      .rows = demo_rows, .n_rows = sizeof(demo_rows) / sizeof(demo_rows[0]),
                      .opts = &o, .base_offset = offsetof(demo_opts, base), .app = &app,
-                     .start = demo_start, .drain = demo_drain, .stop = demo_stop};
+                     .start = demo_start, .drain = demo_drain, .stop = demo_stop,
+                     .tick = demo_tick, .tick_ms = 50};
     return svc_main(&spec, argc, argv);
 }

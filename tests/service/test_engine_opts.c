@@ -83,17 +83,17 @@ Test(engine_opts, bad_combinations_each_get_one_line)
             (const char *[]){"--model", "/tmp", "--weights-seed", "3", NULL});
     refused("--rank 4 is not below --world 4",
             (const char *[]){"--config", "demo", "--rank", "4", "--world", "4", NULL});
-    refused("--world: 0 is outside 1..1024", (const char *[]){"--config", "demo", "--world",
+    refused("--world: 0 is outside [1, 1024]", (const char *[]){"--config", "demo", "--world",
                                                                 "0", NULL});
-    refused("--kvstore 127.0.0.1:0: the store's port cannot be 0",
+    refused("--kvstore: \"127.0.0.1:0\": port 0 outside 1..65535",
             (const char *[]){"--config", "demo", "--kvstore", "127.0.0.1:0", NULL});
-    refused("--kvstore: \"nohost\" has no :PORT",
+    refused("--kvstore: \"nohost\" has no port",
             (const char *[]){"--config", "demo", "--kvstore", "nohost", NULL});
     refused("--backend: \"tpu\" is not one of cpu|cuda",
             (const char *[]){"--config", "demo", "--backend", "tpu", NULL});
     refused("--model: /etc/hostname is not a directory",
             (const char *[]){"--model", "/etc/hostname", NULL});
-    refused("--threads: 0 is outside 1..256",
+    refused("--threads: 0 is outside [1, 256]",
             (const char *[]){"--config", "demo", "--threads", "0", NULL});
     setenv("DI_KVSTORE_TOKEN", "abc", 1);
     refused("without --kvstore", (const char *[]){"--config", "demo", NULL});

@@ -131,31 +131,32 @@ Test(options, bad_values_each_get_one_clear_line)
     refuse("unknown option --nope", "--nope", "1", NULL);
     refuse("--count needs a value (N)", "--count", NULL);
     refuse("--verbose takes no value", "--verbose=1", NULL);
-    refuse("--count: 65 is outside 1..64", "--count", "65", NULL);
-    refuse("--count: 0 is outside 1..64", "--count", "0", NULL);
+    refuse("--count: 65 is outside [1, 64]", "--count", "65", NULL);
+    refuse("--count: 0 is outside [1, 64]", "--count", "0", NULL);
     refuse("--count: \"-3\" is not a non-negative integer", "--count", "-3", NULL);
     refuse("--count: \"3x\" is not a non-negative integer", "--count", "3x", NULL);
-    refuse("--delta: -2 is outside -1..100", "--delta", "-2", NULL);
+    refuse("--delta: -2 is outside [-1, 100]", "--delta", "-2", NULL);
     refuse("--delta: \"1.5\" is not an integer", "--delta", "1.5", NULL);
     refuse("--ratio: \"nan\" is not a number", "--ratio", "nan", NULL);
-    refuse("--ratio: 1.5 is outside 0..1", "--ratio", "1.5", NULL);
+    refuse("--ratio: 1.5 is outside [0, 1]", "--ratio", "1.5", NULL);
     refuse("--bytes: \"12XB\" is not a size (unknown unit \"XB\")", "--bytes", "12XB", NULL);
     refuse("--bytes: \"-1\" is not a size", "--bytes", "-1", NULL);
-    refuse("--bytes: 1KiB is outside 4096..", "--bytes", "1KiB", NULL);
+    refuse("--bytes: 1024 bytes is outside [4096, ", "--bytes", "1KiB", NULL);
     refuse("--bytes: size \"1e30\" is too large", "--bytes", "1e30", NULL);
     refuse("--wait: \"soon\" is not a duration", "--wait", "soon", NULL);
-    refuse("--wait: 0s is outside 1..604800000", "--wait", "0s", NULL);
+    refuse("--wait: 0 ms is outside [1, 604800000]", "--wait", "0s", NULL);
     refuse("--backend: \"tpu\" is not one of cpu|cuda", "--backend", "tpu", NULL);
-    refuse("--listen: \"127.0.0.1:65536\": port 65536 is outside 0..65535", "--listen",
+    refuse("--listen: \"127.0.0.1:65536\": port 65536 outside 0..65535", "--listen",
            "127.0.0.1:65536", NULL);
-    refuse("--listen: \"localhost\" has no :PORT", "--listen", "localhost", NULL);
+    refuse("--listen: \"localhost\" has no port", "--listen", "localhost", NULL);
     refuse("--listen: \":80\" has no host", "--listen", ":80", NULL);
-    refuse("--listen: \"h:-1\": the port must be a number", "--listen", "h:-1", NULL);
-    refuse("--listen: \"h:\": the port must be a number", "--listen", "h:", NULL);
-    refuse("--listen: \"::1:80\": write an IPv6 host in brackets", "--listen", "::1:80", NULL);
-    refuse("--listen: \"[::1]80\" is not [IPv6]:PORT", "--listen", "[::1]80", NULL);
-    refuse("--listen: \"a b:1\": bad character in the host", "--listen", "a b:1", NULL);
-    refuse("--listen: \"h:999999999999\": the port must be a number", "--listen",
+    refuse("--listen: \"h:-1\": port \"-1\" is not a number", "--listen", "h:-1", NULL);
+    refuse("--listen: \"h:\" has no port", "--listen", "h:", NULL);
+    refuse("--listen: \"::1:80\": bad character ':' in the host", "--listen", "::1:80", NULL);
+    refuse("--listen: \"[::1]80\": an IPv6 host is written [ADDR]:PORT", "--listen",
+           "[::1]80", NULL);
+    refuse("--listen: \"a b:1\": bad character ' ' in the host", "--listen", "a b:1", NULL);
+    refuse("--listen: \"h:999999999999\": port 999999999999 outside 0..65535", "--listen",
            "h:999999999999", NULL);
     refuse("--model: cannot read /nonexistent/m.json", "--model", "/nonexistent/m.json", NULL);
     refuse("--model: /tmp is a directory", "--model", "/tmp", NULL);

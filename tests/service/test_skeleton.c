@@ -124,6 +124,20 @@ static char *output(proc *p)
     return buf;
 }
 
+/* 1 when the file contains needle. */
+static int file_has(const char *path, const char *needle)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    char line[512];
+    int found = 0;
+    while (!found && fgets(line, sizeof(line), f))
+        found = strstr(line, needle) != NULL;
+    fclose(f);
+    return found;
+}
+
 static rpc_stream *count_stream(rpc_client *c, uint32_t n, uint32_t delay_us)
 {
     uint8_t req[8];
@@ -196,7 +210,7 @@ static void usage_error(const char *want, const char *const *args)
 
 Test(skeleton, usage_errors_exit_2_with_one_line)
 {
-    usage_error("port 70000 is outside 0..65535",
+    usage_error("port 70000 outside 0..65535",
                 (const char *[]){"--listen", "127.0.0.1:70000", NULL});
     usage_error("unknown option --bogus", (const char *[]){"--bogus", NULL});
     usage_error("--ready-fd 987 is not an open descriptor",
@@ -204,7 +218,7 @@ Test(skeleton, usage_errors_exit_2_with_one_line)
     usage_error("--listen 0.0.0.0:0 is not a loopback address",
                 (const char *[]){"--listen", "0.0.0.0:0", NULL});
     usage_error("unexpected argument \"serve\"", (const char *[]){"serve", NULL});
-    usage_error("--threads: 0 is outside 1..64", (const char *[]){"--threads", "0", NULL});
+    usage_error("--threads: 0 is outside [1, 64]", (const char *[]){"--threads", "0", NULL});
     usage_error("--drain: \"later\" is not a duration", (const char *[]){"--drain", "later",
                                                                           NULL});
     usage_error("--token-file: cannot read /nonexistent/token",
@@ -255,6 +269,11 @@ Test(skeleton, ready_fd_port_file_and_clean_exit_on_sigterm)
                  "%s", e.msg);
     cr_assert_eq(len, 2);
     free(reply);
+    /* The tick runs while serving (every 50 ms, logged at debug level). */
+    uint64_t until = di_mono_ns() + 10000000000ull;
+    while (!file_has(p.out, "tick 2:") && di_mono_ns() < until)
+        usleep(10000);
+    cr_assert(file_has(p.out, "tick 2:"), "no tick while serving");
     kill(p.pid, SIGTERM);
     cr_assert_eq(wait_exit(&p, 20000), 0);
     cr_assert_neq(access(port_file, F_OK), 0, "the port file outlived the service");

@@ -7,6 +7,7 @@
 #include <string.h>
 
 #include "common/serve/backend.h"
+#include "common/util/hostport.h"
 #include "tools/generate/gen.h"
 
 typedef di_status (*opt_fn)(gen_args *a, const char *val, di_error *err);
@@ -35,6 +36,13 @@ static di_status parse_u64(const char *flag, const char *v, uint64_t lo, uint64_
 static di_status o_model(gen_args *a, const char *v, di_error *err)
 {
     a->model_dir = v;
+    return DI_OK;
+}
+
+static di_status o_trust(gen_args *a, const char *v, di_error *err)
+{
+    (void)v, (void)err;
+    a->trust_weights = true;
     return DI_OK;
 }
 
@@ -199,8 +207,11 @@ static di_status o_yoco(gen_args *a, const char *v, di_error *err)
 
 static di_status o_kvstore(gen_args *a, const char *v, di_error *err)
 {
-    if (!*v || !strchr(v, ':'))
-        return di_fail(err, DI_EINVAL, "--kvstore: '%s' is not HOST:PORT", v);
+    di_status st = di_hostport_parse(v, false, NULL, err);
+    if (st != DI_OK) {
+        di_error_prefix(err, "--kvstore: ");
+        return st;
+    }
     a->kvstore = v;
     return DI_OK;
 }
@@ -312,6 +323,9 @@ static di_status o_quiet(gen_args *a, const char *v, di_error *err)
 
 static const gen_opt options[] = {
     {"--model", "DIR", o_model, "checkpoint directory (config.json, index, shards)"},
+    {"--trust-weights", NULL, o_trust, "do not verify the checkpoint's checksum manifest "
+     "(model.safetensors.sha256.json): the weights fingerprint is read from it, no shard is "
+     "hashed, and a damaged shard goes unnoticed"},
     {"--config", "NAME|FILE", o_config,
      "random weights for a shipped config (tiny, small, demo, v41-flash) or a config file; default small"},
     {"--weights-seed", "N", o_wseed, "seed of the random weights (default 0, as di-mkmodel)"},
@@ -338,7 +352,8 @@ static const gen_opt options[] = {
     {"--chunk", "N", o_chunk, "prefill tokens per step (default 2048)"},
     {"--max-model-len", "N", o_max_len, "context limit in positions (default: the config's)"},
     {"--yoco", "MODE", o_yoco, "prefill truncation of layers >= the YOCO boundary: off, compact, "
-     "mask (default off; compact with --kvstore)"},
+     "mask (default compact, every engine's: a KV store hit is exact only with it; off runs the "
+     "full prefill). Part of the KV key; printed at start-up"},
     {"--keep-tokens", "N", o_keep, "YOCO keep window (default 140; at least window + nextn + 1)"},
     {"--kvstore", "HOST:PORT", o_kvstore,
      "reuse cached prompt prefixes from di-kvstore and store the KV computed here"},
@@ -433,6 +448,7 @@ void gen_args_default(gen_args *a)
     a->backend = "cpu";
     a->chunk = 2048;
     a->keep_tokens = 140;
+    a->yoco = FWD_YOCO_DEFAULT;
     a->kvstore_deadline_ms = 2000;
 }
 
@@ -454,16 +470,15 @@ void gen_args_free(gen_args *a)
 }
 
 /* The store's window state holds the layers below the YOCO boundary only: a cached prefix is
- * exact when prefill truncates the layers above it (kv_io.h), so --kvstore runs with truncation
- * (compact unless --yoco says mask). The token comes from its file or the environment. */
+ * exact when prefill truncates the layers above it (kv_io.h), so --kvstore refuses --yoco off
+ * (the default, compact, is what the store needs). The token comes from its file or the
+ * environment. */
 static di_status kvstore_args(gen_args *a, di_error *err)
 {
     if (a->yoco_set && a->yoco == FWD_YOCO_OFF)
         return di_fail(err, DI_EINVAL, "--kvstore needs --yoco compact or mask: the stored window "
                        "state holds the layers below the YOCO boundary only, so a cached prefix "
                        "is exact only when prefill truncates the layers above it");
-    if (!a->yoco_set)
-        a->yoco = FWD_YOCO_COMPACT;
     if (a->chunk < 128)
         return di_fail(err, DI_EINVAL, "--kvstore needs --chunk 128 or more: prompts are cut at "
                        "every multiple of 128, where the window state is copied");

@@ -39,7 +39,8 @@ typedef struct gen_args {
     int device;                  /* --device: the CUDA device ordinal */
     uint32_t chunk;              /* --chunk: prefill tokens per step */
     uint64_t max_model_len;      /* --max-model-len; 0 = the config's limit */
-    fwd_yoco yoco;               /* --yoco */
+    fwd_yoco yoco;               /* --yoco; FWD_YOCO_DEFAULT */
+    bool trust_weights;          /* --trust-weights: the checksum manifest is not verified */
     uint32_t keep_tokens;        /* --keep-tokens */
     bool json;                   /* --json */
     bool quiet;                  /* --quiet */

@@ -260,8 +260,9 @@ static di_status open_model(const gen_args *a, serve_model *m, di_error *err)
     bool texts = false;
     for (uint32_t i = 0; i < a->n_prompts; i++)
         texts |= a->prompts[i].text != NULL;
-    model_load_options lo = {.flags = MODEL_LOAD_WO_A_BF16, .progress = load_progress,
-                             .progress_userdata = (void *)a};
+    model_load_options lo = {.flags = MODEL_LOAD_WO_A_BF16 |
+                                      (a->trust_weights ? MODEL_LOAD_TRUST_SUMS : 0),
+                             .progress = load_progress, .progress_userdata = (void *)a};
     serve_model_options o = {.model_dir = a->model_dir, .config = a->config,
                              .weights_seed = a->weights_seed, .tokenizer = a->tokenizer,
                              .need_tokenizer = texts, .load = &lo};
@@ -269,6 +270,24 @@ static di_status open_model(const gen_args *a, serve_model *m, di_error *err)
         fprintf(stderr, "di-generate: building random weights for config %s (seed %llu)\n",
                 a->config ? a->config : "small", (unsigned long long)a->weights_seed);
     return serve_model_open(&o, m, err);
+}
+
+/* The start-up line: which model (config and weights) and which YOCO mode, the two things a
+ * KV store hit depends on. */
+static void print_identity(const gen_args *a, const model_weights *w)
+{
+    if (a->quiet)
+        return;
+    const shard_sums_result *s = &w->sums;
+    fprintf(stderr, "di-generate: model id %016llx (config and weights: %s); YOCO %s%s; KV id "
+            "%016llx\n", (unsigned long long)w->config.model_id,
+            s->verified ? "checksum manifest verified"
+            : s->had_manifest ? "checksum manifest trusted, not verified"
+                              : "no checksum manifest, shards hashed",
+            kv_yoco_name((uint32_t)a->yoco),
+            a->yoco == FWD_YOCO_DEFAULT ? " (the default)" : " (not the default: no KV sharing "
+            "with engines that run the default)",
+            (unsigned long long)kv_model_id(w->config.model_id, (uint32_t)a->yoco));
 }
 
 /* ---- tokenizer ---- */
@@ -424,7 +443,7 @@ static di_status open_kvstore(const gen_args *a, const model_config *c, uint32_t
     if (!a->kvstore)
         return DI_OK;
     kv_geometry geo;
-    model_config_kv_geometry(c, nextn, &geo);
+    model_config_kv_geometry_yoco(c, nextn, (uint32_t)a->yoco, &geo);
     gen_kv_options ko = {.target = a->kvstore, .token = a->kvstore_token,
                          .deadline_ms = a->kvstore_deadline_ms, .allow_replay = a->kvstore_replay,
                          .window_every = a->kvstore_window_every,
@@ -561,6 +580,7 @@ di_status gen_run(gen_args *a, di_error *err)
     if ((st = open_model(a, &sm, err)) != DI_OK)
         goto done;
     double load_s = (double)(di_mono_ns() - t0) / 1e9;
+    print_identity(a, rm->w);
     g.vocab = rm->w->config.vocab_size;
     g.tok = sm.tok;
     if ((st = encode_prompts(a, &g, err)) != DI_OK)

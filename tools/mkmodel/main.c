@@ -2,6 +2,7 @@
  *
  *   di-mkmodel [options] CONFIG OUTDIR
  *   di-mkmodel [options] --config CONFIG --out OUTDIR
+ *   di-mkmodel --manifest DIR          (the checksum manifest of an existing checkpoint)
  *
  * CONFIG is a shipped name (v41-flash, tiny, small, demo), a config.json, or a directory holding one.
  */
@@ -15,12 +16,16 @@
 #include <unistd.h>
 
 #include "common/model/mkmodel.h"
+#include "common/model/shard_sums.h"
 #include "common/util/clock.h"
+#include "common/util/machine.h"
+#include "common/util/outclose.h"
 
 typedef struct cli {
     mkmodel_options opt;
     const char *config;   /* --config or the first positional argument */
     const char *out;      /* --out or the second positional argument */
+    const char *manifest; /* --manifest DIR: only write DIR's checksum manifest */
     bool dry_run;
     bool quiet;
     bool tty;
@@ -114,6 +119,8 @@ static const opt_row k_opts[] = {
      "router biases N(0, X^2) instead of zeros (default 0)"},
     {"engram-tables", "MODE", o_engram, NO_OPT_FIELD,
      "auto (write tables up to 1 GiB, else the engram_table_seed key), write, or seed"},
+    {"manifest", "DIR", NULL, F(manifest), "write the checksum manifest (" SHARD_SUMS_FILE ") of "
+     "the checkpoint in DIR, e.g. a released one, and stop; the loader verifies it"},
     {"dry-run", NULL, NULL, F(dry_run), "print the plan (tensors, parameters, bytes, shards)"
      " and stop"},
     {"quiet", NULL, NULL, F(quiet), "no progress on stderr"},
@@ -125,10 +132,13 @@ static const opt_row k_opts[] = {
 static void usage(FILE *f)
 {
     fprintf(f, "usage: di-mkmodel [options] CONFIG OUTDIR\n"
-               "       di-mkmodel [options] --config CONFIG --out OUTDIR\n\n"
+               "       di-mkmodel [options] --config CONFIG --out OUTDIR\n"
+               "       di-mkmodel --manifest DIR\n\n"
                "Writes a random-weight checkpoint in the released DeepSeek-V4.1 format: nested\n"
                "config.json, model.safetensors.index.json, bounded shards, every tensor with its\n"
-               "dtype, shape and .scale sibling (MODEL.md section 7).\n\n"
+               "dtype, shape and .scale sibling (MODEL.md section 7), and the checksum manifest\n"
+               "" SHARD_SUMS_FILE " (SHA-256 of every 64 MiB of every shard) that loaders\n"
+               "verify. The model id printed covers the config and the weights.\n\n"
                "CONFIG: a shipped config (");
     for (const char *const *n = model_config_builtin_names(); *n; n++)
         fprintf(f, "%s%s", *n, n[1] ? ", " : "");
@@ -158,26 +168,17 @@ static void on_progress(void *ud, const mkmodel_progress *p)
             c->tty && !last ? "" : "\n");
 }
 
-static void print_plan(const char *config, const mkmodel_plan *p)
+static void print_plan(const char *config, const mkmodel_plan *p, bool written)
 {
+    /* a plan has no weights yet: its id is the config's alone */
     printf("config %s: %" PRIu64 " tensors, %" PRIu64 " parameters, %" PRIu64 " bytes in %u "
-           "shard(s); Engram tables %s; model id %016" PRIx64 "\n", config, p->tensors,
+           "shard(s); Engram tables %s; %s %016" PRIx64 "\n", config, p->tensors,
            p->params, p->bytes, p->n_shards,
            p->config.n_engram_layers == 0 ? "none" : p->engram_seeded ? "seeded" : "written",
-           p->config.model_id);
+           written ? "model id" : "config id", p->config.model_id);
 }
 
 /* ---- main --------------------------------------------------------------------------------- */
-
-/* Exit status once everything is printed: rc, or 1 with a line on stderr when stdout could
- * not be written (disk full, reader gone): lost output is never a success. */
-static int finish_stdout(int rc)
-{
-    if (fflush(stdout) == 0 && !ferror(stdout))
-        return rc;
-    fprintf(stderr, "di-mkmodel: writing to stdout failed\n");
-    return 1;
-}
 
 static int parse_args(int argc, char **argv, cli *c, const char **config, const char **out)
 {
@@ -220,6 +221,14 @@ static int parse_args(int argc, char **argv, cli *c, const char **config, const 
         }
         *slot = argv[i];
     }
+    if (c->manifest) {
+        if (c->config || c->out || c->dry_run) {
+            fprintf(stderr, "di-mkmodel: --manifest DIR takes no config, output or --dry-run "
+                    "(see --help)\n");
+            return 2;
+        }
+        return -1;
+    }
     if (!c->config || (!c->out && !c->dry_run)) {
         fprintf(stderr, "di-mkmodel: expected CONFIG and OUTDIR (see --help)\n");
         return 2;
@@ -238,7 +247,19 @@ int main(int argc, char **argv)
     const char *config = NULL, *out = NULL;
     int rc = parse_args(argc, argv, &c, &config, &out);
     if (rc >= 0)
-        return rc == 0 ? finish_stdout(0) : rc;
+        return rc == 0 ? di_close_stdout("di-mkmodel", 0) : rc;
+    if (c.manifest) {
+        di_error e = {0};
+        uint64_t id = 0;
+        uint64_t t0 = di_mono_ns();
+        if (mkmodel_write_sums(c.manifest, 0, &id, &e) != DI_OK) {
+            fprintf(stderr, "di-mkmodel: %s: %s\n", c.manifest, e.msg);
+            return 1;
+        }
+        printf("%s/%s written in %.2f s; model id %016" PRIx64 "\n", c.manifest, SHARD_SUMS_FILE,
+               (di_mono_ns() - t0) / 1e9, id);
+        return di_close_stdout("di-mkmodel", 0);
+    }
     c.opt.progress = on_progress;
     c.opt.progress_userdata = &c;
     model_config *cfg = malloc(sizeof *cfg);
@@ -253,15 +274,21 @@ int main(int argc, char **argv)
         st = mkmodel_plan_for(cfg, &c.opt, plan, &e);
         over = st == DI_OK && !force && c.opt.max_bytes && plan->bytes > c.opt.max_bytes;
     }
-    else if (st == DI_OK)
-        st = mkmodel_write(cfg, out, &c.opt, plan, &e);
+    else if (st == DI_OK) {
+        /* Refuse before writing: the checkpoint must fit the free space where it goes. */
+        st = mkmodel_plan_for(cfg, &c.opt, plan, &e);
+        if (st == DI_OK)
+            st = di_machine_check_disk("the checkpoint", out, plan->bytes, &e);
+        if (st == DI_OK)
+            st = mkmodel_write(cfg, out, &c.opt, plan, &e);
+    }
     if (st == DI_OK)
-        print_plan(config, plan);
+        print_plan(config, plan, !c.dry_run);
     if (over)
         printf("(above --max-gb %.0f: writing it needs --force)\n", c.opt.max_bytes / 1e9);
     if (st != DI_OK)
         fprintf(stderr, "di-mkmodel: %s\n", e.msg);
     free(cfg);
     free(plan);
-    return finish_stdout(st == DI_OK ? 0 : 1);
+    return di_close_stdout("di-mkmodel", st == DI_OK ? 0 : 1);
 }

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util/outclose.h"
 #include "common/util/json_read.h"
 #include "tools/plan/plan_cmd.h"
 
@@ -36,16 +37,6 @@ static void print_command_help(const plan_command *c)
         printf("  %-20s %s%s\n", k->name, k->required ? "" : "(optional) ", k->help);
     printf("\noutput keys: %s\n\nexample:\n  echo '%s' | di-plan %s\n", c->outputs, c->example,
            c->name);
-}
-
-/* Exit status once everything is printed: 0, or 1 with a line on stderr when stdout could not
- * be written (disk full, reader gone): partial output is never a success. */
-static int finish_stdout(const char *who)
-{
-    if (fflush(stdout) == 0 && !ferror(stdout))
-        return 0;
-    fprintf(stderr, "%s: error: writing the output failed\n", who);
-    return EXIT_BAD_INPUT;
 }
 
 static const plan_command *find_command(const char *name)
@@ -116,7 +107,7 @@ int main(int argc, char **argv)
     }
     if (strcmp(argv[1], "--help") == 0 || strcmp(argv[1], "-h") == 0) {
         print_usage(stdout);
-        return finish_stdout("di-plan");
+        return di_close_stdout("di-plan", 0);
     }
     const plan_command *c = find_command(argv[1]);
     if (!c) {
@@ -127,7 +118,7 @@ int main(int argc, char **argv)
     for (int i = 2; i < argc; i++) {
         if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
             print_command_help(c);
-            return finish_stdout("di-plan");
+            return di_close_stdout("di-plan", 0);
         } else if (strcmp(argv[i], "--pretty") == 0) {
             flags |= JSON_INDENT(2);
         } else {
@@ -147,5 +138,5 @@ int main(int argc, char **argv)
     fputc('\n', stdout);
     char who[64];
     snprintf(who, sizeof(who), "di-plan %s", c->name);
-    return finish_stdout(who);
+    return di_close_stdout(who, 0);
 }

@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "common/util/clock.h"
+#include "common/util/outclose.h"
 #include "tools/sim/sim.h"
 
 typedef struct cli {
@@ -46,9 +47,11 @@ static const opt opts[] = {
     {"rate", OPT_DOUBLE, F(sim.rate), 0, 1e9, "20",
      "arrivals per second, Poisson (0: all at time 0)"},
     {"prompt-len", OPT_DIST, F(sim.prompt_len), 0, 0, "uniform:128:4096",
-     "prompt tokens: N, uniform:MIN:MAX or exp:MEAN"},
+     "prompt tokens: N, uniform:MIN:MAX or exp:MEAN; at most --max-model-len - 4 (an exp "
+     "draw above it is cut to it, with a warning)"},
     {"output-len", OPT_DIST, F(sim.output_len), 0, 0, "uniform:32:512",
-     "output tokens per request (runs to this length, ignoring the end token)"},
+     "output tokens per request (runs to this length, ignoring the end token; cut, with a "
+     "warning, where prompt + output would pass --max-model-len - 2)"},
     {"ranks", OPT_U32, F(sim.ranks), 1, 256, "1",
      "DP ranks in lockstep (threads with the CPU vote collective)"},
     {"engine", OPT_ENGINE, F(sim.engine.type), 0, 0, "normal", "normal, prompt or completion"},
@@ -215,6 +218,36 @@ static const opt *find_opt(const char *name, size_t len)
     return NULL;
 }
 
+/* The largest length d draws; 0 for exp (unbounded). */
+static double dist_max(const sim_dist *d)
+{
+    return d->kind == SIM_FIXED ? d->a : d->kind == SIM_UNIFORM ? d->b : 0;
+}
+
+/* Lengths against --max-model-len: a prompt that cannot fit is an error naming the limit; the
+ * documented cuts (the tail of an exp prompt length, outputs past the limit) get a warning. */
+static int check_lengths(const cli *c)
+{
+    const sim_config *s = &c->sim;
+    double limit = (double)s->engine.max_model_len - 4; /* a prompt leaves room for 2 outputs */
+    double pmax = dist_max(&s->prompt_len), omax = dist_max(&s->output_len);
+    if (pmax > limit) {
+        fprintf(stderr, "di-sim: --prompt-len: prompts up to %.0f tokens do not fit: at most "
+                "%.0f (--max-model-len %u less 4; raise --max-model-len)\n", pmax, limit,
+                s->engine.max_model_len);
+        return -1;
+    }
+    if (s->prompt_len.kind == SIM_EXP && exp(-limit / s->prompt_len.a) >= 1e-6)
+        fprintf(stderr, "di-sim: warning: --prompt-len exp:%g: about %.2g%% of prompts are cut "
+                "to %.0f tokens (--max-model-len %u less 4)\n", s->prompt_len.a,
+                100 * exp(-limit / s->prompt_len.a), limit, s->engine.max_model_len);
+    if (pmax > 0 && omax > 0 && pmax + omax > limit + 2)
+        fprintf(stderr, "di-sim: warning: prompts up to %.0f and outputs up to %.0f tokens pass "
+                "--max-model-len %u less 2: such outputs are cut to fit\n", pmax, omax,
+                s->engine.max_model_len);
+    return 0;
+}
+
 /* 0: run; 1: --help printed; -1: bad command line (error printed). */
 static int parse_args(int argc, char **argv, cli *c)
 {
@@ -252,7 +285,7 @@ static int parse_args(int argc, char **argv, cli *c)
     if (c->sim.engine.preempt_mode == SCHED_PREEMPT_RECOMPUTE &&
         c->sim.engine.type != SCHED_NORMAL)
         return bad("--preempt recompute needs --engine normal%s%s", "", "");
-    return 0;
+    return check_lengths(c);
 }
 
 static void progress(void *ud, double sim_s, uint32_t done, uint32_t total, uint64_t steps)
@@ -385,22 +418,12 @@ static int print_text(const cli *c, const sim_result *r)
     return 0;
 }
 
-/* Exit status once everything is printed: 0, or 1 with a line on stderr when stdout could not
- * be written (disk full, reader gone): a partial report is never a success. */
-static int finish_stdout(void)
-{
-    if (fflush(stdout) == 0 && !ferror(stdout))
-        return 0;
-    fprintf(stderr, "di-sim: writing the report failed\n");
-    return 1;
-}
-
 int main(int argc, char **argv)
 {
     static cli c;
     int rc = parse_args(argc, argv, &c);
     if (rc)
-        return rc > 0 ? finish_stdout() : 2;
+        return rc > 0 ? di_close_stdout("di-sim", 0) : 2;
     c.wall0 = c.last = di_mono_ns();
     c.sim.progress = progress;
     c.sim.progress_userdata = &c;
@@ -412,5 +435,5 @@ int main(int argc, char **argv)
         return st == DI_EINVAL ? 2 : 1;
     }
     rc = c.json ? print_json(&c, &r) : print_text(&c, &r);
-    return rc ? rc : finish_stdout();
+    return di_close_stdout("di-sim", rc);
 }

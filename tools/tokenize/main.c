@@ -16,10 +16,12 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/util/outclose.h"
 #include "common/tokenizer/tokenizer.h"
 #include "common/util/json_read.h"
 
 #define DEFAULT_TOKENIZER TOK_DEFAULT_FILE
+#define MAX_VOCAB (1 << 24) /* --vocab-size at most (the map is 4 bytes an id) */
 
 /* What the command line asked for. */
 typedef struct cli_opts {
@@ -115,6 +117,11 @@ static int parse_args(int argc, char **argv, cli_opts *o)
         if (errno || *end || end == arg || v < 0 || v > INT32_MAX)
             return fail("'%s' is not an integer in [0, 2147483647]", arg);
         *(int64_t *)field = v;
+    }
+    if (o->vocab_size > MAX_VOCAB) {
+        char v[32];
+        snprintf(v, sizeof v, "%lld", (long long)o->vocab_size);
+        return fail("--vocab-size %s is above the largest vocabulary handled, 16777216", v);
     }
     if (o->decode + o->chat + (o->engram_map != NULL) > 1)
         return fail("%s", "--decode, --chat and --engram-map exclude each other");
@@ -271,7 +278,7 @@ int main(int argc, char **argv)
         return 2;
     if (o.help) {
         usage(stdout);
-        return 0;
+        return di_close_stdout("di-tokenize", 0);
     }
     const char *path = tokenizer_path(&o);
     if (!path)
@@ -293,7 +300,5 @@ int main(int argc, char **argv)
                       : run_encode(t, &o, in, n);
     free(in);
     tok_free(t);
-    if (!rc && fflush(stdout))
-        rc = fail("%s", "writing stdout failed");
-    return rc;
+    return di_close_stdout("di-tokenize", rc);
 }
