@@ -1000,7 +1000,11 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
                                                             : c->max_seqs * (1 + c->nextn);
     if (c->nextn && rows < c->max_seqs * mc->dspark_block_size)
         rows = c->max_seqs * mc->dspark_block_size;
-    runner_exec_options eo = {.fwd = {.nextn = c->nextn, .max_rows = rows},
+    /* prompt rows truncated as every engine does by default (the KV id includes the mode) */
+    uint32_t ring = kv_ring_positions_for(mc->window, c->nextn, 0);
+    runner_exec_options eo = {.fwd = {.nextn = c->nextn, .max_rows = rows,
+                                      .yoco = FWD_YOCO_DEFAULT,
+                                      .keep_tokens = ring > 140 ? ring : 140},
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
                               .on_load = on_load, .load_userdata = s};
     di_status st = runner_exec_create(cfg->rm, cfg->be, &eo, &s->ex, err);

@@ -97,7 +97,7 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
     ko.target = o->eng.kvstore;
     ko.token = o->eng.kvstore_token;
     ko.deadline_ms = (uint32_t)o->kvstore_deadline_ms;
-    ko.model_id = a->sm.rm.w->config.model_id;
+    ko.model_id = kv_model_id(a->sm.rm.w->config.model_id, KV_YOCO_DEFAULT); /* as engsvc runs */
     if ((st = kvc_open(&ko, &a->kv, err)) != DI_OK) {
         di_error_prefix(err, "--kvstore %s: ", o->eng.kvstore);
         return st;
