@@ -1,90 +1,14 @@
 #include "common/serve/engsvc.h"
 
-#include <math.h>
-#include <pthread.h>
-#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "common/engine/engine.h"
-#include "common/kvfmt/kv_handoff.h"
-#include "common/kvfmt/kv_keys.h"
 #include "common/model/forward.h"
-#include "common/model/runner_exec.h"
 #include "common/net/decode.pb-c.h"
-#include "common/net/engine.pb-c.h"
 #include "common/net/prefill.pb-c.h"
+#include "common/serve/engsvc_internal.h"
 #include "common/serve/handoff.h"
 #include "common/util/clock.h"
-
-#define RID_MAX 128u
-#define MAX_REQUEST_BYTES (64u << 20)
-#define HANDOFF_GET_MAX ((uint64_t)KV_HANDOFF_MAX_EXEC + (256u << 20))
-
-/* One request, from its gRPC start to the call's end. */
-typedef struct sreq {
-    struct sreq *next;          /* inbox or live list */
-    rpc_call *call;
-    atomic_int cancelled;       /* set by the cancel function */
-    atomic_int cancel_why;
-    uint64_t id;                /* engine id (engine thread) */
-    char rid[RID_MAX + 1];
-    int32_t *prompt;            /* [prompt_len] */
-    uint32_t prompt_len;
-    sampling_params sp;
-    int32_t *blacklist;
-    int32_t stop_ids[16];
-    uint32_t n_stop;
-    uint32_t max_tokens;        /* output tokens in all, the first included */
-    bool ignore_eos;            /* the model's end token does not stop it (eos_id -1, or
-                                   another end token, which is then a stop id) */
-    uint64_t t_arrive;
-    uint64_t t_start;           /* first step that carried it */
-    bool in_engine;
-    bool done;                  /* final output seen (engine thread) */
-    sched_finish finish;
-    di_status fail;             /* with finish FAILED: the status to end with */
-    char fail_msg[200];
-    /* prefill */
-    bool handed;                /* finished with a handoff: export after the step */
-    runner_token first;
-    uint32_t cached;            /* prompt tokens loaded (0 here: no prefix loads yet) */
-    /* decode */
-    int32_t first_tok;
-    uint8_t hkey[KVKEY_BYTES];  /* the handoff's key and size, from the manifest */
-    uint64_t hbytes;
-    void *hobj;                 /* the handoff object */
-    kv_handoff h;
-    void **blocks;              /* [n_full] full blocks */
-    size_t *bsz;
-    uint32_t n_full;
-    uint32_t n_out;             /* tokens produced so far, the first included */
-} sreq;
-
-struct engsvc {
-    engsvc_config cfg;
-    runner_exec *ex;
-    engine *e;
-    kv_geometry g;
-    pthread_t thr;
-    bool thr_started;
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    sreq *inbox, *inbox_tail;   /* (mu) */
-    uint32_t n_inbox;           /* (mu) */
-    uint32_t live;              /* (mu) requests accepted, not yet ended */
-    bool draining, stopping;    /* (mu) */
-    bool abort_all;             /* (mu) drain deadline passed */
-    sreq *reqs;                 /* engine thread: requests in the engine or being admitted */
-    uint64_t next_id;
-    uint64_t t0;
-    /* load snapshot (mu) */
-    uint64_t queued_prompt_tokens;
-    uint32_t running, waiting, free_blocks, total_blocks, free_slots, total_slots;
-    double prefill_tps, decode_ms;
-    /* measured by the engine thread */
-    uint64_t prefill_tokens, prefill_ns, decode_steps, decode_ns;
-};
 
 /* ---- helpers ---------------------------------------------------------------------------- */
 
@@ -94,7 +18,7 @@ static void logf_req(engsvc *s, const sreq *r, di_status st, const char *msg)
         di_log(s->cfg.log, DI_LOG_WARN, "request %s: %s: %s", r->rid, di_status_name(st), msg);
 }
 
-static void sreq_free(sreq *r)
+void engsvc_req_free(sreq *r)
 {
     if (!r)
         return;
@@ -108,14 +32,14 @@ static void sreq_free(sreq *r)
     free(r);
 }
 
-static void on_cancel(void *ud, di_status why)
+void engsvc_on_cancel(void *ud, di_status why)
 {
     sreq *r = ud;
     atomic_store(&r->cancel_why, (int)why);
     atomic_store(&r->cancelled, 1);
 }
 
-static Di__Engine__Finish finish_pb(sched_finish f)
+Di__Engine__Finish engsvc_finish_pb(sched_finish f)
 {
     switch (f) {
     case SCHED_FINISH_NONE: return DI__ENGINE__FINISH__FINISH_NONE;
@@ -128,7 +52,7 @@ static Di__Engine__Finish finish_pb(sched_finish f)
 }
 
 /* A Token message for (token, sampler result) at output index idx. tops: [n_top] storage. */
-static void token_pb(Di__Engine__Token *t, Di__Engine__TokenLogprob *tops,
+void engsvc_token_pb(Di__Engine__Token *t, Di__Engine__TokenLogprob *tops,
                      Di__Engine__TokenLogprob **ptrs, int32_t tok, const sampler_result *res,
                      uint32_t idx)
 {
@@ -149,13 +73,13 @@ static void token_pb(Di__Engine__Token *t, Di__Engine__TokenLogprob *tops,
 }
 
 /* Ends a request's call and frees it (engine thread, no lock held). */
-static void end_req(engsvc *s, sreq *r, di_status st, const void *reply, size_t len,
+void engsvc_end_req(engsvc *s, sreq *r, di_status st, const void *reply, size_t len,
                     const char *msg)
 {
     if (st != DI_OK && st != DI_ECANCELED)
         logf_req(s, r, st, msg ? msg : "");
     rpc_call_finish(r->call, st, reply, len, msg);
-    sreq_free(r);
+    engsvc_req_free(r);
     pthread_mutex_lock(&s->mu);
     s->live--;
     pthread_cond_broadcast(&s->cv);
@@ -163,7 +87,7 @@ static void end_req(engsvc *s, sreq *r, di_status st, const void *reply, size_t 
 }
 
 /* The request list is written by the engine thread only, under mu (Abort reads it). */
-static void unlink_req(engsvc *s, sreq *r)
+void engsvc_unlink(engsvc *s, sreq *r)
 {
     pthread_mutex_lock(&s->mu);
     for (sreq **p = &s->reqs; *p; p = &(*p)->next)
@@ -177,336 +101,12 @@ static void unlink_req(engsvc *s, sreq *r)
 
 /* Deletes request r's handoff from the store (decode ends before loading it, or prefill's
  * caller is gone): nobody will take it. */
-static void drop_handoff(engsvc *s, const sreq *r)
+void engsvc_drop_handoff(engsvc *s, const sreq *r)
 {
     kvkey key;
     di_error err;
     if (kvkey_handoff(s->g.model_id, r->rid, &key, &err) == DI_OK)
         (void)kvc_delete1(s->cfg.kv, KVKEY_HANDOFF, &key, &err);
-}
-
-/* ---- sampling parameters from the request --------------------------------------------- */
-
-static di_status sampling_from_pb(const engsvc *s, const Di__Engine__SamplingParams *p,
-                                  uint32_t prompt_len, sreq *r, di_error *err)
-{
-    const model_config *c = &s->cfg.rm->w->config;
-    sampling_params sp = sampling_params_default();
-    sp.eos_id = (int32_t)c->eos_token_id;
-    uint32_t room = (uint32_t)(c->max_position_embeddings > prompt_len + 1
-                                   ? c->max_position_embeddings - prompt_len - 1 : 0);
-    if (room > sched_get_config(engine_sched(s->e))->max_model_len - prompt_len - 1)
-        room = sched_get_config(engine_sched(s->e))->max_model_len - prompt_len - 1;
-    r->max_tokens = 16;
-    if (p) {
-        if (p->has_temperature)
-            sp.temperature = p->temperature;
-        if (p->top_p != 0)
-            sp.top_p = p->top_p;
-        sp.top_k = p->top_k == 0 ? -1 : p->top_k;
-        if (p->force_top_k)
-            sp.force_top_k = p->force_top_k;
-        sp.first_n_no_eos = p->first_n_no_eos;
-        if (p->has_eos_id && p->eos_id != sp.eos_id) {
-            if (p->eos_id < -1 || (p->eos_id >= 0 && (uint32_t)p->eos_id >= c->vocab_size))
-                return di_fail(err, DI_EINVAL, "sampling.eos_id: %d, want -1 or a token id "
-                               "below %u", p->eos_id, c->vocab_size);
-            r->ignore_eos = true;
-            if (p->eos_id >= 0)
-                r->stop_ids[r->n_stop++] = p->eos_id;
-        }
-        sp.n_logprobs = p->n_logprobs;
-        sp.seed = p->seed;
-        if (p->max_tokens)
-            r->max_tokens = p->max_tokens;
-        if (p->n_blacklist) {
-            if (p->n_blacklist > c->vocab_size)
-                return di_fail(err, DI_EINVAL, "sampling.blacklist: %zu ids, the vocabulary has "
-                               "%u", p->n_blacklist, c->vocab_size);
-            r->blacklist = malloc(p->n_blacklist * sizeof(int32_t));
-            if (!r->blacklist)
-                return di_fail(err, DI_ENOMEM, "blacklist");
-            for (size_t i = 0; i < p->n_blacklist; i++)
-                r->blacklist[i] = (int32_t)(p->blacklist[i] > INT32_MAX ? -1
-                                                                        : (int32_t)p->blacklist[i]);
-            sp.blacklist = r->blacklist;
-            sp.n_blacklist = (uint32_t)p->n_blacklist;
-        }
-        if (p->n_stop_ids + r->n_stop > 16)
-            return di_fail(err, DI_EINVAL, "sampling.stop_ids: %zu ids, at most 16 with the end "
-                           "token", p->n_stop_ids);
-        for (size_t i = 0; i < p->n_stop_ids; i++) {
-            if (p->stop_ids[i] >= c->vocab_size)
-                return di_fail(err, DI_EINVAL, "sampling.stop_ids[%zu]: %u is outside the "
-                               "vocabulary [0, %u)", i, p->stop_ids[i], c->vocab_size);
-            r->stop_ids[r->n_stop++] = (int32_t)p->stop_ids[i];
-        }
-    }
-    if (r->max_tokens < 1 || r->max_tokens > room)
-        return di_fail(err, DI_EINVAL, "sampling.max_tokens: %u, want 1..%u for a prompt of %u "
-                       "tokens", r->max_tokens, room, prompt_len);
-    di_status st = sampling_params_validate(&sp, c->vocab_size, err);
-    if (st != DI_OK) {
-        di_error_prefix(err, "sampling: ");
-        return st;
-    }
-    r->sp = sp;
-    return DI_OK;
-}
-
-static di_status request_id_check(const char *rid, di_error *err)
-{
-    size_t n = rid ? strlen(rid) : 0;
-    if (n == 0 || n > RID_MAX)
-        return di_fail(err, DI_EINVAL, "request_id: %zu bytes, want 1..%u", n, RID_MAX);
-    for (size_t i = 0; i < n; i++)
-        if (rid[i] < 0x21 || rid[i] > 0x7e)
-            return di_fail(err, DI_EINVAL, "request_id: byte %zu is not printable ASCII", i);
-    return DI_OK;
-}
-
-static di_status prompt_from_pb(const engsvc *s, const uint32_t *p, size_t n, sreq *r,
-                                di_error *err)
-{
-    const model_config *c = &s->cfg.rm->w->config;
-    uint32_t max_len = sched_get_config(engine_sched(s->e))->max_model_len;
-    if (n == 0 || n >= max_len)
-        return di_fail(err, DI_EINVAL, "prompt: %zu tokens, want 1..%u", n, max_len - 1);
-    r->prompt = malloc(n * sizeof(int32_t));
-    if (!r->prompt)
-        return di_fail(err, DI_ENOMEM, "prompt of %zu tokens", n);
-    for (size_t i = 0; i < n; i++) {
-        if (p[i] >= c->vocab_size)
-            return di_fail(err, DI_EINVAL, "prompt[%zu]: %u is outside the vocabulary [0, %u)",
-                           i, p[i], c->vocab_size);
-        r->prompt[i] = (int32_t)p[i];
-    }
-    r->prompt_len = (uint32_t)n;
-    return DI_OK;
-}
-
-/* Queues a checked request (a gRPC worker). DI_EUNAVAIL while draining, DI_EFULL. On DI_OK the
- * engine thread owns r and will finish its call. */
-static di_status enqueue(engsvc *s, sreq *r, di_error *err)
-{
-    pthread_mutex_lock(&s->mu);
-    di_status st = DI_OK;
-    if (s->draining || s->stopping)
-        st = di_fail(err, DI_EUNAVAIL, "draining: send the request to another instance");
-    else if (s->n_inbox + s->live >= s->cfg.max_waiting + s->cfg.max_seqs)
-        st = di_fail(err, DI_EFULL, "%u requests queued or running: retry elsewhere",
-                     s->n_inbox + s->live);
-    if (st == DI_OK) {
-        r->t_arrive = di_mono_ns();
-        if (s->inbox_tail)
-            s->inbox_tail->next = r;
-        else
-            s->inbox = r;
-        s->inbox_tail = r;
-        s->n_inbox++;
-        s->live++;
-        pthread_cond_broadcast(&s->cv);
-    }
-    pthread_mutex_unlock(&s->mu);
-    return st;
-}
-
-/* ---- the gRPC methods ------------------------------------------------------------------ */
-
-static di_status prefill_start(void *svc, const rpc_request *req, rpc_call *call, di_error *err)
-{
-    engsvc *s = svc;
-    Di__Prefill__PrefillRequest *m = di__prefill__prefill_request__unpack(NULL, req->len,
-                                                                            req->data);
-    if (!m)
-        return di_fail(err, DI_EINVAL, "PrefillRequest: not a valid message");
-    sreq *r = calloc(1, sizeof(*r));
-    di_status st = r ? request_id_check(m->request_id, err) : di_fail(err, DI_ENOMEM, "request");
-    if (st == DI_OK)
-        st = prompt_from_pb(s, m->prompt, m->n_prompt, r, err);
-    if (st == DI_OK)
-        st = sampling_from_pb(s, m->sampling, r->prompt_len, r, err);
-    if (st == DI_OK && m->priority > 7)
-        st = di_fail(err, DI_EINVAL, "priority: %u, want 0..7", m->priority);
-    if (st == DI_OK) {
-        snprintf(r->rid, sizeof r->rid, "%s", m->request_id);
-        r->call = call;
-        rpc_call_on_cancel(call, on_cancel, r);
-        st = enqueue(s, r, err);
-        if (st != DI_OK) { /* the call is ours again: end it here */
-            rpc_call_finish(call, st, NULL, 0, err->msg);
-            sreq_free(r);
-            st = DI_OK;
-        }
-    } else {
-        sreq_free(r);
-    }
-    di__prefill__prefill_request__free_unpacked(m, NULL);
-    return st;
-}
-
-static di_status decode_start(void *svc, const rpc_request *req, rpc_call *call, di_error *err)
-{
-    engsvc *s = svc;
-    Di__Decode__DecodeRequest *m = di__decode__decode_request__unpack(NULL, req->len, req->data);
-    if (!m)
-        return di_fail(err, DI_EINVAL, "DecodeRequest: not a valid message");
-    sreq *r = calloc(1, sizeof(*r));
-    di_status st = r ? request_id_check(m->request_id, err) : di_fail(err, DI_ENOMEM, "request");
-    if (st == DI_OK)
-        st = prompt_from_pb(s, m->prompt, m->n_prompt, r, err);
-    if (st == DI_OK)
-        st = sampling_from_pb(s, m->sampling, r->prompt_len, r, err);
-    const Di__Prefill__HandoffManifest *h = m->handoff;
-    if (st == DI_OK && (!h || h->handoff_key.len != KVKEY_BYTES))
-        st = di_fail(err, DI_EINVAL, "handoff.handoff_key: want %u bytes", KVKEY_BYTES);
-    if (st == DI_OK && h->model_id != s->g.model_id)
-        st = di_fail(err, DI_EINVAL, "handoff.model_id: %016llx, this engine runs %016llx",
-                     (unsigned long long)h->model_id, (unsigned long long)s->g.model_id);
-    if (st == DI_OK && (h->handoff_bytes == 0 || h->handoff_bytes > HANDOFF_GET_MAX))
-        st = di_fail(err, DI_EINVAL, "handoff.handoff_bytes: %llu, want 1..%llu",
-                     (unsigned long long)h->handoff_bytes, (unsigned long long)HANDOFF_GET_MAX);
-    if (st == DI_OK && (!m->first || m->first->id >= s->cfg.rm->w->config.vocab_size))
-        st = di_fail(err, DI_EINVAL, "first: the first token is missing or outside the "
-                     "vocabulary");
-    if (st == DI_OK && r->max_tokens < 2)
-        st = di_fail(err, DI_EINVAL, "sampling.max_tokens: %u leaves nothing to decode",
-                     r->max_tokens);
-    if (st == DI_OK && m->priority > 7)
-        st = di_fail(err, DI_EINVAL, "priority: %u, want 0..7", m->priority);
-    if (st == DI_OK) {
-        snprintf(r->rid, sizeof r->rid, "%s", m->request_id);
-        r->first_tok = (int32_t)m->first->id;
-        r->hbytes = h->handoff_bytes;
-        memcpy(r->hkey, h->handoff_key.data, KVKEY_BYTES);
-        r->hobj = aligned_alloc(8, (h->handoff_bytes + 7) / 8 * 8);
-        if (!r->hobj)
-            st = di_fail(err, DI_ENOMEM, "handoff of %llu bytes",
-                         (unsigned long long)h->handoff_bytes);
-    }
-    if (st == DI_OK) {
-        r->call = call;
-        rpc_call_on_cancel(call, on_cancel, r);
-        st = enqueue(s, r, err);
-        if (st != DI_OK) {
-            rpc_call_finish(call, st, NULL, 0, err->msg);
-            sreq_free(r);
-            st = DI_OK;
-        }
-    } else {
-        sreq_free(r);
-    }
-    di__decode__decode_request__free_unpacked(m, NULL);
-    return st;
-}
-
-static di_status pack_reply(const ProtobufCMessage *m, rpc_reply *reply, di_error *err)
-{
-    size_t n = protobuf_c_message_get_packed_size(m);
-    reply->data = n ? malloc(n) : NULL;
-    if (n && !reply->data)
-        return di_fail(err, DI_ENOMEM, "reply");
-    reply->len = n ? protobuf_c_message_pack(m, reply->data) : 0;
-    return DI_OK;
-}
-
-static di_status get_load(void *svc, const rpc_request *req, rpc_reply *reply, di_error *err)
-{
-    (void)req;
-    engsvc *s = svc;
-    Di__Engine__Load l = DI__ENGINE__LOAD__INIT;
-    pthread_mutex_lock(&s->mu);
-    l.rank = s->cfg.rank;
-    l.world = s->cfg.world;
-    l.queued_prompt_tokens = s->queued_prompt_tokens;
-    l.running = s->running;
-    l.waiting = s->waiting + s->n_inbox;
-    l.free_blocks = s->free_blocks;
-    l.total_blocks = s->total_blocks;
-    l.free_slots = s->free_slots;
-    l.total_slots = s->total_slots;
-    l.prefill_tokens_per_s = s->prefill_tps;
-    l.decode_step_ms = s->decode_ms;
-    l.draining = s->draining;
-    pthread_mutex_unlock(&s->mu);
-    return pack_reply(&l.base, reply, err);
-}
-
-static di_status health(void *svc, const rpc_request *req, rpc_reply *reply, di_error *err)
-{
-    (void)req;
-    engsvc *s = svc;
-    Di__Engine__HealthReply h = DI__ENGINE__HEALTH_REPLY__INIT;
-    pthread_mutex_lock(&s->mu);
-    h.serving = !s->draining && !s->stopping;
-    pthread_mutex_unlock(&s->mu);
-    h.model = (char *)(s->cfg.model_name ? s->cfg.model_name : "");
-    h.model_id = s->g.model_id;
-    h.backend = (char *)s->cfg.be->name;
-    h.uptime_ms = (di_mono_ns() - s->t0) / 1000000u;
-    return pack_reply(&h.base, reply, err);
-}
-
-static di_status abort_req(void *svc, const rpc_request *req, rpc_reply *reply, di_error *err)
-{
-    engsvc *s = svc;
-    Di__Engine__AbortRequest *m = di__engine__abort_request__unpack(NULL, req->len, req->data);
-    if (!m)
-        return di_fail(err, DI_EINVAL, "AbortRequest: not a valid message");
-    di_status st = request_id_check(m->request_id, err);
-    Di__Engine__AbortReply a = DI__ENGINE__ABORT_REPLY__INIT;
-    if (st == DI_OK) {
-        /* the inbox and the request list are walked under the lock; a found request is only
-         * marked, the engine thread ends it */
-        pthread_mutex_lock(&s->mu);
-        for (sreq *r = s->inbox; r; r = r->next)
-            if (strcmp(r->rid, m->request_id) == 0 && !atomic_load(&r->cancelled)) {
-                atomic_store(&r->cancel_why, DI_ECANCELED);
-                atomic_store(&r->cancelled, 1);
-                a.found = 1;
-            }
-        for (sreq *r = s->reqs; r; r = r->next)
-            if (strcmp(r->rid, m->request_id) == 0 && !atomic_load(&r->cancelled)) {
-                atomic_store(&r->cancel_why, DI_ECANCELED);
-                atomic_store(&r->cancelled, 1);
-                a.found = 1;
-            }
-        pthread_cond_broadcast(&s->cv);
-        pthread_mutex_unlock(&s->mu);
-        st = pack_reply(&a.base, reply, err);
-    }
-    di__engine__abort_request__free_unpacked(m, NULL);
-    return st;
-}
-
-static const rpc_method k_prefill_methods[] = {
-    {"/di.prefill.Prefill/GetLoad", get_load, 1000, 1, 64, RPC_ROLE_ENGINE},
-    {"/di.prefill.Prefill/Health", health, 1000, 1, 64, RPC_ROLE_ENGINE},
-    {"/di.prefill.Prefill/Abort", abort_req, 5000, 1, 1024, RPC_ROLE_ENGINE},
-};
-static const rpc_method k_decode_methods[] = {
-    {"/di.decode.Decode/GetLoad", get_load, 1000, 1, 64, RPC_ROLE_ENGINE},
-    {"/di.decode.Decode/Health", health, 1000, 1, 64, RPC_ROLE_ENGINE},
-    {"/di.decode.Decode/Abort", abort_req, 5000, 1, 1024, RPC_ROLE_ENGINE},
-};
-static const rpc_async_method k_prefill_async[] = {
-    {"/di.prefill.Prefill/Prefill", prefill_start, 0, 120000, 0, MAX_REQUEST_BYTES,
-     RPC_ROLE_ENGINE},
-};
-static const rpc_async_method k_decode_async[] = {
-    {"/di.decode.Decode/Decode", decode_start, 1, 600000, 0, MAX_REQUEST_BYTES, RPC_ROLE_ENGINE},
-};
-
-const rpc_method *engsvc_methods(engsvc_kind kind, size_t *n)
-{
-    *n = 3;
-    return kind == ENGSVC_PREFILL ? k_prefill_methods : k_decode_methods;
-}
-
-const rpc_async_method *engsvc_async_methods(engsvc_kind kind, size_t *n)
-{
-    *n = 1;
-    return kind == ENGSVC_PREFILL ? k_prefill_async : k_decode_async;
 }
 
 /* ---- the engine thread ----------------------------------------------------------------- */
@@ -528,10 +128,10 @@ static void on_output(void *ud, const engine_output *o)
             bool last = t + 1 == o->n_tokens;
             Di__Engine__Token tok;
             Di__Engine__TokenLogprob tops[SAMPLER_MAX_LOGPROBS], *ptrs[SAMPLER_MAX_LOGPROBS];
-            token_pb(&tok, tops, ptrs, o->tokens[t], res, r->n_out);
+            engsvc_token_pb(&tok, tops, ptrs, o->tokens[t], res, r->n_out);
             Di__Decode__DecodeToken m = DI__DECODE__DECODE_TOKEN__INIT;
             m.token = &tok;
-            m.finish = last ? finish_pb(o->finish) : DI__ENGINE__FINISH__FINISH_NONE;
+            m.finish = last ? engsvc_finish_pb(o->finish) : DI__ENGINE__FINISH__FINISH_NONE;
             m.output_tokens = ++r->n_out;
             if (last && o->finish == SCHED_FINISH_FAILED)
                 m.finish = DI__ENGINE__FINISH__FINISH_ERROR;
@@ -549,7 +149,7 @@ static void on_output(void *ud, const engine_output *o)
         /* an end without a token (preempted, failed): the last message carries the finish */
         Di__Decode__DecodeToken m = DI__DECODE__DECODE_TOKEN__INIT;
         m.finish = o->finish == SCHED_FINISH_FAILED ? DI__ENGINE__FINISH__FINISH_ERROR
-                                                    : finish_pb(o->finish);
+                                                    : engsvc_finish_pb(o->finish);
         m.output_tokens = r->n_out;
         uint8_t buf[64];
         di_error e;
@@ -622,17 +222,17 @@ static void prefill_handoff(engsvc *s, sreq *r)
     }
     di_error rel;
     engine_release(s->e, r->id, &rel);
-    unlink_req(s, r);
+    engsvc_unlink(s, r);
     if (st == DI_OK && atomic_load(&r->cancelled)) { /* the caller is gone */
-        drop_handoff(s, r);
-        end_req(s, r, (di_status)atomic_load(&r->cancel_why), NULL, 0, "request cancelled");
+        engsvc_drop_handoff(s, r);
+        engsvc_end_req(s, r, (di_status)atomic_load(&r->cancel_why), NULL, 0, "request cancelled");
     } else if (st != DI_OK) {
         di_error_prefix(&err, "handoff to the store: ");
-        end_req(s, r, st, NULL, 0, err.msg);
+        engsvc_end_req(s, r, st, NULL, 0, err.msg);
     } else {
         Di__Engine__Token tok;
         Di__Engine__TokenLogprob tops[SAMPLER_MAX_LOGPROBS], *ptrs[SAMPLER_MAX_LOGPROBS];
-        token_pb(&tok, tops, ptrs, r->first.token, &r->first.res, 0);
+        engsvc_token_pb(&tok, tops, ptrs, r->first.token, &r->first.res, 0);
         Di__Prefill__HandoffManifest man = DI__PREFILL__HANDOFF_MANIFEST__INIT;
         ProtobufCBinaryData *keys = calloc(n_full ? n_full : 1, sizeof(*keys));
         for (uint32_t i = 0; keys && i < n_full; i++)
@@ -656,9 +256,9 @@ static void prefill_handoff(engsvc *s, sreq *r)
         uint8_t *buf = malloc(n ? n : 1);
         if (buf) {
             n = di__prefill__prefill_reply__pack(&rep, buf);
-            end_req(s, r, DI_OK, buf, n, NULL);
+            engsvc_end_req(s, r, DI_OK, buf, n, NULL);
         } else {
-            end_req(s, r, DI_ENOMEM, NULL, 0, "reply");
+            engsvc_end_req(s, r, DI_ENOMEM, NULL, 0, "reply");
         }
         free(buf);
         free(keys);
@@ -674,28 +274,28 @@ static void prefill_handoff(engsvc *s, sreq *r)
 /* PREFILL: a request whose first token ended it (or that failed): the reply has no handoff. */
 static void prefill_done(engsvc *s, sreq *r)
 {
-    unlink_req(s, r);
+    engsvc_unlink(s, r);
     if (r->finish == SCHED_FINISH_FAILED) {
-        end_req(s, r, r->fail, NULL, 0, r->fail_msg);
+        engsvc_end_req(s, r, r->fail, NULL, 0, r->fail_msg);
         return;
     }
     if (r->finish == SCHED_FINISH_ABORT) {
-        end_req(s, r, DI_ECANCELED, NULL, 0, "aborted");
+        engsvc_end_req(s, r, DI_ECANCELED, NULL, 0, "aborted");
         return;
     }
     Di__Engine__Token tok;
     Di__Engine__TokenLogprob tops[SAMPLER_MAX_LOGPROBS], *ptrs[SAMPLER_MAX_LOGPROBS];
-    token_pb(&tok, tops, ptrs, r->first.token, &r->first.res, 0);
+    engsvc_token_pb(&tok, tops, ptrs, r->first.token, &r->first.res, 0);
     Di__Prefill__PrefillReply rep = DI__PREFILL__PREFILL_REPLY__INIT;
     rep.request_id = r->rid;
     rep.first = &tok;
-    rep.finish = finish_pb(r->finish);
+    rep.finish = engsvc_finish_pb(r->finish);
     rep.cached_tokens = r->cached;
     rep.queue_ms = r->t_start ? (r->t_start - r->t_arrive) / 1000000u : 0;
     rep.compute_ms = r->t_start ? (di_mono_ns() - r->t_start) / 1000000u : 0;
     uint8_t buf[4096];
     size_t n = di__prefill__prefill_reply__pack(&rep, buf);
-    end_req(s, r, DI_OK, buf, n, NULL);
+    engsvc_end_req(s, r, DI_OK, buf, n, NULL);
 }
 
 /* DECODE: the handoff and its blocks from the store, checked against the request. */
@@ -803,11 +403,11 @@ static void admit(engsvc *s, sreq *r)
                 st = engine_set_ready(s->e, r->id, &err);
         }
         if (st == DI_OK || st == DI_ECORRUPT) /* in host memory now, or useless */
-            drop_handoff(s, r);
+            engsvc_drop_handoff(s, r);
     }
     if (st != DI_OK) {
-        unlink_req(s, r);
-        end_req(s, r, st, NULL, 0, err.msg);
+        engsvc_unlink(s, r);
+        engsvc_end_req(s, r, st, NULL, 0, err.msg);
         return;
     }
     r->in_engine = true;
@@ -823,10 +423,10 @@ static void reap_cancels(engsvc *s, bool abort_all)
             di_error err;
             if (r->in_engine)
                 (void)engine_abort(s->e, r->id, &err);
-            unlink_req(s, r);
+            engsvc_unlink(s, r);
             di_status why = abort_all && !atomic_load(&r->cancelled)
                                 ? DI_EUNAVAIL : (di_status)atomic_load(&r->cancel_why);
-            end_req(s, r, why, NULL, 0,
+            engsvc_end_req(s, r, why, NULL, 0,
                     why == DI_EUNAVAIL ? "the service is stopping: request aborted"
                                        : "request cancelled");
         }
@@ -885,8 +485,8 @@ static void *engine_main(void *arg)
             r->next = NULL;
             if (abort_all || atomic_load(&r->cancelled)) {
                 if (s->cfg.kind == ENGSVC_DECODE)
-                    drop_handoff(s, r);
-                end_req(s, r, abort_all ? DI_EUNAVAIL : DI_ECANCELED, NULL, 0,
+                    engsvc_drop_handoff(s, r);
+                engsvc_end_req(s, r, abort_all ? DI_EUNAVAIL : DI_ECANCELED, NULL, 0,
                         abort_all ? "the service is stopping" : "request cancelled");
                 continue;
             }
@@ -931,8 +531,8 @@ static void *engine_main(void *arg)
                 pthread_mutex_unlock(&s->mu);
                 while (s->reqs) {
                     sreq *r = s->reqs;
-                    unlink_req(s, r);
-                    end_req(s, r, st, NULL, 0, err.msg);
+                    engsvc_unlink(s, r);
+                    engsvc_end_req(s, r, st, NULL, 0, err.msg);
                 }
                 continue;
             }
@@ -944,13 +544,13 @@ static void *engine_main(void *arg)
             else if (r->done && s->cfg.kind == ENGSVC_PREFILL)
                 prefill_done(s, r);
             else if (r->done) {
-                unlink_req(s, r);
+                engsvc_unlink(s, r);
                 if (r->finish == SCHED_FINISH_FAILED)
-                    end_req(s, r, r->fail, NULL, 0, r->fail_msg);
+                    engsvc_end_req(s, r, r->fail, NULL, 0, r->fail_msg);
                 else if (r->finish == SCHED_FINISH_ABORT)
-                    end_req(s, r, DI_ECANCELED, NULL, 0, "aborted");
+                    engsvc_end_req(s, r, DI_ECANCELED, NULL, 0, "aborted");
                 else
-                    end_req(s, r, DI_OK, NULL, 0, NULL);
+                    engsvc_end_req(s, r, DI_OK, NULL, 0, NULL);
             }
         }
         publish_load(s);
