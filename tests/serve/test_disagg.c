@@ -137,6 +137,7 @@ typedef struct rig {
     proc prefill, decode;
     const char *nextn;
     const char *drain;          /* --drain of both ranks; NULL: 20s */
+    const char *blocks;         /* --blocks of both ranks; NULL: 256 */
     Di__Engine__Load load0[2];  /* GetLoad of prefill, decode at start */
 } rig;
 
@@ -178,7 +179,8 @@ static void engine_start(proc *p, const char *exe, const char *name, const rig *
 {
     const char *args[] = {"--config", "tiny", "--weights-seed", SEED, "--kvstore",
                           r->store.target, "--chunk", CHUNK, "--threads", "1", "--nextn",
-                          r->nextn, "--blocks", "256", "--kvstore-deadline", "2s", "--drain",
+                          r->nextn, "--blocks", r->blocks ? r->blocks : "256",
+                          "--kvstore-deadline", "2s", "--drain",
                           r->drain ? r->drain : "20s", NULL};
     proc_start(p, exe, name, args);
 }
@@ -705,6 +707,55 @@ Test(disagg, random_cancels_leak_nothing)
     rpc_client_close(pc);
     rpc_client_close(dc);
     cr_log_info("%u requests: %u aborted in prefill, %u decoded to the end", n, aborted, served);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* Reads a Decode stream to its end: the finish of its last message, the tokens it carried. */
+static Di__Engine__Finish stream_finish(rpc_stream *s, uint32_t *tokens, di_status *st)
+{
+    Di__Engine__Finish f = DI__ENGINE__FINISH__FINISH_NONE;
+    *tokens = 0;
+    for (;;) {
+        uint8_t *msg = NULL;
+        size_t len = 0;
+        int done = 0;
+        di_error err;
+        *st = rpc_stream_read(s, &msg, &len, &done, &err);
+        if (done || *st != DI_OK) {
+            free(msg);
+            return f;
+        }
+        Di__Decode__DecodeToken *t = di__decode__decode_token__unpack(NULL, len, msg);
+        free(msg);
+        cr_assert_not_null(t);
+        *tokens += t->token != NULL;
+        f = t->finish;
+        di__decode__decode_token__free_unpacked(t, NULL);
+    }
+}
+
+/* A decode rank out of KV blocks stops a request (preemption mode STOP): its stream's last
+ * message says FINISH_PREEMPTED; the other request runs to its length; nothing leaks. */
+Test(disagg, preemption_in_decode_ends_the_victim_with_preempted)
+{
+    rig r = {.blocks = "16"}; /* 15 usable blocks: 1,920 positions */
+    rig_start(&r, "5");
+    flight a, b;
+    flight_start(&a, &r, "big-a", 300, 1500, 1);
+    flight_start(&b, &r, "big-b", 299, 1500, 1);
+    uint32_t na, nb;
+    di_status sa, sb;
+    Di__Engine__Finish fa = stream_finish(a.s, &na, &sa), fb = stream_finish(b.s, &nb, &sb);
+    cr_assert(sa == DI_OK && sb == DI_OK, "%s %s", di_status_name(sa), di_status_name(sb));
+    bool a_pre = fa == DI__ENGINE__FINISH__FINISH_PREEMPTED;
+    bool b_pre = fb == DI__ENGINE__FINISH__FINISH_PREEMPTED;
+    cr_assert(a_pre != b_pre, "exactly one victim (finishes %d and %d)", fa, fb);
+    cr_assert_eq(a_pre ? fb : fa, DI__ENGINE__FINISH__FINISH_LENGTH);
+    cr_assert_lt(a_pre ? na : nb, 1499, "the victim stopped early");
+    di_error err;
+    flight_end(&a, &err);
+    flight_end(&b, &err);
     assert_clean(&r);
     rig_stop(&r);
 }
