@@ -133,6 +133,11 @@ static void on_output(void *ud, const engine_output *o)
             m.token = &tok;
             m.finish = last ? engsvc_finish_pb(o->finish) : DI__ENGINE__FINISH__FINISH_NONE;
             m.output_tokens = ++r->n_out;
+            if (!r->reported) {
+                m.kv_bytes_pulled = r->pulled_bytes;
+                m.kv_pull_us = r->pull_ns / 1000u;
+                r->reported = true;
+            }
             if (last && o->finish == SCHED_FINISH_FAILED)
                 m.finish = DI__ENGINE__FINISH__FINISH_ERROR;
             uint8_t buf[4096];
@@ -303,7 +308,7 @@ static di_status decode_fetch(engsvc *s, sreq *r, di_error *err)
 {
     kvkey key;
     memcpy(key.b, r->hkey, KVKEY_BYTES);
-    uint64_t cap = r->hbytes, bytes = 0;
+    uint64_t cap = r->hbytes, bytes = 0, t0 = di_mono_ns();
     di_status st = kvc_get1(s->cfg.kv, KVKEY_HANDOFF, &key, r->hobj, cap, &bytes, err);
     if (st == DI_ENOENT)
         return di_fail(err, DI_ENOENT, "the handoff is not in the store (expired, or already "
@@ -354,6 +359,8 @@ static di_status decode_fetch(engsvc *s, sreq *r, di_error *err)
         }
     }
     free(items);
+    r->pulled_bytes = bytes + (uint64_t)r->n_full * bb;
+    r->pull_ns = di_mono_ns() - t0;
     return st;
 }
 

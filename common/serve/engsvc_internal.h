@@ -58,6 +58,9 @@ typedef struct sreq {
     size_t *bsz;
     uint32_t n_full;
     uint32_t n_out;             /* tokens produced so far, the first included */
+    uint64_t pulled_bytes;      /* handoff and blocks read from the store */
+    uint64_t pull_ns;           /* the time those reads took */
+    bool reported;              /* the pull went out with the first message */
 } sreq;
 
 struct engsvc {

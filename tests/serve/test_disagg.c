@@ -345,6 +345,7 @@ MAYBE_UNUSED static void compare_runs(const rig *r, const char *sampling, uint32
     same_outputs(&remote, &local, what);
     json_t *st = json_object_get(remote.json, "stats");
     cr_assert(json_real_value(json_object_get(st, "ttft_ms_mean")) > 0, "remote timings");
+    cr_assert(json_real_value(json_object_get(st, "kv_pulled_bytes_mean")) > 0, "KV pulled");
     json_decref(local.json);
     json_decref(remote.json);
 }
@@ -875,10 +876,11 @@ Test(disagg_bench, ttft_and_tpot_disaggregated_vs_local)
         double ld = json_real_value(json_object_get(ls, "decode_s")) * 1e3 /
                     (double)json_integer_value(json_object_get(ls, "decode_tokens"));
         printf("prompt %5u tokens: TTFT local %.1f ms, disaggregated %.1f ms; per output token "
-               "local %.2f ms, disaggregated %.2f ms; handoff %.0f B\n", lens[i], lt,
-               json_real_value(json_object_get(rs, "ttft_ms_mean")), ld,
+               "local %.2f ms, disaggregated %.2f ms; KV pulled %.0f B in %.2f ms\n", lens[i],
+               lt, json_real_value(json_object_get(rs, "ttft_ms_mean")), ld,
                json_real_value(json_object_get(rs, "tpot_ms_mean")),
-               json_real_value(json_object_get(rs, "handoff_bytes_mean")));
+               json_real_value(json_object_get(rs, "kv_pulled_bytes_mean")),
+               json_real_value(json_object_get(rs, "kv_pull_ms_mean")));
         json_decref(loc.json);
         json_decref(rem.json);
     }

@@ -27,6 +27,7 @@ typedef struct remote_out {
     double decode_ms;             /* Decode sent -> the stream's end */
     uint32_t n_decoded;           /* tokens the stream carried */
     uint64_t kv_bytes;            /* handoff + full blocks decode pulled */
+    double kv_pull_ms;            /* the time decode took to pull them */
     uint32_t cached;              /* prompt tokens prefill loaded from the store */
 } remote_out;
 
@@ -127,7 +128,6 @@ static di_status run_one(const gen_args *a, rpc_client *pc, rpc_client *dc, uint
     dr.prompt = (uint32_t *)p->ids;
     dr.first = rep->first;
     dr.sampling = &sp;
-    o->kv_bytes = rep->handoff->handoff_bytes;
     n = di__decode__decode_request__get_packed_size(&dr);
     buf = malloc(n ? n : 1);
     if (!buf) {
@@ -154,6 +154,10 @@ static di_status run_one(const gen_args *a, rpc_client *pc, rpc_client *dc, uint
         if (!t) {
             st = di_fail(err, DI_ECORRUPT, "decode: a stream message is not a DecodeToken");
             break;
+        }
+        if (t->kv_bytes_pulled) {
+            o->kv_bytes = t->kv_bytes_pulled;
+            o->kv_pull_ms = (double)t->kv_pull_us / 1e3;
         }
         if (t->token) {
             add_token(o, t->token, a->params.n_logprobs);
@@ -201,7 +205,7 @@ di_status gen_remote_run(const gen_args *a, di_error *err)
     remote_out *outs = calloc(a->n_prompts, sizeof(remote_out));
     if (st == DI_OK && !outs)
         st = di_fail(err, DI_ENOMEM, "outputs");
-    double ttft = 0, tpot = 0, kvb = 0;
+    double ttft = 0, tpot = 0, kvb = 0, kvms = 0;
     uint32_t n_tpot = 0, failed = 0;
     for (uint32_t i = 0; st == DI_OK && i < a->n_prompts; i++) {
         remote_out *o = &outs[i];
@@ -217,6 +221,7 @@ di_status gen_remote_run(const gen_args *a, di_error *err)
         }
         ttft += o->ttft_ms;
         kvb += (double)o->kv_bytes;
+        kvms += o->kv_pull_ms;
         if (o->n_decoded) {
             tpot += o->decode_ms / o->n_decoded;
             n_tpot++;
@@ -228,9 +233,10 @@ di_status gen_remote_run(const gen_args *a, di_error *err)
             json_array_append_new(reqs, request_json(a, i, &outs[i]));
         json_object_set_new(root, "requests", reqs);
         json_object_set_new(root, "stats", json_pack(
-            "{s:b, s:f, s:f, s:f, s:I}", "remote", 1, "ttft_ms_mean", ttft / a->n_prompts,
-            "tpot_ms_mean", n_tpot ? tpot / n_tpot : 0.0, "handoff_bytes_mean",
-            kvb / a->n_prompts, "failed", (json_int_t)failed));
+            "{s:b, s:f, s:f, s:f, s:f, s:I}", "remote", 1, "ttft_ms_mean", ttft / a->n_prompts,
+            "tpot_ms_mean", n_tpot ? tpot / n_tpot : 0.0, "kv_pulled_bytes_mean",
+            kvb / a->n_prompts, "kv_pull_ms_mean", kvms / a->n_prompts, "failed",
+            (json_int_t)failed));
         if (a->json) {
             json_dumpf(root, stdout, JSON_INDENT(1) | JSON_REAL_PRECISION(9));
             fputc('\n', stdout);
