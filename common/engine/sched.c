@@ -658,6 +658,11 @@ static di_status sched_check_request(const sched *s, const sched_request *r, di_
         st = sched_check_tokens(s, r->output, r->output_len, "output", r->id, err);
     if (st == DI_OK)
         st = sched_check_tokens(s, r->stop_ids, r->n_stop_ids, "stop", r->id, err);
+    if (st == DI_OK && (r->n_drafts > s->cfg.nextn || (r->n_drafts && !r->drafts)))
+        st = di_fail(err, DI_EINVAL, "request %llu: %u drafts, nextn is %u", id, r->n_drafts,
+                     s->cfg.nextn);
+    if (st == DI_OK)
+        st = sched_check_tokens(s, r->drafts, r->n_drafts, "draft", r->id, err);
     if (st == DI_OK)
         st = sched_check_cached(s, r, (uint32_t)total, err);
     return st;
@@ -717,6 +722,8 @@ di_status sched_add_request(sched *s, const sched_request *req, di_error *err)
     q->load_window = req->kv_cached && req->window_cached;
     q->window_start = req->replay ? q->num_tokens : 0;
     q->schedulable = !req->hold;
+    if (req->n_drafts)
+        seq_set_drafts(q, req->drafts, req->n_drafts);
     sched_all_add(s, q);
     sched_wq_push_back(s, q);
     s->stats.requests_added++;

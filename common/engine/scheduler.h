@@ -234,6 +234,8 @@ typedef struct sched_request {
                                  (prefix hit, prefix.h; or the prompt of a handoff) */
     uint32_t replay;          /* of those, positions rerun to rebuild the window (0 or 128) */
     bool window_cached;       /* the window state at kv_cached - replay is loaded too */
+    const int32_t *drafts;    /* drafts its first decode step checks (a handoff's; copied) */
+    uint32_t n_drafts;        /* <= nextn; 0 = none */
 } sched_request;
 
 /* ---- The step plan (schedule's output, the runner's input) ---- */

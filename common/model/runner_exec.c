@@ -71,6 +71,9 @@ static rx_req *find(const runner_exec *ex, uint64_t id)
     return NULL;
 }
 
+static di_status state_import(runner_exec *ex, rx_req *r, const uint8_t *src, size_t bytes,
+                              di_error *err);
+
 static void req_free(rx_req *r)
 {
     if (!r)
@@ -210,8 +213,83 @@ di_status runner_exec_add(runner_exec *ex, const runner_request *q, di_error *er
         return di_fail(err, DI_ENOMEM, "request %llu", (unsigned long long)q->id);
     }
     memcpy(r->toks, q->prompt, q->prompt_len * sizeof(int32_t));
+    if (q->state) {
+        di_status st = state_import(ex, r, q->state, q->state_bytes, err);
+        if (st != DI_OK) {
+            req_free(r);
+            return st;
+        }
+    }
     ex->reqs[ex->n_reqs++] = r;
     return DI_OK;
+}
+
+/* ---- executor state of a handoff ---------------------------------------------------------
+ * u32 magic, u32 vocabulary, u32 tokens produced, u32 drafts k, i32 drafts[k],
+ * f32 draft logits[k, vocabulary]; little-endian (the hosts this runs on). */
+
+#define RX_STATE_MAGIC 0x53584944u /* "DIXS" */
+
+size_t runner_exec_state_bytes(const runner_exec *ex)
+{
+    return 16 + (size_t)ex->nextn * sizeof(int32_t) + (size_t)ex->nextn * ex->V * sizeof(float);
+}
+
+di_status runner_exec_export_state(const runner_exec *ex, uint64_t id, void *dst, size_t cap,
+                                   size_t *n, di_error *err)
+{
+    const rx_req *r = ex ? find(ex, id) : NULL;
+    if (!r)
+        return di_fail(err, DI_ENOENT, "executor state: request %llu is not registered",
+                       (unsigned long long)id);
+    size_t k = r->n_drafts, bytes = 16 + k * sizeof(int32_t) + k * ex->V * sizeof(float);
+    if (!dst || cap < bytes)
+        return di_fail(err, DI_EINVAL, "executor state: buffer of %zu bytes, %zu needed", cap,
+                       bytes);
+    uint32_t h[4] = {RX_STATE_MAGIC, ex->V, r->n_out, r->n_drafts};
+    uint8_t *o = dst;
+    memcpy(o, h, sizeof h);
+    memcpy(o + 16, r->drafts, k * sizeof(int32_t));
+    if (k)
+        memcpy(o + 16 + k * sizeof(int32_t), r->draft_logits, k * ex->V * sizeof(float));
+    *n = bytes;
+    return DI_OK;
+}
+
+static di_status state_import(runner_exec *ex, rx_req *r, const uint8_t *src, size_t bytes,
+                              di_error *err)
+{
+    uint32_t h[4];
+    if (bytes < sizeof h)
+        return di_fail(err, DI_EINVAL, "executor state: %zu bytes, too short", bytes);
+    memcpy(h, src, sizeof h);
+    size_t k = h[3], want = 16 + k * sizeof(int32_t) + k * (size_t)ex->V * sizeof(float);
+    if (h[0] != RX_STATE_MAGIC || h[1] != ex->V)
+        return di_fail(err, DI_EINVAL, "executor state: not one of this model (magic %08x, "
+                       "vocabulary %u, want %u)", h[0], h[1], ex->V);
+    if (k > ex->nextn || bytes != want)
+        return di_fail(err, DI_EINVAL, "executor state: %zu drafts in %zu bytes (nextn %u, "
+                       "%zu bytes expected)", k, bytes, ex->nextn, want);
+    if (h[2] > r->cap - r->prompt_len)
+        return di_fail(err, DI_EINVAL, "executor state: %u tokens produced, beyond max_tokens",
+                       h[2]);
+    r->n_out = h[2];
+    r->n_drafts = (uint32_t)k;
+    memcpy(r->drafts, src + 16, k * sizeof(int32_t));
+    for (size_t i = 0; i < k; i++)
+        if (r->drafts[i] < 0 || (uint32_t)r->drafts[i] >= ex->V)
+            return di_fail(err, DI_EINVAL, "executor state: draft %zu is %d, outside the "
+                           "vocabulary", i, r->drafts[i]);
+    if (k)
+        memcpy(r->draft_logits, src + 16 + k * sizeof(int32_t), k * ex->V * sizeof(float));
+    return DI_OK;
+}
+
+const int32_t *runner_exec_drafts(const runner_exec *ex, uint64_t id, uint32_t *n)
+{
+    const rx_req *r = ex ? find(ex, id) : NULL;
+    *n = r ? r->n_drafts : 0;
+    return r ? r->drafts : NULL;
 }
 
 void runner_exec_remove(runner_exec *ex, uint64_t id)

@@ -65,6 +65,10 @@ typedef struct runner_request {
     sampling_params params;   /* copied (a blacklist must outlive the request) */
     const int32_t *forced;    /* teacher-forced continuation (copied); NULL = sample */
     uint32_t n_forced;
+    const uint8_t *state;     /* executor state a handoff carries (runner_exec_export_state):
+                                 the request continues where that executor left it; NULL =
+                                 a new request */
+    uint32_t state_bytes;
 } runner_request;
 
 /* The outcome of one produced token, for logprobs. */
@@ -96,6 +100,16 @@ di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_re
 /* The tokens request `id` produced in the latest step that sampled it, with their sampler
  * results; *n = 0 when none. The array stays valid until the next step. */
 const runner_token *runner_exec_tokens(const runner_exec *ex, uint64_t id, uint32_t *n);
+/* Bytes of a request's executor state: tokens produced, pending drafts and the draft
+ * head's logits of them (what runner_request.state takes). */
+size_t runner_exec_state_bytes(const runner_exec *ex);
+/* Writes request id's executor state into dst (cap >= runner_exec_state_bytes); *n = bytes
+ * written. DI_OK; DI_ENOENT (unknown id); DI_EINVAL (cap). */
+di_status runner_exec_export_state(const runner_exec *ex, uint64_t id, void *dst, size_t cap,
+                                   size_t *n, di_error *err);
+/* The request's pending drafts (*n of them; NULL when unknown). Valid until its next step. */
+const int32_t *runner_exec_drafts(const runner_exec *ex, uint64_t id, uint32_t *n);
+
 /* The failure message of the request's latest failed step ("" when none). */
 const char *runner_exec_error(const runner_exec *ex, uint64_t id);
 

@@ -236,6 +236,28 @@ static di_status o_kv_deadline(gen_args *a, const char *v, di_error *err)
     return DI_OK;
 }
 
+static di_status o_prefill(gen_args *a, const char *v, di_error *err)
+{
+    if (!*v || !strchr(v, ':'))
+        return di_fail(err, DI_EINVAL, "--prefill: '%s' is not HOST:PORT", v);
+    a->prefill = v;
+    return DI_OK;
+}
+
+static di_status o_decode(gen_args *a, const char *v, di_error *err)
+{
+    if (!*v || !strchr(v, ':'))
+        return di_fail(err, DI_EINVAL, "--decode: '%s' is not HOST:PORT", v);
+    a->decode = v;
+    return DI_OK;
+}
+
+static di_status o_engine_token(gen_args *a, const char *v, di_error *err)
+{
+    a->engine_token_file = v;
+    return DI_OK;
+}
+
 static di_status o_kv_replay(gen_args *a, const char *v, di_error *err)
 {
     a->kvstore_replay = true;
@@ -343,6 +365,11 @@ static const gen_opt options[] = {
      "instead of resuming at an older window state"},
     {"--kvstore-window-every", "N", o_kv_every, "also store the window state at every Nth "
      "multiple of 128 (default 0: only where a request can resume)"},
+    {"--prefill", "HOST:PORT", o_prefill, "send each prompt to this di-prefill, then its "
+     "handoff to --decode (no local model)"},
+    {"--decode", "HOST:PORT", o_decode, "the di-decode that continues what --prefill computed"},
+    {"--engine-token-file", "FILE", o_engine_token, "token for --prefill and --decode (default "
+     "$DI_ENGINE_TOKEN)"},
     {"--varlen", NULL, o_varlen, "MTP varlen: each decode step checks only the drafts worth "
      "their rows, from the draft model's confidences and a step-time table"},
     {"--step-ms", "LIST", o_step_ms, "varlen's step-time table, ROWS:MS,... at the recorded "
@@ -433,6 +460,8 @@ void gen_args_free(gen_args *a)
     free(a->forced.ids);
     free(a->kvstore_token);
     a->kvstore_token = NULL;
+    free(a->engine_token);
+    a->engine_token = NULL;
     free(a->step_ms);
     a->prompts = NULL;
     a->n_prompts = 0;
@@ -473,6 +502,40 @@ static di_status kvstore_args(gen_args *a, di_error *err)
     return a->kvstore_token ? DI_OK : di_fail(err, DI_ENOMEM, "token");
 }
 
+/* The first line of a token file, malloc'd into *out. */
+static di_status read_token_file(const char *flag, const char *path, char **out, di_error *err)
+{
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return di_fail(err, DI_EINVAL, "%s %s: %s", flag, path, strerror(errno));
+    char line[512] = "";
+    bool got = fgets(line, sizeof line, f) != NULL;
+    fclose(f);
+    line[strcspn(line, "\r\n")] = 0;
+    if (!got || !line[0])
+        return di_fail(err, DI_EINVAL, "%s %s: no token on its first line", flag, path);
+    *out = strdup(line);
+    return *out ? DI_OK : di_fail(err, DI_ENOMEM, "token");
+}
+
+/* --prefill and --decode go together; what runs on the services cannot be set here. */
+static di_status remote_args(gen_args *a, di_error *err)
+{
+    if (!a->prefill || !a->decode)
+        return di_fail(err, DI_EINVAL, "--prefill and --decode go together");
+    if (a->kvstore || a->dump_logits || a->has_forced || a->varlen || a->nextn >= 0 ||
+        a->model_dir || a->config || a->yoco_set)
+        return di_fail(err, DI_EINVAL, "with --prefill/--decode the model, --nextn, --yoco, "
+                       "--kvstore, --varlen, --teacher-force and --dump-logits are the "
+                       "services' settings, not di-generate's");
+    if (a->engine_token_file)
+        return read_token_file("--engine-token-file", a->engine_token_file, &a->engine_token,
+                               err);
+    const char *env = getenv("DI_ENGINE_TOKEN");
+    a->engine_token = env && *env ? strdup(env) : NULL;
+    return env && *env && !a->engine_token ? di_fail(err, DI_ENOMEM, "token") : DI_OK;
+}
+
 di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
 {
     for (int i = 1; i < argc; i++) {
@@ -510,5 +573,10 @@ di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
         return di_fail(err, DI_EINVAL, "--keep-tokens must be positive");
     if (!a->varlen && (a->step_ms || a->sampler_ms_set))
         return di_fail(err, DI_EINVAL, "--step-ms and --sampler-ms need --varlen");
+    if (a->prefill || a->decode) {
+        di_status st = remote_args(a, err);
+        if (st != DI_OK)
+            return st;
+    }
     return a->kvstore ? kvstore_args(a, err) : DI_OK;
 }

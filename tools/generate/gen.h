@@ -58,6 +58,10 @@ typedef struct gen_args {
     uint32_t n_step_ms;
     double sampler_ms;           /* --sampler-ms: varlen's sampler time per step (ms) */
     bool sampler_ms_set;
+    const char *prefill;         /* --prefill HOST:PORT of di-prefill (with --decode), or NULL */
+    const char *decode;          /* --decode HOST:PORT of di-decode */
+    const char *engine_token_file; /* --engine-token-file */
+    char *engine_token;          /* the services' client token (file or $DI_ENGINE_TOKEN); owned */
 } gen_args;
 
 void gen_args_default(gen_args *a);
@@ -85,6 +89,10 @@ di_status gen_parse_step_ms(const char *text, varlen_graph_time **out, uint32_t 
 di_status gen_step_table(const gen_args *a, runner_exec *ex, uint32_t seqs, uint32_t nextn,
                          uint32_t interval, varlen_graph_time **out, uint32_t *n,
                          di_error *err);
+
+/* --prefill/--decode: sends each prompt through di-prefill -> store -> di-decode and prints
+ * what gen_run prints, with remote timings in stats (remote.c). */
+di_status gen_remote_run(const gen_args *a, di_error *err);
 
 /* Runs the engine over every prompt and prints the outputs (text prompts are encoded into
  * their ids here, so a is written). */

@@ -559,6 +559,8 @@ di_status gen_run(gen_args *a, di_error *err)
 {
     sampling_params check = a->params;
     di_status st = sampling_params_validate(&check, UINT32_MAX, err);
+    if (st == DI_OK && a->prefill)
+        return gen_remote_run(a, err);
     if (st == DI_OK && a->kvstore && !gen_kv_supported())
         st = gen_kv_open(NULL, NULL, NULL, err); /* says why */
     if (st != DI_OK)

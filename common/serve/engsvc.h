@@ -1,0 +1,81 @@
+/* engsvc.h: the request handling di-prefill and di-decode share: one engine thread that owns
+ * the engine loop, the model runner and the store client; the gRPC methods of both services
+ * (rpc.h rows) that hand requests to it; load, health, abort and drain.
+ *
+ * PREFILL (PROMPT engine): Prefill(request) queues the prompt; the engine prefills it in
+ * chunks and samples the first token; the engine thread then exports the handoff
+ * (common/serve/handoff.h), puts the prompt's full blocks and the handoff object into the
+ * store, releases the request's blocks and slot and replies with the first token, its
+ * logprobs and the handoff manifest. A first token that ends the request (EOS, max_tokens 1)
+ * is replied without a handoff.
+ *
+ * DECODE (COMPLETION engine): Decode(handoff, sampling) pulls the handoff object and the full
+ * blocks it names from the store, checks them against the request (prompt and first token),
+ * adds the request held, imports the KV at its first plan, deletes the handoff object, and
+ * streams one DecodeToken per output token; the last one carries the finish. Preemption ends a
+ * request with FINISH_PREEMPTED.
+ *
+ * Threads: gRPC workers parse and check requests and queue them (engsvc_*_start); a cancel
+ * (client, deadline, server stop) only marks the request; the engine thread does everything
+ * else: engine calls, store calls (between steps), writes and finishing calls. A request's
+ * record is freed by the engine thread after rpc_call_finish, when no cancel function can run.
+ *
+ * Drain: engsvc_drain refuses new requests (DI_EUNAVAIL "draining"), lets the work in flight
+ * finish until the deadline, then ends what is left with DI_EUNAVAIL and FINISH_ABORTED.
+ */
+#ifndef DI_SERVE_ENGSVC_H
+#define DI_SERVE_ENGSVC_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "common/model/runner.h"
+#include "common/net/kv_client.h"
+#include "common/net/rpc.h"
+#include "common/util/log.h"
+#include "common/util/status.h"
+#include "kernels/kernels.h"
+
+typedef enum engsvc_kind {
+    ENGSVC_PREFILL = 0, /* PROMPT engine, service di.prefill.Prefill */
+    ENGSVC_DECODE,      /* COMPLETION engine, service di.decode.Decode */
+} engsvc_kind;
+
+typedef struct engsvc_config {
+    engsvc_kind kind;
+    const runner_model *rm;     /* borrowed; outlives the service */
+    const kern_backend *be;     /* borrowed */
+    const char *model_name;     /* for Health ("tiny") */
+    kvc_client *kv;             /* the store (required); borrowed; used by the engine thread */
+    uint32_t nextn;             /* drafts per decode step; UINT32_MAX = the model's block size */
+    uint32_t chunk;             /* prefill step budget in tokens, multiple of 128; 0 = 512 */
+    uint32_t max_seqs;          /* sequences at once; 0 = 16 */
+    uint32_t num_blocks;        /* KV blocks of 128 positions; 0 = 1024 */
+    uint32_t max_waiting;       /* queued requests at most; 0 = 256 */
+    uint32_t rank, world;       /* for GetLoad */
+    const di_logger *log;       /* one line per failed request; may be NULL */
+} engsvc_config;
+
+typedef struct engsvc engsvc;
+
+/* Creates the engine and its runner and starts the engine thread. DI_OK; DI_EINVAL (config);
+ * DI_ENOMEM; the runner's codes. */
+di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err);
+/* Stops the engine thread (requests still live end with DI_EUNAVAIL) and frees everything.
+ * Call after the gRPC server has stopped. NULL-safe. */
+void engsvc_destroy(engsvc *s);
+
+/* Refuses new requests from now on; waits until the work in flight has ended or deadline_ns
+ * (di_mono_ns time) has passed, then ends the rest with DI_EUNAVAIL and waits for that.
+ * Returns the number of requests ended early. */
+uint32_t engsvc_drain(engsvc *s, uint64_t deadline_ns);
+
+/* Requests live (queued, in the engine, or being handed off). */
+uint32_t engsvc_live(engsvc *s);
+
+/* The service's method tables (svc = the engsvc): Prefill or Decode (asynchronous), and
+ * GetLoad, Health, Abort. */
+const rpc_method *engsvc_methods(engsvc_kind kind, size_t *n);
+const rpc_async_method *engsvc_async_methods(engsvc_kind kind, size_t *n);
+
+#endif

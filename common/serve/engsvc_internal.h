@@ -1,0 +1,109 @@
+/* engsvc_internal.h: what the engine service's two halves share: the request record, the
+ * service struct and the helpers of engsvc.c (engine thread) used by engsvc_rpc.c (the gRPC
+ * methods). Not part of the API (engsvc.h). */
+#ifndef DI_SERVE_ENGSVC_INTERNAL_H
+#define DI_SERVE_ENGSVC_INTERNAL_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdbool.h>
+
+#include "common/engine/engine.h"
+#include "common/kvfmt/kv_handoff.h"
+#include "common/kvfmt/kv_keys.h"
+#include "common/model/runner_exec.h"
+#include "common/net/engine.pb-c.h"
+#include "common/serve/engsvc.h"
+
+#define RID_MAX 128u
+#define MAX_REQUEST_BYTES (64u << 20)
+#define HANDOFF_GET_MAX ((uint64_t)KV_HANDOFF_MAX_EXEC + (256u << 20))
+
+/* One request, from its gRPC start to the call's end. Written by the gRPC worker that
+ * starts it, then by the engine thread only (cancelled and cancel_why by the cancel function). */
+typedef struct sreq {
+    struct sreq *next;          /* inbox or live list */
+    rpc_call *call;
+    atomic_int cancelled;       /* set by the cancel function */
+    atomic_int cancel_why;
+    uint64_t id;                /* engine id (engine thread) */
+    char rid[RID_MAX + 1];
+    int32_t *prompt;            /* [prompt_len] */
+    uint32_t prompt_len;
+    sampling_params sp;
+    int32_t *blacklist;
+    int32_t stop_ids[16];
+    uint32_t n_stop;
+    uint32_t max_tokens;        /* output tokens in all, the first included */
+    bool ignore_eos;            /* the model's end token does not stop it (eos_id -1, or
+                                   another end token, which is then a stop id) */
+    uint64_t t_arrive;
+    uint64_t t_start;           /* first step that carried it */
+    bool in_engine;
+    bool done;                  /* final output seen (engine thread) */
+    sched_finish finish;
+    di_status fail;             /* with finish FAILED: the status to end with */
+    char fail_msg[200];
+    /* prefill */
+    bool handed;                /* finished with a handoff: export after the step */
+    runner_token first;
+    uint32_t cached;            /* prompt tokens loaded (0 here: no prefix loads yet) */
+    /* decode */
+    int32_t first_tok;
+    uint8_t hkey[KVKEY_BYTES];  /* the handoff's key and size, from the manifest */
+    uint64_t hbytes;
+    void *hobj;                 /* the handoff object */
+    kv_handoff h;
+    void **blocks;              /* [n_full] full blocks */
+    size_t *bsz;
+    uint32_t n_full;
+    uint32_t n_out;             /* tokens produced so far, the first included */
+    uint64_t pulled_bytes;      /* handoff and blocks read from the store */
+    uint64_t pull_ns;           /* the time those reads took */
+    bool reported;              /* the pull went out with the first message */
+} sreq;
+
+struct engsvc {
+    engsvc_config cfg;
+    runner_exec *ex;
+    engine *e;
+    kv_geometry g;
+    pthread_t thr;
+    bool thr_started;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    sreq *inbox, *inbox_tail;   /* (mu) */
+    uint32_t n_inbox;           /* (mu) */
+    uint32_t live;              /* (mu) requests accepted, not yet ended */
+    bool draining, stopping;    /* (mu) */
+    bool abort_all;             /* (mu) drain deadline passed */
+    sreq *reqs;                 /* engine thread: requests in the engine or being admitted */
+    uint64_t next_id;
+    uint64_t t0;
+    /* load snapshot (mu) */
+    uint64_t queued_prompt_tokens;
+    uint32_t running, waiting, free_blocks, total_blocks, free_slots, total_slots;
+    double prefill_tps, decode_ms;
+    /* measured by the engine thread */
+    uint64_t prefill_tokens, prefill_ns, decode_steps, decode_ns;
+};
+
+/* Frees a request record (NULL-safe). */
+void engsvc_req_free(sreq *r);
+/* The cancel function of every call: marks the request; the engine thread ends it. */
+void engsvc_on_cancel(void *ud, di_status why);
+/* The Finish of a scheduler finish. */
+Di__Engine__Finish engsvc_finish_pb(sched_finish f);
+/* Fills a Token message (tops/ptrs: SAMPLER_MAX_LOGPROBS entries of storage). */
+void engsvc_token_pb(Di__Engine__Token *t, Di__Engine__TokenLogprob *tops,
+                     Di__Engine__TokenLogprob **ptrs, int32_t tok, const sampler_result *res,
+                     uint32_t idx);
+/* Ends r's call with st (reply or message), frees r, counts it out of live (no lock held). */
+void engsvc_end_req(engsvc *s, sreq *r, di_status st, const void *reply, size_t len,
+                    const char *msg);
+/* Removes r from the request list (engine thread). */
+void engsvc_unlink(engsvc *s, sreq *r);
+/* Deletes r's handoff from the store (engine thread). */
+void engsvc_drop_handoff(engsvc *s, const sreq *r);
+
+#endif

@@ -1,0 +1,179 @@
+#include "common/serve/engsvc_main.h"
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common/serve/backend.h"
+#include "common/serve/model_open.h"
+#include "common/service/engine_opts.h"
+#include "common/service/service.h"
+#include "common/util/clock.h"
+
+typedef struct eopts {
+    svc_base_opts base;
+    svc_engine_opts eng;
+    uint64_t nextn;          /* drafts per step; 16 = the model's draft block size */
+    uint64_t chunk;          /* prefill step budget, tokens */
+    uint64_t max_seqs;
+    uint64_t blocks;
+    uint64_t max_waiting;
+    uint64_t rpc_threads;
+    uint64_t kvstore_deadline_ms;
+} eopts;
+
+#define EROWS(listen_def)                                                                     \
+    SVC_BASE_ROWS(eopts, base, listen_def, "60s"), SVC_ENGINE_ROWS(eopts, eng),               \
+    {"nextn", SVC_OPT_UINT, offsetof(eopts, nextn), "16", 0, 16, "N",                         \
+     "drafts per decode step (as di-generate --nextn); 16 = the model's draft block size",    \
+     NULL},                                                                                    \
+    {"chunk", SVC_OPT_UINT, offsetof(eopts, chunk), "512", 128, 65536, "TOKENS",              \
+     "prefill tokens per step (a multiple of 128)", NULL},                                    \
+    {"max-seqs", SVC_OPT_UINT, offsetof(eopts, max_seqs), "16", 1, 1024, "N",                 \
+     "requests computed at once", NULL},                                                       \
+    {"blocks", SVC_OPT_UINT, offsetof(eopts, blocks), "1024", 16, 16777216, "N",              \
+     "KV blocks of 128 positions in the pool", NULL},                                         \
+    {"max-waiting", SVC_OPT_UINT, offsetof(eopts, max_waiting), "256", 1, 65536, "N",         \
+     "requests queued at most; more are refused with EFULL", NULL},                           \
+    {"rpc-threads", SVC_OPT_UINT, offsetof(eopts, rpc_threads), "4", 1, 64, "N",              \
+     "gRPC worker threads", NULL},                                                             \
+    {"kvstore-deadline", SVC_OPT_DURATION, offsetof(eopts, kvstore_deadline_ms), "10s", 10,   \
+     600000, "DURATION", "deadline of each store call", NULL}
+
+static const svc_opt k_prefill_rows[] = {EROWS("127.0.0.1:9480")};
+static const svc_opt k_decode_rows[] = {EROWS("127.0.0.1:9490")};
+
+typedef struct app {
+    engsvc_kind kind;
+    eopts o;
+    kern_backend be;
+    serve_model sm;
+    kvc_client *kv;
+    engsvc *svc;
+    rpc_server *srv;
+    char model_name[64];
+} app;
+
+static void rpc_error(void *ud, const char *method, const char *peer, di_status st,
+                      const char *msg)
+{
+    const svc_ctx *ctx = ud;
+    if (st != DI_ECANCELED)
+        di_log(&ctx->log, DI_LOG_INFO, "%s from %s: %s: %s", method, peer, di_status_name(st),
+               msg);
+}
+
+static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
+{
+    app *a = ud;
+    eopts *o = &a->o;
+    di_status st = svc_engine_check(&o->eng, err);
+    if (st != DI_OK)
+        return st;
+    if (!o->eng.kvstore)
+        return di_fail(err, DI_EINVAL, "--kvstore: required (the handoff goes through the "
+                       "store)");
+    if (o->chunk % 128)
+        return di_fail(err, DI_EINVAL, "--chunk: %llu is not a multiple of 128",
+                       (unsigned long long)o->chunk);
+    serve_backend_options bo = {.threads = (uint32_t)o->eng.threads};
+    if ((st = serve_backend_open(o->eng.backend, &bo, &a->be, err)) != DI_OK) {
+        di_error_prefix(err, "--backend %s: ", o->eng.backend);
+        return st;
+    }
+    serve_model_options mo = {.model_dir = o->eng.model_dir, .config = o->eng.config,
+                              .weights_seed = o->eng.weights_seed};
+    if ((st = serve_model_open(&mo, &a->sm, err)) != DI_OK) {
+        di_error_prefix(err, "%s: ", o->eng.model_dir ? "--model" : "--config");
+        return st;
+    }
+    const char *name = o->eng.model_dir ? o->eng.model_dir : o->eng.config;
+    const char *slash = strrchr(name, '/');
+    snprintf(a->model_name, sizeof a->model_name, "%s", slash && slash[1] ? slash + 1 : name);
+    kvc_options ko;
+    kvc_options_default(&ko);
+    ko.target = o->eng.kvstore;
+    ko.token = o->eng.kvstore_token;
+    ko.deadline_ms = (uint32_t)o->kvstore_deadline_ms;
+    ko.model_id = kv_model_id(a->sm.rm.w->config.model_id, KV_YOCO_DEFAULT); /* as engsvc runs */
+    if ((st = kvc_open(&ko, &a->kv, err)) != DI_OK) {
+        di_error_prefix(err, "--kvstore %s: ", o->eng.kvstore);
+        return st;
+    }
+    engsvc_config ec = {.kind = a->kind, .rm = &a->sm.rm, .be = &a->be,
+                        .model_name = a->model_name, .kv = a->kv,
+                        .nextn = o->nextn == 16 ? UINT32_MAX : (uint32_t)o->nextn,
+                        .chunk = (uint32_t)o->chunk, .max_seqs = (uint32_t)o->max_seqs,
+                        .num_blocks = (uint32_t)o->blocks,
+                        .max_waiting = (uint32_t)o->max_waiting, .rank = (uint32_t)o->eng.rank,
+                        .world = (uint32_t)o->eng.world, .log = &ctx->log};
+    if ((st = engsvc_create(&ec, &a->svc, err)) != DI_OK)
+        return st;
+    size_t nm, na;
+    const rpc_method *m = engsvc_methods(a->kind, &nm);
+    const rpc_async_method *am = engsvc_async_methods(a->kind, &na);
+    rpc_server_config sc = {.listen = o->base.listen, .methods = m, .n_methods = nm,
+                            .async_methods = am, .n_async_methods = na, .svc = a->svc,
+                            .threads = (unsigned)o->rpc_threads, .engine_token = o->eng.token,
+                            .on_error = rpc_error, .on_error_ud = (void *)ctx};
+    if ((st = rpc_server_start(&sc, &a->srv, port, err)) != DI_OK) {
+        di_error_prefix(err, "--listen %s: ", o->base.listen);
+        return st;
+    }
+    di_log(&ctx->log, DI_LOG_INFO, "serving %s on port %d (model %s, backend %s, rank %llu of "
+           "%llu)", a->kind == ENGSVC_PREFILL ? "prefill" : "decode", *port, a->model_name,
+           a->be.name, (unsigned long long)o->eng.rank, (unsigned long long)o->eng.world);
+    return DI_OK;
+}
+
+static void drain(void *ud, const svc_ctx *ctx, uint64_t deadline_ns)
+{
+    app *a = ud;
+    uint32_t left = engsvc_drain(a->svc, deadline_ns);
+    if (left)
+        di_log(&ctx->log, DI_LOG_WARN, "drain: %u requests ended with UNAVAILABLE at the "
+               "deadline", left);
+    a->srv = rpc_server_stop(a->srv, 1000);
+}
+
+static void stop(void *ud, const svc_ctx *ctx)
+{
+    (void)ctx;
+    app *a = ud;
+    a->srv = rpc_server_stop(a->srv, 0);
+    engsvc_destroy(a->svc);
+    a->svc = NULL;
+    a->kv = kvc_close(a->kv);
+    serve_model_close(&a->sm);
+    serve_backend_close(&a->be);
+}
+
+int engsvc_program(engsvc_kind kind, int argc, char **argv)
+{
+    app a = {.kind = kind};
+    bool pre = kind == ENGSVC_PREFILL;
+    svc_spec spec = {
+        .name = pre ? "di-prefill" : "di-decode",
+        .summary = pre ? "The prefill service: Prefill(prompt) computes the prompt's KV, samples "
+                         "the first token and leaves\nthe handoff for decode in the KV store; "
+                         "GetLoad, Health, Abort."
+                       : "The decode service: Decode(handoff) pulls a prefill's handoff from the "
+                         "KV store and streams the\nrest of the output; GetLoad, Health, Abort.",
+        .epilog = "With the same model flags it loads the same weights as di-generate. Without "
+                  "--token-file it serves\nloopback only. SIGTERM drains: no new requests, the "
+                  "work in flight finishes or fails by --drain.",
+        .guard = "token-file",
+        .rows = pre ? k_prefill_rows : k_decode_rows,
+        .n_rows = pre ? sizeof k_prefill_rows / sizeof k_prefill_rows[0]
+                      : sizeof k_decode_rows / sizeof k_decode_rows[0],
+        .opts = &a.o,
+        .base_offset = offsetof(eopts, base),
+        .app = &a,
+        .start = start,
+        .drain = drain,
+        .stop = stop,
+    };
+    return svc_main(&spec, argc, argv);
+}
