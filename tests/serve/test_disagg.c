@@ -840,7 +840,7 @@ Test(disagg_bench, kv_pull_of_a_16k_prompt_next_to_memcpy)
     printf("KV pull, 16,384-token V4.1-Flash prompt (%d blocks of %zu B + window state of %zu "
            "B = %.1f MB), verified kvc_get from di-kvstore on this host (%s): best of 7 %.2f ms "
            "= %.2f GB/s; memcpy of the same bytes, same run: %.2f ms = %.2f GB/s; pull / memcpy "
-           "= %.2f\n", NB, bb, wb, total / 1e6, info.mapped ? "mapped arena" : "UCX RMA",
+           "= %.2f\n", NB, bb, wb, total / 1e6, "UCX active messages",
            pull * 1e3, total / pull / 1e9, copy * 1e3, total / copy / 1e9, copy / pull);
     free(src);
     free(dst);
