@@ -809,7 +809,7 @@ static int open_client(ctl *x, char **token, char **pem)
     o.deadline_ms = (uint32_t)x->g.deadline_ms;
     o.verify_threads = 0;
     if (kvc_data_path_parse(x->g.data_path, &o.data_path, &e) != DI_OK) {
-        fprintf(stderr, "di-kvctl: --%s\n", e.msg);
+        fprintf(stderr, "di-kvctl: --data-path: %s\n", e.msg);
         return 2;
     }
     if (kvc_open(&o, &x->c, &e) != DI_OK)
