@@ -29,6 +29,7 @@ typedef struct gopts {
     const char *tls_key;     /* its key */
     int json;                /* machine-readable output */
     uint64_t deadline_ms;    /* per call */
+    const char *data_path;   /* auto | ucx | grpc */
 } gopts;
 
 /* Subcommand options (each subcommand reads the ones it uses). */
@@ -79,6 +80,8 @@ static const kvcli_opt global_rows[] = {
     {"json", KVCLI_FLAG, G(json), NULL, 0, 0, NULL, "print JSON instead of tables"},
     {"deadline", KVCLI_DURATION, G(deadline_ms), "10s", 1, 86400000, "DUR",
      "deadline of each call (at most 1d)"},
+    {"data-path", KVCLI_STRING, G(data_path), "auto", 0, 0, "PATH",
+     "how KV bytes move: auto (UCX to a store on this host, else gRPC), ucx, grpc"},
 };
 #define S(f) offsetof(sopts, f)
 static const kvcli_opt sub_rows[] = {
@@ -805,6 +808,10 @@ static int open_client(ctl *x, char **token, char **pem)
     o.tls_target_name = x->g.tls_name;
     o.deadline_ms = (uint32_t)x->g.deadline_ms;
     o.verify_threads = 0;
+    if (kvc_data_path_parse(x->g.data_path, &o.data_path, &e) != DI_OK) {
+        fprintf(stderr, "di-kvctl: --data-path: %s\n", e.msg);
+        return 2;
+    }
     if (kvc_open(&o, &x->c, &e) != DI_OK)
         return fail("connecting", &e);
     return 0;

@@ -17,6 +17,7 @@
 
 #include "common/model/config.h"
 #include "common/model/shard_sums.h"
+#include "common/net/kv_client.h"
 #include "common/net/rpc.h"
 #include "common/net/ucx_xport.h"
 #include "common/util/hostport.h"
@@ -60,6 +61,7 @@ typedef struct options {
     uint64_t threads;
     const char *rocksdb_log_dir;
     uint64_t memtable_bytes;
+    const char *data_path;       /* both | ucx | grpc */
 } options;
 
 #define O(f) offsetof(options, f)
@@ -126,6 +128,8 @@ static const svc_opt option_rows[] = {
      "RocksDB's own LOG at info level (keep it off the data disk)", NULL},
     {"memtable-bytes", SVC_OPT_SIZE, O(memtable_bytes), "64MiB", 1 << 20, 0, "SIZE",
      "RocksDB write buffer per object class", NULL},
+    {"data-path", SVC_OPT_CHOICE, O(data_path), "both", 0, 0, "PATHS",
+     "how KV bytes may move: UCX with tickets, inside gRPC messages, or both", "both|ucx|grpc"},
 };
 #define N_OPTIONS (sizeof(option_rows) / sizeof(option_rows[0]))
 
@@ -136,7 +140,9 @@ static const char summary[] =
     "tier on disk. Control API over gRPC (di.kvstore.KvStore); KV bytes move over UCX\n"
     "active messages, each against a one-time ticket from an authenticated Alloc or\n"
     "Lease (shared memory on this host, verbs devices of the --listen interface\n"
-    "to other hosts; never TCP). Administration with di-kvctl. Stops cleanly on SIGTERM\n"
+    "to other hosts; never TCP), or inside the gRPC messages of Get and Put (any\n"
+    "network, with gRPC's TLS; --data-path picks). Administration with di-kvctl. Stops\n"
+    "cleanly on SIGTERM\n"
     "or SIGINT (also SIGHUP and SIGQUIT). Exit status: 0 stopped cleanly, 1 failed, 2 bad\n"
     "usage or a size this machine cannot hold.";
 
@@ -173,6 +179,7 @@ typedef struct app {
     rpc_server *server;
     void *worker_addr;
     size_t worker_addr_len;
+    unsigned data_paths;         /* KVC_PATHS_* from --data-path */
     char rdma_devices[512];      /* verbs ports of the --listen interface ("" = this host only) */
     di_log_limit rpc_warn, rpc_error; /* failed calls: 5 lines per 10 s at each level */
 } app;
@@ -365,8 +372,11 @@ static di_status map_arena(app *a, di_error *err)
 
 static di_status open_store(app *a, int durability, di_error *err)
 {
-    find_rdma_devices(a);
-    di_status st = ucxt_create(1, a->rdma_devices, &a->ucx, err);
+    di_status st = DI_OK;
+    if (a->data_paths & KVC_PATHS_UCX) {
+        find_rdma_devices(a);
+        st = ucxt_create(1, a->rdma_devices, &a->ucx, err);
+    }
     if (st == DI_OK)
         st = map_arena(a, err);
     if (st != DI_OK)
@@ -389,7 +399,7 @@ static di_status open_store(app *a, int durability, di_error *err)
     if (sc.dram_share[0] < 0.05)
         return di_fail(err, DI_EINVAL, "window and handoff shares leave blocks under 5%% of DRAM");
     st = kvs_open(&sc, &a->store, err);
-    if (st == DI_OK)
+    if (st == DI_OK && a->ucx)
         st = ucxt_worker_address(a->ucx, &a->worker_addr, &a->worker_addr_len, err);
     return st;
 }
@@ -417,15 +427,15 @@ static di_status start_service(app *a, int durability, uint64_t store_id, int *p
                        .arena = a->arena, .arena_bytes = a->o.dram_bytes,
                        .alloc_timeout_ms = a->o.alloc_timeout_ms, .store_id = store_id,
                        .durability = durability, .lease_default_ms = (uint32_t)a->o.lease_ms,
-                       .lease_max_ms = (uint32_t)a->o.lease_max_ms, .log = &a->log};
+                       .lease_max_ms = (uint32_t)a->o.lease_max_ms, .log = &a->log,
+                       .data_paths = a->data_paths};
     memcpy(vc.object_bytes, a->object_bytes, sizeof(vc.object_bytes));
     di_status st = kvsvc_create(&vc, &a->svc, err);
     if (st != DI_OK)
         return st;
     ucxt_server_ops ops;
     kvsvc_data_path(a->svc, &ops);
-    st = ucxt_serve(a->ucx, &ops, err);
-    if (st != DI_OK)
+    if (a->ucx && (st = ucxt_serve(a->ucx, &ops, err)) != DI_OK)
         return st;
     size_t n;
     const rpc_method *methods = kvsvc_methods(&n);
@@ -436,7 +446,7 @@ static di_status start_service(app *a, int durability, uint64_t store_id, int *p
                             .tls_client_ca_pem = a->tls_ca, .on_error = log_rpc_error,
                             .on_error_ud = a};
     st = rpc_server_start(&rc, &a->server, port, err);
-    if (st == DI_OK)
+    if (st == DI_OK && a->ucx)
         st = ucxt_progress_start(a->ucx, err);
     return st;
 }
@@ -465,6 +475,9 @@ static di_status kv_start(void *ud, const svc_ctx *ctx, int *port, di_error *err
     app *a = ud;
     a->log = ctx->log;
     a->durability = kvdisk_durability_parse(a->o.durability);
+    a->data_paths = strcmp(a->o.data_path, "ucx") == 0    ? KVC_PATHS_UCX
+                    : strcmp(a->o.data_path, "grpc") == 0 ? KVC_PATHS_GRPC
+                                                          : KVC_PATHS_UCX | KVC_PATHS_GRPC;
     di_log_limit_init(&a->rpc_warn, "calls failed", DI_LOG_WARN, 5, 10000);
     di_log_limit_init(&a->rpc_error, "calls failed", DI_LOG_ERROR, 5, 10000);
     di_status st = check_machine(a, err); /* ERANGE: a size this machine cannot hold (exit 2) */
@@ -495,12 +508,16 @@ static di_status kv_start(void *ud, const svc_ctx *ctx, int *port, di_error *err
     kvcli_format_size(a->o.disk_bytes, disk, sizeof(disk));
     di_log(&a->log, DI_LOG_INFO,
            "serving on %s (port %d): dir %s, durability %s, DRAM %s, disk %s, block %llu B, "
-           "window %llu B, auth %s, TLS %s, KV data path %s%s",
+           "window %llu B, auth %s, TLS %s, KV data paths: %s%s%s",
            a->o.base.listen, *port, a->o.dir, a->o.durability, dram, disk,
            (unsigned long long)a->object_bytes[KVKEY_BLOCK],
            (unsigned long long)a->object_bytes[KVKEY_WINDOW],
            a->o.engine_token || a->o.admin_token ? "tokens" : "none", a->tls_cert ? "on" : "off",
-           a->rdma_devices[0] ? "this host and RDMA on " : "this host only", a->rdma_devices);
+           a->data_paths & KVC_PATHS_GRPC ? "gRPC messages; " : "",
+           !(a->data_paths & KVC_PATHS_UCX) ? "no UCX"
+           : a->rdma_devices[0]             ? "UCX on this host and RDMA on "
+                                            : "UCX on this host only",
+           a->rdma_devices);
     return DI_OK;
 }
 

@@ -26,6 +26,8 @@ di_status kvsvc_create(const kvsvc_config *cfg, kvsvc **out, di_error *err)
     if (!s)
         return di_fail(err, DI_ENOMEM, "cannot allocate the service");
     s->cfg = *cfg;
+    if (!s->cfg.data_paths)
+        s->cfg.data_paths = KVC_PATHS_UCX | KVC_PATHS_GRPC;
     di_log_limit_init(&s->item_limit, "item failures", DI_LOG_WARN, 5, 10000);
     s->worker_addr = malloc(cfg->worker_addr_len ? cfg->worker_addr_len : 1);
     if (!s->worker_addr || kvt_create(&s->tickets, err) != DI_OK) {
@@ -191,10 +193,10 @@ SAME_SHAPE(Di__Kvstore__ReleaseReply);
 SAME_SHAPE(Di__Kvstore__DeleteReply);
 SAME_SHAPE(Di__Kvstore__ReportCorruptReply);
 
-/* A reply of per-item statuses, packed from st/errs. */
-static di_status pack_statuses(const ProtobufCMessageDescriptor *desc, size_t n,
-                               const di_status *st, const di_error *errs, rpc_reply *r,
-                               di_error *err)
+/* The ItemStatus messages of st/errs (the messages point into errs); free both arrays. */
+static di_status status_list(size_t n, const di_status *st, const di_error *errs,
+                             Di__Kvstore__ItemStatus **items_out,
+                             Di__Kvstore__ItemStatus ***ptrs_out, di_error *err)
 {
     Di__Kvstore__ItemStatus *items = calloc(n ? n : 1, sizeof(*items));
     Di__Kvstore__ItemStatus **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
@@ -209,13 +211,27 @@ static di_status pack_statuses(const ProtobufCMessageDescriptor *desc, size_t n,
         items[i].error = st[i] == DI_OK ? (char *)"" : (char *)errs[i].msg;
         ptrs[i] = &items[i];
     }
+    *items_out = items;
+    *ptrs_out = ptrs;
+    return DI_OK;
+}
+
+/* A reply of per-item statuses, packed from st/errs. */
+static di_status pack_statuses(const ProtobufCMessageDescriptor *desc, size_t n,
+                               const di_status *st, const di_error *errs, rpc_reply *r,
+                               di_error *err)
+{
+    Di__Kvstore__ItemStatus *items, **ptrs;
+    di_status rc = status_list(n, st, errs, &items, &ptrs, err);
+    if (rc != DI_OK)
+        return rc;
     /* Every ItemStatus reply has the same shape: base, n_results, results. */
     Di__Kvstore__CommitReply reply;
     memset(&reply, 0, sizeof(reply));
     protobuf_c_message_init(desc, &reply);
     reply.n_results = n;
     reply.results = ptrs;
-    di_status rc = pack(&reply.base, r, err);
+    rc = pack(&reply.base, r, err);
     free(items);
     free(ptrs);
     return rc;
@@ -273,7 +289,10 @@ static di_status h_connect(void *svc, const rpc_request *req, rpc_reply *r, di_e
     geo.model_id = g->model_id;
     Di__Kvstore__ConnectReply rep = DI__KVSTORE__CONNECT_REPLY__INIT;
     rep.store_id = s->cfg.store_id;
-    rep.worker_address = (ProtobufCBinaryData){s->cfg.worker_addr_len, s->worker_addr};
+    if (s->cfg.data_paths & KVC_PATHS_UCX)
+        rep.worker_address = (ProtobufCBinaryData){s->cfg.worker_addr_len, s->worker_addr};
+    rep.data_paths = s->cfg.data_paths;
+    rep.max_message_bytes = KVC_GRPC_MAX_MESSAGE;
     rep.geometry = &geo;
     rep.block_bytes = s->cfg.object_bytes[KVKEY_BLOCK];
     rep.window_bytes = s->cfg.object_bytes[KVKEY_WINDOW];
@@ -442,8 +461,20 @@ static const batch_kind alloc_kind = {"Alloc", &di__kvstore__alloc_result__descr
                                       sizeof(Di__Kvstore__AllocResult),
                                       &di__kvstore__alloc_reply__descriptor, alloc_one};
 
+/* DI_OK when the store offers the data path `path` (KVC_PATHS_*). */
+static di_status path_offered(const kvsvc *s, unsigned path, di_error *err)
+{
+    if (s->cfg.data_paths & path)
+        return DI_OK;
+    return di_fail(err, DI_EPERM, "this store moves KV bytes over %s only (--data-path): use %s",
+                   path == KVC_PATHS_UCX ? "gRPC" : "UCX",
+                   path == KVC_PATHS_UCX ? "Get and Put" : "Alloc, Lease and UCX");
+}
+
 static di_status h_alloc(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
 {
+    if (path_offered(svc, KVC_PATHS_UCX, err) != DI_OK)
+        return DI_EPERM;
     UNPACK(Di__Kvstore__AllocRequest, di__kvstore__alloc_request__unpack, req, err);
     batch_arg a = {.tickets = calloc(msg->n_items ? msg->n_items : 1, sizeof(ucxt_ticket))};
     di_status st = a.tickets ? run_batch(svc, req, &alloc_kind, &a, (void *const *)msg->items,
@@ -615,6 +646,209 @@ static di_status h_release(void *svc, const rpc_request *req, rpc_reply *r, di_e
     di_status st = id_batch(svc, msg->lease_ids, msg->n_lease_ids, "leases", release_one,
                             &di__kvstore__release_reply__descriptor, r, err);
     di__kvstore__release_request__free_unpacked(msg, NULL);
+    return st;
+}
+
+/* ---------------------------------------------------------------- the gRPC data path */
+
+/* The per-item scratch of a batch of n items, after the count check. */
+static di_status batch_scratch(size_t n, scratch *sc, di_error *err)
+{
+    di_status st = check_count(n, KVC_MAX_BATCH, "items", err);
+    return st == DI_OK ? scratch_alloc(sc, n, err) : st;
+}
+
+/* Takes the ticket just issued for one object and begins its transfer here: from now on the
+ * slot is held as if a UCX transfer ran (Release, Commit and Abort by anyone wait for it), and
+ * g names the exact range. On failure the ticket is dropped. */
+static di_status hold(kvsvc *s, int kind, uint64_t id, const ucxt_ticket *t, uint64_t len,
+                      ucxt_grant *g, size_t i, di_error *e)
+{
+    di_status st = dp_begin(s, kind, t, len, g);
+    if (st == DI_OK)
+        return DI_OK;
+    if (kind == KVT_GET)
+        kvt_release_get(s->tickets, id);
+    else
+        kvt_settle_put(s->tickets, id);
+    return di_fail(e, st, "item %zu: the store could not hold the object for the copy (%s)", i,
+                   di_status_name(st));
+}
+
+/* Leases one object of a Get and holds it for the copy into the reply; room: object bytes the
+ * reply may still take. */
+static di_status get_one(kvsvc *s, const rpc_request *req, const Di__Kvstore__ObjRef *ref,
+                         size_t i, uint64_t room, uint64_t *id, ProtobufCBinaryData *data,
+                         di_error *e)
+{
+    int cls = 0;
+    kvkey key;
+    kvs_lease_info li;
+    di_status st = check_ref(ref, i, &cls, &key, e);
+    if (st == DI_OK)
+        st = kvs_lease(s->cfg.store, cls, &key, s->cfg.lease_default_ms, req->deadline_ns, &li, e);
+    if (st != DI_OK)
+        return st;
+    ucxt_ticket t;
+    if (li.bytes > room)
+        st = di_fail(e, DI_EFULL, "item %zu: the reply is full (%u bytes of objects per message); "
+                     "ask for it in another call", i, KVC_GRPC_MAX_DATA);
+    else
+        st = kvt_issue(s->tickets, KVT_GET, li.lease_id, li.offset, li.bytes,
+                       ticket_expiry(li.expires_in_ms), 1, &t, e);
+    if (st != DI_OK) {
+        di_error re;
+        kvs_release(s->cfg.store, li.lease_id, &re);
+        return st;
+    }
+    ucxt_grant g;
+    st = hold(s, KVT_GET, li.lease_id, &t, 0, &g, i, e);
+    if (st != DI_OK) {
+        di_error re;
+        kvs_release(s->cfg.store, li.lease_id, &re);
+        return st;
+    }
+    *id = li.lease_id;
+    *data = (ProtobufCBinaryData){g.len, g.addr};
+    return DI_OK;
+}
+
+static di_status h_get(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
+{
+    kvsvc *s = svc;
+    if (path_offered(s, KVC_PATHS_GRPC, err) != DI_OK)
+        return DI_EPERM;
+    UNPACK(Di__Kvstore__GetRequest, di__kvstore__get_request__unpack, req, err);
+    size_t n = msg->n_items;
+    scratch sc;
+    di_status st = batch_scratch(n, &sc, err);
+    if (st != DI_OK) {
+        di__kvstore__get_request__free_unpacked(msg, NULL);
+        return st;
+    }
+    Di__Kvstore__GetResult *res = calloc(n ? n : 1, sizeof(*res));
+    Di__Kvstore__GetResult **ptrs = calloc(n ? n : 1, sizeof(*ptrs));
+    uint64_t *ids = calloc(n ? n : 1, sizeof(*ids));
+    if (!res || !ptrs || !ids)
+        st = di_fail(err, DI_ENOMEM, "cannot allocate %zu results", n);
+    uint64_t used = 0;
+    for (size_t i = 0; st == DI_OK && i < n; i++) {
+        di__kvstore__get_result__init(&res[i]);
+        ptrs[i] = &res[i];
+        sc.st[i] = past_deadline(req)
+                       ? di_fail(&sc.errs[i], DI_ETIMEDOUT, "deadline passed before this item")
+                       : get_one(s, req, msg->items[i], i, KVC_GRPC_MAX_DATA - used, &ids[i],
+                                 &res[i].data, &sc.errs[i]);
+        used += res[i].data.len;
+        res[i].status = sc.st[i];
+        res[i].error = sc.st[i] == DI_OK ? (char *)"" : sc.errs[i].msg;
+        log_item(s, req, "Get", i, sc.st[i], &sc.errs[i]);
+    }
+    if (st == DI_OK) {
+        Di__Kvstore__GetReply rep = DI__KVSTORE__GET_REPLY__INIT;
+        rep.store_id = s->cfg.store_id;
+        rep.n_results = n;
+        rep.results = ptrs;
+        st = pack(&rep.base, r, err);
+    }
+    /* The copies are in the reply: end the holds, which releases the leases. */
+    for (size_t i = 0; res && ids && i < n; i++)
+        if (sc.st[i] == DI_OK)
+            dp_get_end(s, (void *)(uintptr_t)ids[i], DI_OK);
+    free(res);
+    free(ptrs);
+    free(ids);
+    scratch_free(&sc);
+    di__kvstore__get_request__free_unpacked(msg, NULL);
+    return st;
+}
+
+/* Allocates one object of a Put and copies its bytes into the slot, through a ticket held
+ * until the commit. */
+static di_status put_one(kvsvc *s, const Di__Kvstore__PutItem *it, size_t i, uint64_t *id,
+                         di_error *e)
+{
+    int cls = it->cls;
+    kvkey key;
+    uint64_t off = 0;
+    if (cls < 0 || cls >= (int)KVKEY_CLASS_COUNT)
+        return di_fail(e, DI_EINVAL, "item %zu: unknown object class %d", i, cls);
+    di_status st = check_key(&it->key, i, &key, e);
+    if (st == DI_OK)
+        st = kvs_alloc(s->cfg.store, cls, &key, it->data.len, id, &off, e);
+    if (st != DI_OK)
+        return st;
+    ucxt_ticket t;
+    ucxt_grant g;
+    st = kvt_issue(s->tickets, KVT_PUT, *id, off, it->data.len,
+                   ticket_expiry(s->cfg.alloc_timeout_ms), 0, &t, e);
+    if (st == DI_OK)
+        st = hold(s, KVT_PUT, *id, &t, it->data.len, &g, i, e);
+    if (st != DI_OK) {
+        di_error ae;
+        kvs_abort(s->cfg.store, *id, &ae);
+        return st;
+    }
+    memcpy(g.addr, it->data.data, it->data.len);
+    return DI_OK;
+}
+
+static di_status h_put(void *svc, const rpc_request *req, rpc_reply *r, di_error *err)
+{
+    kvsvc *s = svc;
+    if (path_offered(s, KVC_PATHS_GRPC, err) != DI_OK)
+        return DI_EPERM;
+    UNPACK(Di__Kvstore__PutRequest, di__kvstore__put_request__unpack, req, err);
+    size_t n = msg->n_items;
+    scratch sc, cs;
+    di_status st = batch_scratch(n, &sc, err);
+    if (st == DI_OK && scratch_alloc(&cs, n, err) != DI_OK) {
+        scratch_free(&sc);
+        st = DI_ENOMEM;
+    }
+    if (st != DI_OK) {
+        di__kvstore__put_request__free_unpacked(msg, NULL);
+        return st;
+    }
+    uint64_t *ids = calloc(n ? n : 1, sizeof(*ids));
+    size_t *at = calloc(n ? n : 1, sizeof(*at));
+    size_t m = 0;
+    if (!ids || !at)
+        st = di_fail(err, DI_ENOMEM, "cannot allocate %zu results", n);
+    for (size_t i = 0; st == DI_OK && i < n; i++) {
+        sc.st[i] = past_deadline(req)
+                       ? di_fail(&sc.errs[i], DI_ETIMEDOUT, "deadline passed before this item")
+                       : put_one(s, msg->items[i], i, &ids[m], &sc.errs[i]);
+        if (sc.st[i] == DI_OK)
+            at[m++] = i;
+    }
+    if (st == DI_OK && m > 0) {
+        kvs_commit(s->cfg.store, ids, m, cs.st, cs.errs);
+        for (size_t k = 0; k < m; k++) {
+            sc.st[at[k]] = cs.st[k];
+            sc.errs[at[k]] = cs.errs[k];
+            dp_put_end(s, (void *)(uintptr_t)ids[k], DI_ECANCELED); /* drops the ticket */
+        }
+    }
+    for (size_t i = 0; st == DI_OK && i < n; i++)
+        log_item(s, req, "Put", i, sc.st[i], &sc.errs[i]);
+    Di__Kvstore__ItemStatus *items = NULL, **iptrs = NULL;
+    if (st == DI_OK)
+        st = status_list(n, sc.st, sc.errs, &items, &iptrs, err);
+    if (st == DI_OK) {
+        Di__Kvstore__PutReply rep = DI__KVSTORE__PUT_REPLY__INIT;
+        rep.store_id = s->cfg.store_id;
+        rep.n_results = n;
+        rep.results = iptrs;
+        st = pack(&rep.base, r, err);
+    }
+    free(items);
+    free(iptrs);
+    free(ids);
+    free(at);
+    scratch_free(&sc);
+    scratch_free(&cs);
+    di__kvstore__put_request__free_unpacked(msg, NULL);
     return st;
 }
 
@@ -870,6 +1104,8 @@ static const rpc_method methods[] = {
     {KVC_SERVICE "Commit", h_commit, 60000, 0, 64 << 10, RPC_ROLE_ENGINE},
     {KVC_SERVICE "Abort", h_abort, 5000, 1, 64 << 10, RPC_ROLE_ENGINE},
     {KVC_SERVICE "Lease", h_lease, 30000, 0, 256 << 10, RPC_ROLE_ENGINE},
+    {KVC_SERVICE "Get", h_get, 30000, 1, 256 << 10, RPC_ROLE_ENGINE},
+    {KVC_SERVICE "Put", h_put, 60000, 0, KVC_GRPC_MAX_MESSAGE, RPC_ROLE_ENGINE},
     {KVC_SERVICE "Release", h_release, 5000, 0, 64 << 10, RPC_ROLE_ENGINE},
     {KVC_SERVICE "Delete", h_delete, 30000, 1, 256 << 10, RPC_ROLE_ENGINE},
     {KVC_SERVICE "ReportCorrupt", h_report_corrupt, 30000, 1, 256 << 10, RPC_ROLE_ENGINE},

@@ -1,8 +1,11 @@
 /* service.h: the KV store's gRPC service (di.kvstore.KvStore): one method-table row per RPC
  * (handler, default deadline, idempotent or not, largest request, role) and handlers that
- * unpack protobuf-c requests, call the store and pack replies; and the checks of the UCX data
- * path: Alloc and Lease issue one-time tickets (kvstore/tickets.h) that are the only way to
- * move bytes into or out of the arena. Malformed messages get
+ * unpack protobuf-c requests, call the store and pack replies; and the checks of both data
+ * paths. UCX: Alloc and Lease issue one-time tickets (kvstore/tickets.h) that are the only way
+ * to move bytes into or out of the arena. gRPC: Get and Put carry the bytes in their messages;
+ * they take tickets of their own and use them at once, so the copies into and out of the arena
+ * go through the same checks (exact length, one use) and no Release, Commit or Abort of another
+ * caller can free a slot under a copy. Malformed messages get
  * DI_EPROTO with the message type; wrong key lengths, classes or batch sizes DI_EINVAL. Item
  * failures that point at a fault (corrupt bytes, disk errors, exhaustion) are logged once here
  * with the peer and the key; misses are not logged. */
@@ -31,6 +34,7 @@ typedef struct kvsvc_config {
     uint32_t lease_default_ms;   /* lease when a request asks for 0 */
     uint32_t lease_max_ms;
     const di_logger *log;        /* item-failure lines */
+    unsigned data_paths;         /* KVC_PATHS_UCX | KVC_PATHS_GRPC offered; 0 = both */
 } kvsvc_config;
 
 typedef struct kvsvc kvsvc;

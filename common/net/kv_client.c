@@ -40,6 +40,7 @@ struct kvc_client {
     ucxt_ctx *ucx;            /* UCX context (created at the first connect) */
     ucxt_peer *peer;          /* endpoint to the store's worker */
     int connected;            /* 1 while peer matches info.store_id */
+    int grpc;                 /* 1: bytes travel inside Get and Put (no peer) */
     kvc_store_info info;      /* from Connect */
     work_pool vp;             /* helpers (n_threads may be 0) */
     int vp_started;           /* vp initialised */
@@ -51,6 +52,23 @@ _Static_assert(sizeof(Di__Kvstore__CommitRequest) == sizeof(Di__Kvstore__AbortRe
                    offsetof(Di__Kvstore__CommitRequest, alloc_ids) ==
                        offsetof(Di__Kvstore__AbortRequest, alloc_ids),
                "AbortRequest differs from CommitRequest");
+
+di_status kvc_data_path_parse(const char *s, kvc_data_path *out, di_error *err)
+{
+    static const char *const names[] = {"auto", "ucx", "grpc"};
+    for (int i = 0; s && i < 3; i++)
+        if (strcmp(s, names[i]) == 0) {
+            *out = (kvc_data_path)i;
+            return DI_OK;
+        }
+    return di_fail(err, DI_EINVAL, "\"%s\" is not a data path (auto, ucx or grpc)",
+                   s ? s : "(null)");
+}
+
+const char *kvc_data_path_name(kvc_data_path p)
+{
+    return p == KVC_PATH_UCX ? "ucx" : p == KVC_PATH_GRPC ? "grpc" : "auto";
+}
 
 void kvc_options_default(kvc_options *o)
 {
@@ -222,7 +240,12 @@ di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
     }
     rpc_client_config rc = {.target = c->target, .token = c->token, .tls_ca_pem = c->tls_ca,
                             .tls_cert_pem = c->tls_cert, .tls_key_pem = c->tls_key,
-                            .tls_target_name = c->tls_name};
+                            .tls_target_name = c->tls_name,
+                            .max_reply_bytes = KVC_GRPC_MAX_MESSAGE};
+    if (o->data_path < KVC_PATH_AUTO || o->data_path > KVC_PATH_GRPC) {
+        kvc_close(c);
+        return di_fail(err, DI_EINVAL, "unknown data path %d", (int)o->data_path);
+    }
     di_status st = rpc_client_open(&rc, &c->rpc, err);
     if (st != DI_OK) {
         kvc_close(c);
@@ -278,7 +301,7 @@ static uint32_t ms_until(uint64_t deadline_ns)
 /* Methods retried after DI_EUNAVAIL until the deadline: repeating them is harmless (a lease
  * granted twice ends by its timeout). Alloc and Commit are not: a lost reply would turn into a
  * conflict with the caller's own allocation. */
-static const char *const retry_unavailable[] = {"Connect", "Lookup", "Lease", "Release",
+static const char *const retry_unavailable[] = {"Connect", "Lookup", "Lease", "Get", "Release",
                                                 "Delete", "Abort", "ReportCorrupt"};
 
 static int may_retry(const char *method)
@@ -392,20 +415,66 @@ static void info_from(kvc_client *c, const Di__Kvstore__ConnectReply *r)
     in->lease_max_ms = r->lease_max_ms;
 }
 
+/* The paths a store offers (a store that names none offers UCX only). */
+static uint32_t offered(const Di__Kvstore__ConnectReply *r)
+{
+    return r->data_paths ? r->data_paths : KVC_PATHS_UCX;
+}
+
 static di_status check_connect_reply(const Di__Kvstore__ConnectReply *r, di_error *err)
 {
     if (!r)
         return di_fail(err, DI_EPROTO, "malformed ConnectReply from the store");
     if (!r->geometry || r->geometry->n_owner_layer > KV_MAX_OWNERS ||
-        r->geometry->n_owner_layer != r->geometry->n_owner_ratio || r->worker_address.len == 0)
+        r->geometry->n_owner_layer != r->geometry->n_owner_ratio ||
+        ((offered(r) & KVC_PATHS_UCX) && r->worker_address.len == 0))
         return di_fail(err, DI_EPROTO, "incomplete ConnectReply from the store");
     return DI_OK;
 }
 
-/* Connects (Connect RPC and UCX endpoint) unless already connected. */
+/* 1 when the target names this host by a loopback address. */
+static int loopback_target(const char *t)
+{
+    return strncmp(t, "127.", 4) == 0 || strncmp(t, "localhost:", 10) == 0 ||
+           strncmp(t, "[::1]:", 6) == 0;
+}
+
+/* Picks the data path: 1 for gRPC, 0 for UCX, or a failure when the store does not offer the
+ * one asked for. */
+static di_status choose_path(const kvc_client *c, uint32_t paths, int *grpc, di_error *err)
+{
+    kvc_data_path want = c->o.data_path;
+    if (want == KVC_PATH_AUTO) {
+        int near = loopback_target(c->target) || (c->o.rdma_devices && c->o.rdma_devices[0]);
+        want = (paths & KVC_PATHS_UCX) && (near || !(paths & KVC_PATHS_GRPC)) ? KVC_PATH_UCX
+                                                                               : KVC_PATH_GRPC;
+    }
+    unsigned bit = want == KVC_PATH_UCX ? KVC_PATHS_UCX : KVC_PATHS_GRPC;
+    if (!(paths & bit))
+        return di_fail(err, DI_EUNAVAIL, "the store does not offer the %s data path (its "
+                       "--data-path)", kvc_data_path_name(want));
+    *grpc = want == KVC_PATH_GRPC;
+    return DI_OK;
+}
+
+/* The UCX endpoint to the store's worker. */
+static di_status connect_ucx(kvc_client *c, const Di__Kvstore__ConnectReply *r, di_error *err)
+{
+    di_status st = DI_OK;
+    if (!c->ucx)
+        st = ucxt_create(0, c->o.rdma_devices, &c->ucx, err);
+    /* Peer-failure handling where the transports have it (RDMA); shared memory lacks it. */
+    int rdma = c->o.rdma_devices && c->o.rdma_devices[0];
+    if (st == DI_OK)
+        st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len, rdma,
+                               &c->peer, err);
+    return st;
+}
+
+/* Connects (Connect RPC, and the UCX endpoint on that path) unless already connected. */
 static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error *err)
 {
-    if (c->connected && !ucxt_peer_failed(c->peer))
+    if (c->connected && (c->grpc || !ucxt_peer_failed(c->peer)))
         return DI_OK;
     drop_transport(c);
     Di__Kvstore__ConnectRequest req = DI__KVSTORE__CONNECT_REQUEST__INIT;
@@ -416,15 +485,24 @@ static di_status ensure_connected(kvc_client *c, uint64_t deadline_ns, di_error 
     if (st != DI_OK)
         return st;
     st = check_connect_reply(r, err);
-    if (st == DI_OK && !c->ucx)
-        st = ucxt_create(0, c->o.rdma_devices, &c->ucx, err);
-    /* Peer-failure handling where the transports have it (RDMA); shared memory lacks it. */
-    int rdma = c->o.rdma_devices && c->o.rdma_devices[0];
+    int grpc = 0;
     if (st == DI_OK)
-        st = ucxt_peer_connect(c->ucx, r->worker_address.data, r->worker_address.len, rdma,
-                               &c->peer, err);
+        st = choose_path(c, offered(r), &grpc, err);
+    if (st == DI_OK && !grpc)
+        st = connect_ucx(c, r, err);
+    if (st != DI_OK && !grpc && c->o.data_path == KVC_PATH_AUTO &&
+        (offered(r) & KVC_PATHS_GRPC)) {
+        if (c->o.log)
+            di_log(c->o.log, DI_LOG_DEBUG, "UCX to %s failed (%s); using gRPC", c->target,
+                   err ? err->msg : "");
+        grpc = 1;
+        st = DI_OK;
+    }
     if (st == DI_OK) {
+        c->grpc = grpc;
         info_from(c, r);
+        c->info.data_paths = offered(r);
+        c->info.path = grpc ? KVC_PATH_GRPC : KVC_PATH_UCX;
         c->connected = 1;
     } else
         drop_transport(c);
@@ -677,10 +755,15 @@ static void on_fetched(void *ud, size_t k)
 }
 
 /* One pass of a get: lease, transfer with verification, release. */
+static di_status grpc_batch(kvc_client *c, kvc_item *items, size_t n, int is_get,
+                            uint64_t deadline, di_error *err);
+
 static di_status get_once(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline,
                           di_error *err)
 {
-    di_status st = DI_OK;
+    di_status st = ensure_connected(c, deadline, err);
+    if (st == DI_OK && c->grpc)
+        return grpc_batch(c, items, n, 1, deadline, err);
     mark_pending(items, n);
     ucxt_xfer *xs = calloc(n, sizeof(*xs));
     size_t *which = calloc(n, sizeof(*which)), *get_which = calloc(n, sizeof(*get_which));
@@ -744,6 +827,259 @@ static di_status report_corrupt(kvc_client *c, const kvc_item *items, size_t n,
     free(ptrs);
     if (st == DI_OK)
         di__kvstore__report_corrupt_reply__free_unpacked(r, NULL);
+    return st;
+}
+
+/* ---------------------------------------------------------------- the gRPC data path */
+
+/* Object bytes an item moves: a put's size; a get's class size (the handoff maximum), or its
+ * buffer when that is smaller. */
+static uint64_t item_bytes(const kvc_client *c, const kvc_item *it, int is_get)
+{
+    uint64_t b = c->info.object_bytes[it->cls];
+    return !is_get || !b || it->cap < b ? it->cap : b;
+}
+
+/* How many leading items of items[0..n) one message carries (at least one). */
+static size_t chunk_of(const kvc_client *c, const kvc_item *items, size_t n, int is_get)
+{
+    uint64_t sum = 0;
+    size_t k = 0;
+    for (; k < n; k++) {
+        uint64_t b = item_bytes(c, &items[k], is_get);
+        if (k > 0 && sum + b > KVC_GRPC_MAX_DATA)
+            break;
+        sum += b;
+    }
+    return k;
+}
+
+/* A Get reply is read without protobuf-c, straight from the reply bytes into the callers'
+ * buffers (one copy less than unpacking, and no allocation per object). The wire format:
+ * GetReply {1: store_id varint, 2: GetResult (length-delimited)...}, GetResult {1: status
+ * sint32 (zigzag varint), 2: error string, 3: data bytes}; other fields are skipped. */
+typedef struct wire {
+    const uint8_t *p, *end;
+} wire;
+
+static int wire_varint(wire *w, uint64_t *v)
+{
+    uint64_t x = 0;
+    for (int sh = 0; sh < 64 && w->p < w->end; sh += 7) {
+        uint8_t b = *w->p++;
+        x |= (uint64_t)(b & 0x7f) << sh;
+        if (!(b & 0x80)) {
+            *v = x;
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The next field: number, wire type, value (varint) or length and bytes (length-delimited).
+ * 0 when the bytes are not a well-formed field. */
+static int wire_field(wire *w, uint32_t *num, int *type, uint64_t *v, const uint8_t **data)
+{
+    uint64_t tag;
+    if (!wire_varint(w, &tag) || (tag >> 3) == 0 || (tag >> 3) > UINT32_MAX)
+        return 0;
+    *num = (uint32_t)(tag >> 3);
+    *type = (int)(tag & 7);
+    size_t left = (size_t)(w->end - w->p);
+    switch (*type) {
+    case 0:
+        return wire_varint(w, v);
+    case 1:
+    case 5:
+        *v = *type == 1 ? 8 : 4;
+        if (left < *v)
+            return 0;
+        w->p += *v;
+        return 1;
+    case 2:
+        if (!wire_varint(w, v) || *v > (uint64_t)(w->end - w->p))
+            return 0;
+        *data = w->p;
+        w->p += *v;
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* One GetResult into its item (status, message, bytes copied into the buffer). 0: malformed. */
+static int take_result(kvc_item *it, const uint8_t *p, size_t len)
+{
+    wire w = {p, p + len};
+    int64_t status = 0;
+    const uint8_t *msg = NULL, *data = NULL;
+    uint64_t msg_len = 0, data_len = 0;
+    while (w.p < w.end) {
+        uint32_t num;
+        int type;
+        uint64_t v = 0;
+        const uint8_t *d = NULL;
+        if (!wire_field(&w, &num, &type, &v, &d))
+            return 0;
+        if (num == 1 && type == 0)
+            status = (int64_t)(v >> 1) ^ -(int64_t)(v & 1);
+        else if (num == 2 && type == 2) {
+            msg = d;
+            msg_len = v;
+        } else if (num == 3 && type == 2) {
+            data = d;
+            data_len = v;
+        }
+    }
+    if (status != DI_OK) {
+        it->status = di_fail(&it->error, (di_status)status, "%.*s",
+                             (int)(msg_len < 1024 ? msg_len : 1024), msg ? (const char *)msg : "");
+        return 1;
+    }
+    if (data_len > it->cap) {
+        it->status = di_fail(&it->error, DI_ERANGE, "%s of %llu bytes does not fit a %llu-byte "
+                             "buffer", kvkey_class_name(it->cls), (unsigned long long)data_len,
+                             (unsigned long long)it->cap);
+        return 1;
+    }
+    if (data_len)
+        memcpy(it->buf, data, data_len);
+    it->bytes = data_len;
+    it->status = DI_OK;
+    di_error_clear(&it->error);
+    return 1;
+}
+
+/* The results of a Get reply into items[0..n), each object verified on the helpers as it lands.
+ * A reply from a restarted store is followed first (its geometry is what objects verify
+ * against). */
+static di_status take_get_reply(kvc_client *c, kvc_item *items, size_t n, const uint8_t *rep,
+                                size_t len, size_t *which, uint64_t deadline, di_error *err)
+{
+    wire w = {rep, rep + len};
+    batch_ctx b = {.c = c, .items = items, .which = which};
+    pool_begin(&c->vp, job_verify, &b);
+    size_t got = 0;
+    di_status st = DI_OK;
+    while (st == DI_OK && w.p < w.end) {
+        uint32_t num;
+        int type;
+        uint64_t v = 0;
+        const uint8_t *d = NULL;
+        if (!wire_field(&w, &num, &type, &v, &d))
+            st = di_fail(err, DI_EPROTO, "malformed GetReply from the store");
+        else if (num == 1 && type == 0 && got == 0)
+            st = follow_restart(c, v, deadline, err);
+        else if (num == 2 && type == 2 && got >= n)
+            st = di_fail(err, DI_EPROTO, "GetReply from the store has more than %zu results", n);
+        else if (num == 2 && type == 2 && !take_result(&items[got], d, (size_t)v))
+            st = di_fail(err, DI_EPROTO, "malformed GetResult %zu from the store", got);
+        else if (num == 2 && type == 2) {
+            if (items[got].status == DI_OK && c->o.verify) {
+                which[got] = got;
+                pool_push(&c->vp, got);
+            }
+            got++;
+        }
+    }
+    pool_drain(&c->vp);
+    if (st == DI_OK && got != n)
+        st = di_fail(err, DI_EPROTO, "GetReply from the store has %zu results for %zu items", got,
+                     n);
+    return st;
+}
+
+/* One Get call for items[0..n) (one message's worth). */
+static di_status grpc_get_chunk(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline,
+                                di_error *err)
+{
+    Di__Kvstore__ObjRef *refs, **ptrs;
+    size_t *which = calloc(n, sizeof(*which));
+    di_status st = which ? make_refs(items, n, &refs, &ptrs, err)
+                         : di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", n);
+    if (st != DI_OK) {
+        free(which);
+        return st;
+    }
+    Di__Kvstore__GetRequest req = DI__KVSTORE__GET_REQUEST__INIT;
+    req.n_items = n;
+    req.items = ptrs;
+    uint8_t *rep = NULL;
+    size_t len = 0;
+    st = call_packed(c, "Get", &req.base, deadline, &rep, &len, err);
+    free(refs);
+    free(ptrs);
+    if (st == DI_OK)
+        st = take_get_reply(c, items, n, rep, len, which, deadline, err);
+    free(rep);
+    free(which);
+    return st;
+}
+
+/* One Put call for items[0..n) (one message's worth). */
+static di_status grpc_put_chunk(kvc_client *c, kvc_item *items, size_t n, uint64_t deadline,
+                                di_error *err)
+{
+    Di__Kvstore__PutItem *pi = calloc(n, sizeof(*pi));
+    Di__Kvstore__PutItem **ptrs = calloc(n, sizeof(*ptrs));
+    size_t m = 0;
+    di_status st = DI_OK;
+    if (!pi || !ptrs)
+        st = di_fail(err, DI_ENOMEM, "cannot allocate a batch of %zu", n);
+    for (size_t i = 0; st == DI_OK && i < n; i++) {
+        if (items[i].cap > KVC_GRPC_MAX_DATA) {
+            items[i].status = di_fail(&items[i].error, DI_ERANGE, "%s of %llu bytes: the gRPC "
+                                      "data path carries at most %u bytes per message",
+                                      kvkey_class_name(items[i].cls),
+                                      (unsigned long long)items[i].cap, KVC_GRPC_MAX_DATA);
+            continue;
+        }
+        di__kvstore__put_item__init(&pi[m]);
+        pi[m].cls = (Di__Kvstore__ObjClass)items[i].cls;
+        pi[m].key = (ProtobufCBinaryData){KVKEY_BYTES, items[i].key.b};
+        pi[m].data = (ProtobufCBinaryData){items[i].cap, items[i].buf};
+        ptrs[m] = &pi[m];
+        m++;
+    }
+    Di__Kvstore__PutReply *r = NULL;
+    if (st == DI_OK && m > 0) {
+        Di__Kvstore__PutRequest req = DI__KVSTORE__PUT_REQUEST__INIT;
+        req.n_items = m;
+        req.items = ptrs;
+        st = call_msg(c, "Put", &req.base, &di__kvstore__put_reply__descriptor, deadline,
+                      (ProtobufCMessage **)&r, err);
+        if (st == DI_OK && r->n_results != m)
+            st = wrong_count(&r->base, r->n_results, m, err);
+        else if (st == DI_OK) {
+            for (size_t i = 0, k = 0; i < n; i++)
+                if (items[i].cap <= KVC_GRPC_MAX_DATA) {
+                    set_item(&items[i], r->results[k]->status, r->results[k]->error);
+                    k++;
+                }
+            uint64_t sid = r->store_id;
+            di__kvstore__put_reply__free_unpacked(r, NULL);
+            st = follow_restart(c, sid, deadline, err);
+        }
+    }
+    free(pi);
+    free(ptrs);
+    return st;
+}
+
+/* A get or put on the gRPC path: one Get, or one Put (allocation, copy, commit), per
+ * message's worth of objects. */
+static di_status grpc_batch(kvc_client *c, kvc_item *items, size_t n, int is_get,
+                            uint64_t deadline, di_error *err)
+{
+    if (is_get)
+        mark_pending(items, n);
+    di_status st = ensure_connected(c, deadline, err);
+    for (size_t at = 0, k = 0; st == DI_OK && at < n; at += k) {
+        k = chunk_of(c, items + at, n - at, is_get);
+        st = (is_get ? grpc_get_chunk : grpc_put_chunk)(c, items + at, k, deadline, err);
+    }
+    if (st != DI_OK)
+        mark_all(items, n, st, err);
     return st;
 }
 
@@ -900,6 +1236,9 @@ di_status kvc_put(kvc_client *c, kvc_item *items, size_t n, di_error *err)
         return st;
     mark_pending(items, n);
     uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
+    st = ensure_connected(c, deadline, err);
+    if (st == DI_OK && c->grpc)
+        return grpc_batch(c, items, n, 0, deadline, err);
     ucxt_xfer *xs = calloc(n, sizeof(*xs));
     size_t *which = calloc(n, sizeof(*which));
     uint64_t *ids = calloc(n, sizeof(*ids));
@@ -1071,6 +1410,17 @@ di_status kvc_read(kvc_client *c, int cls, const kvkey *key, const kvc_lease *l,
         return di_fail(err, DI_ERANGE, "object of %llu bytes does not fit a %llu-byte buffer",
                        (unsigned long long)l->bytes, (unsigned long long)cap);
     uint64_t deadline = di_mono_ns() + c->o.deadline_ms * 1000000ull;
+    if (c->connected && c->grpc) { /* the lease pins the object: read it with Get */
+        kvc_item it = {.cls = cls, .key = *key, .buf = buf, .cap = cap};
+        di_status st = grpc_batch(c, &it, 1, 1, deadline, err);
+        if (st == DI_OK && it.status == DI_ECORRUPT) {
+            di_error re;
+            report_corrupt(c, &it, 1, deadline, &re);
+        }
+        if (st == DI_OK && it.status != DI_OK && err)
+            *err = it.error;
+        return st != DI_OK ? st : it.status;
+    }
     if (!c->connected || ucxt_peer_failed(c->peer))
         return di_fail(err, DI_EUNAVAIL, "the store connection was lost; acquire again");
     ucxt_xfer x = {.buf = buf, .len = cap};

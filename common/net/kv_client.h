@@ -1,10 +1,14 @@
 /* kv_client.h: the KV store client library, linked by the prefill and decode engines, the
  * router and di-kvctl.
  *
- * One kvc_client talks to one store: control over gRPC (common/net/rpc.h), KV bytes over UCX
- * active messages between the caller's buffers and the store's DRAM tier
- * (common/net/ucx_xport.h), each against a one-time ticket the control call returned for that
- * object. It connects lazily and again after a store restart (the store id changes), so callers
+ * One kvc_client talks to one store: control over gRPC (common/net/rpc.h), KV bytes on one of
+ * two data paths (kvc_options.data_path):
+ *   UCX:  active messages between the caller's buffers and the store's DRAM tier
+ *         (common/net/ucx_xport.h), each against a one-time ticket the control call returned
+ *         for that object (shared memory on one host, RDMA across hosts);
+ *   gRPC: the bytes inside Get replies and Put requests, on the control channel with its TLS
+ *         and token (any network, no UCX).
+ * It connects lazily and again after a store restart (the store id changes), so callers
  * just retry a call that returned DI_EUNAVAIL.
  *
  *   get  = Lease (one RPC for a batch, a ticket per object) + one UCX request per object that
@@ -14,6 +18,9 @@
  *   put  = Alloc (one RPC, a ticket per object) + one UCX message per object that the store
  *          receives into the allocated slot and acknowledges + Commit (one RPC); the store
  *          verifies each object and acknowledges it only once durable at its --durability level.
+ *
+ * On the gRPC path: get = Get (one RPC per up to KVC_GRPC_MAX_DATA bytes of objects) + the same
+ * checks; put = Put (allocation, copy and commit in one RPC per up to KVC_GRPC_MAX_DATA bytes).
  *
  * The verification of a batch is shared between the caller and verify_threads helpers as the
  * objects arrive.
@@ -41,6 +48,26 @@
 #define KVC_SERVICE "/di.kvstore.KvStore/"
 #define KVC_MAX_BATCH 1024u    /* most items in one Alloc, Commit, Lease, Release or Delete */
 #define KVC_MAX_LOOKUP 16384u  /* most keys in one Lookup or Inspect (2M tokens) */
+/* The gRPC data path: the largest Get reply or Put request (both ends set gRPC's message
+ * limits to it), and the object bytes one message may carry (the rest is headroom for keys,
+ * statuses and framing). */
+#define KVC_GRPC_MAX_MESSAGE (64u << 20)
+#define KVC_GRPC_MAX_DATA (KVC_GRPC_MAX_MESSAGE - (1u << 20))
+
+/* Which data path moves the bytes. */
+typedef enum kvc_data_path {
+    KVC_PATH_AUTO = 0, /* UCX when the store offers it and is on this host (a loopback target)
+                          or rdma_devices are given and UCX comes up; else gRPC */
+    KVC_PATH_UCX = 1,  /* UCX only (DI_EUNAVAIL when the store does not offer it) */
+    KVC_PATH_GRPC = 2, /* gRPC only */
+} kvc_data_path;
+/* Bits of the data paths a store offers (kvc_store_info.data_paths). */
+#define KVC_PATHS_UCX 1u
+#define KVC_PATHS_GRPC 2u
+
+/* "auto", "ucx", "grpc" -> *out. DI_OK or DI_EINVAL with the accepted names. */
+di_status kvc_data_path_parse(const char *s, kvc_data_path *out, di_error *err);
+const char *kvc_data_path_name(kvc_data_path p);
 
 typedef struct kvc_options {
     const char *target;          /* "host:port" of di-kvstore */
@@ -59,6 +86,7 @@ typedef struct kvc_options {
                                     work of a batch with the caller; 0 = all on the caller */
     const char *rdma_devices;    /* UCX verbs ports for stores on other hosts ("mlx5_0:1");
                                     NULL: stores on this host only */
+    kvc_data_path data_path;     /* KVC_PATH_AUTO (default), _UCX or _GRPC */
     const di_logger *log;        /* debug lines; may be NULL */
 } kvc_options;
 
@@ -81,6 +109,8 @@ typedef struct kvc_store_info {
     uint64_t object_bytes[KVKEY_CLASS_COUNT]; /* block, window; handoff maximum */
     char durability[8];         /* "none", "wal", "fsync" */
     uint32_t lease_max_ms;
+    uint32_t data_paths;        /* KVC_PATHS_* the store offers */
+    kvc_data_path path;         /* the one this client uses (UCX or GRPC) */
 } kvc_store_info;
 /* Connects if needed and returns the store's description. DI_OK; DI_EUNAVAIL, DI_ETIMEDOUT,
  * DI_EAUTH, DI_EINVAL (the store holds another model than options.model_id). */
@@ -138,7 +168,8 @@ typedef struct kvc_lease {
 di_status kvc_acquire(kvc_client *c, int cls, const kvkey *key, uint32_t lease_ms, kvc_lease *out,
                       di_error *err);
 /* Copies a leased object into buf with verification (unless verify is off), once per lease (the
- * ticket is one-time: a second read is refused with DI_EAUTH). DI_OK, DI_ERANGE (buf too
+ * ticket is one-time: a second read is refused with DI_EAUTH; on the gRPC path the object,
+ * pinned by the lease, is read with Get and the ticket is left unused). DI_OK, DI_ERANGE (buf too
  * small), DI_ECORRUPT (failed verification; reported to the store, which drops a bad DRAM copy
  * once the lease ends: acquire again), DI_EUNAVAIL (connection lost: acquire again),
  * DI_ETIMEDOUT (the lease expired). buf is written even on failure. */

@@ -92,12 +92,22 @@ static di_status buffer_to_bytes(grpc_byte_buffer *bb, uint8_t **out, size_t *le
     grpc_byte_buffer_reader rd;
     if (!grpc_byte_buffer_reader_init(&rd, bb))
         return di_fail(err, DI_EPROTO, "cannot read a message (bad compression?)");
-    grpc_slice s = grpc_byte_buffer_reader_readall(&rd);
-    grpc_byte_buffer_reader_destroy(&rd);
+    /* Slice by slice into one array: a single copy of the message. */
     uint8_t *p = malloc(n);
-    if (p)
-        memcpy(p, GRPC_SLICE_START_PTR(s), GRPC_SLICE_LENGTH(s));
-    grpc_slice_unref(s);
+    size_t at = 0;
+    grpc_slice s;
+    while (grpc_byte_buffer_reader_next(&rd, &s)) {
+        size_t k = GRPC_SLICE_LENGTH(s);
+        if (p && at + k <= n)
+            memcpy(p + at, GRPC_SLICE_START_PTR(s), k);
+        at += k;
+        grpc_slice_unref(s);
+    }
+    grpc_byte_buffer_reader_destroy(&rd);
+    if (p && at != n) {
+        free(p);
+        return di_fail(err, DI_EPROTO, "a message of %zu bytes read as %zu", n, at);
+    }
     if (!p)
         return di_fail(err, DI_ENOMEM, "cannot allocate a %zu-byte message", n);
     *out = p;

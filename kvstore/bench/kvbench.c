@@ -3,7 +3,8 @@
  * Every row moves the same objects (114,048-byte KV blocks by default) with 1, 4 and 16
  * client threads, each with its own store client or its own Redis connection: puts and gets
  * of one object per call (store put vs Redis SET, store get vs Redis GET), then batched gets
- * (the store's kvc_get of 64 objects vs Redis GET pipelines of 64). Each put row writes its
+ * (the store's kvc_get of 64 objects vs Redis GET pipelines of 64). The store rows run once per
+ * data path (--paths: UCX with tickets, and the bytes inside gRPC messages). Each put row writes its
  * own fresh keys. Gets are checked against the written bytes. memcpy of the same bytes with
  * the same thread counts is the hardware reference. Started by bench.sh, which runs both
  * servers on loopback with comparable persistence and says which.
@@ -50,6 +51,8 @@ typedef struct bopts {
     uint64_t repeat;        /* get rows: best of this many passes */
     const char *core_dir;   /* store core in process (no RPC) in this directory; NULL: skip */
     const char *core_durability; /* its durability */
+    const char *paths;      /* "ucx,grpc": the store's data paths to measure */
+    kvc_data_path path;     /* the one being measured (not an option) */
     kv_geometry geometry;   /* V4.1-Flash (not an option) */
     kvs_store *core;        /* opened by main when core_dir is set (not an option) */
     uint8_t *arena;         /* its DRAM arena */
@@ -72,6 +75,8 @@ static const kvcli_opt rows[] = {
      "also time the store core in this process (no gRPC, no UCX), RocksDB in DIR"},
     {"core-durability", KVCLI_STRING, B(core_durability), "wal", 0, 0, "LEVEL",
      "durability of the in-process store core"},
+    {"paths", KVCLI_STRING, B(paths), "ucx,grpc", 0, 0, "LIST",
+     "store data paths to measure: ucx, grpc or ucx,grpc"},
 };
 
 static double now_s(void)
@@ -275,6 +280,7 @@ static kvc_client *store_client(const bopts *o)
     co.target = o->store;
     co.verify_threads = 0; /* one thread per client: the thread copies and verifies */
     co.deadline_ms = 60000;
+    co.data_path = o->path;
     kvc_client *c;
     di_error e;
     if (kvc_open(&co, &c, &e) != DI_OK)
@@ -282,6 +288,8 @@ static kvc_client *store_client(const bopts *o)
     kvc_store_info info;
     if (kvc_info(c, &info, &e) != DI_OK)
         die("store", e.msg);
+    if (info.path != o->path)
+        die("store", "the client did not take the data path asked for");
     return c;
 }
 
@@ -376,8 +384,12 @@ static double get_row(const bopts *o, target tgt, int threads, uint64_t per_call
 
 /* ---------------------------------------------------------------- main */
 
-enum { R_STORE_PUT, R_REDIS_SET, R_STORE_GET, R_REDIS_GET, R_STORE_BATCH, R_REDIS_PIPE, R_MEMCPY,
-       R_CORE_PUT, R_CORE_GET, N_ROWS };
+enum { R_REDIS_SET, R_REDIS_GET, R_REDIS_PIPE, R_MEMCPY, R_CORE_PUT, R_CORE_GET, N_ROWS };
+/* The store rows per data path: put, get, batched get. */
+enum { S_PUT, S_GET, S_BATCH, N_SROWS };
+#define N_PATHS 2
+static const kvc_data_path path_of[N_PATHS] = {KVC_PATH_UCX, KVC_PATH_GRPC};
+static const char *const path_label[N_PATHS] = {"UCX", "gRPC"};
 
 /* Opens the store core in process with room for every object of a row in DRAM. */
 static void open_core(bopts *o, const kv_geometry *g)
@@ -421,6 +433,33 @@ static int verdict(const char *what, double got, double want)
     int ok = got >= want;
     printf("  %-62s %8.2f vs %8.2f GB/s  %s\n", what, got, want, ok ? "met" : "MISSED");
     return ok;
+}
+
+/* Prints the targets of one data path (its store rows sv against Redis and memcpy in v);
+ * returns how many were met and adds how many there are to *all. */
+static int path_targets(const char *label, double sv[N_SROWS][N_CONC], double v[N_ROWS][N_CONC],
+                        double redis_best, int *all)
+{
+    int met = 0;
+    char what[96];
+    printf("\ntargets, %s data path\n", label);
+    for (int c = 0; c < N_CONC; c++) {
+        const char *pl = conc[c] > 1 ? "s" : "";
+        snprintf(what, sizeof(what), "put >= Redis SET, %d thread%s", conc[c], pl);
+        met += verdict(what, sv[S_PUT][c], v[R_REDIS_SET][c]);
+        snprintf(what, sizeof(what), "get >= Redis GET, %d thread%s", conc[c], pl);
+        met += verdict(what, sv[S_GET][c], v[R_REDIS_GET][c]);
+    }
+    met += verdict("best batched get >= 2x Redis's best get", max3(sv[S_BATCH]), 2 * redis_best);
+    int at = 0;
+    for (int c = 1; c < N_CONC; c++)
+        if (sv[S_BATCH][c] / v[R_MEMCPY][c] > sv[S_BATCH][at] / v[R_MEMCPY][at])
+            at = c;
+    snprintf(what, sizeof(what), "batched get >= 50%% of memcpy, %d thread%s", conc[at],
+             conc[at] > 1 ? "s" : "");
+    met += verdict(what, sv[S_BATCH][at], 0.5 * v[R_MEMCPY][at]);
+    *all += 2 * N_CONC + 2;
+    return met;
 }
 
 int main(int argc, char **argv)
@@ -475,7 +514,12 @@ int main(int argc, char **argv)
     memset(dst, 1, total); /* fault the pages in before timing */
     if (o.core_dir)
         open_core(&o, &g);
-    double v[N_ROWS][N_CONC] = {{0}};
+    int use[N_PATHS] = {strstr(o.paths, "ucx") != NULL, strstr(o.paths, "grpc") != NULL};
+    if (!use[0] && !use[1]) {
+        fprintf(stderr, "kvbench: --paths: ucx, grpc or ucx,grpc\n");
+        return 2;
+    }
+    double v[N_ROWS][N_CONC] = {{0}}, sv[N_PATHS][N_SROWS][N_CONC] = {{{0}}};
     for (int c = 0; c < N_CONC; c++) {
         const kvkey *ks = keys + (size_t)c * o.objects;
         /* The payload depends on the key, so each key set has its own bytes. */
@@ -483,8 +527,17 @@ int main(int argc, char **argv)
             kvsynth_object(src + i * o.bytes, o.bytes, KV_BLOCK_MAGIC, &g, &ks[i], i, 128,
                            i * 128);
         fprintf(stderr, "kvbench: puts, %d threads...\n", conc[c]);
-        if (o.store)
-            v[R_STORE_PUT][c] = run_row(&o, T_STORE, OP_PUT, conc[c], 1, ks, src, dst);
+        /* Each path writes half of the key set (fresh keys for both). */
+        for (int p = 0; o.store && p < N_PATHS; p++)
+            if (use[p]) {
+                uint64_t half = o.objects / 2, first = p * half, n = p ? o.objects - half : half;
+                bopts op = o;
+                op.path = path_of[p];
+                op.objects = use[!p] ? n : o.objects;
+                uint64_t at = use[!p] ? first : 0;
+                sv[p][S_PUT][c] = run_row(&op, T_STORE, OP_PUT, conc[c], 1, ks + at,
+                                          src + at * o.bytes, dst + at * o.bytes);
+            }
         if (o.redis)
             v[R_REDIS_SET][c] = run_row(&o, T_REDIS, OP_PUT, conc[c], 1, ks, src, dst);
         if (o.core)
@@ -492,14 +545,19 @@ int main(int argc, char **argv)
     }
     const kvkey *ks = keys + (size_t)(N_CONC - 1) * o.objects; /* src holds this set now */
     /* One untimed pass: a new process maps the store's arena and takes its page faults once. */
-    if (o.store)
-        get_row(&o, T_STORE, 1, o.batch, ks, src, dst);
+    bopts po[N_PATHS] = {o, o};
+    for (int p = 0; p < N_PATHS; p++)
+        po[p].path = path_of[p];
+    for (int p = 0; o.store && p < N_PATHS; p++)
+        if (use[p])
+            get_row(&po[p], T_STORE, 1, o.batch, ks, src, dst);
     for (int c = 0; c < N_CONC; c++) {
         fprintf(stderr, "kvbench: gets, %d threads...\n", conc[c]);
-        if (o.store) {
-            v[R_STORE_GET][c] = get_row(&o, T_STORE, conc[c], 1, ks, src, dst);
-            v[R_STORE_BATCH][c] = get_row(&o, T_STORE, conc[c], o.batch, ks, src, dst);
-        }
+        for (int p = 0; o.store && p < N_PATHS; p++)
+            if (use[p]) {
+                sv[p][S_GET][c] = get_row(&po[p], T_STORE, conc[c], 1, ks, src, dst);
+                sv[p][S_BATCH][c] = get_row(&po[p], T_STORE, conc[c], o.batch, ks, src, dst);
+            }
         if (o.redis) {
             v[R_REDIS_GET][c] = get_row(&o, T_REDIS, conc[c], 1, ks, src, dst);
             v[R_REDIS_PIPE][c] = get_row(&o, T_REDIS, conc[c], o.batch, ks, src, dst);
@@ -518,13 +576,25 @@ int main(int argc, char **argv)
            "redis-benchmark); gets: best of %llu passes, every pass checked byte for byte\n\n",
            (unsigned long long)o.repeat);
     printf("%-36s %10s %10s %10s\n", "GB/s", "1 thread", "4 threads", "16 threads");
-    print_row("store put, 1 object per call", v[R_STORE_PUT]);
-    print_row("Redis SET, 1 per call", v[R_REDIS_SET]);
-    print_row("store get, 1 object per call", v[R_STORE_GET]);
-    print_row("Redis GET, 1 per call", v[R_REDIS_GET]);
     char name[64];
-    snprintf(name, sizeof(name), "store get, %llu objects per call", (unsigned long long)o.batch);
-    print_row(name, v[R_STORE_BATCH]);
+    for (int p = 0; p < N_PATHS; p++)
+        if (use[p]) {
+            snprintf(name, sizeof(name), "store put (%s), 1 object per call", path_label[p]);
+            print_row(name, sv[p][S_PUT]);
+        }
+    print_row("Redis SET, 1 per call", v[R_REDIS_SET]);
+    for (int p = 0; p < N_PATHS; p++)
+        if (use[p]) {
+            snprintf(name, sizeof(name), "store get (%s), 1 object per call", path_label[p]);
+            print_row(name, sv[p][S_GET]);
+        }
+    print_row("Redis GET, 1 per call", v[R_REDIS_GET]);
+    for (int p = 0; p < N_PATHS; p++)
+        if (use[p]) {
+            snprintf(name, sizeof(name), "store get (%s), %llu per call", path_label[p],
+                     (unsigned long long)o.batch);
+            print_row(name, sv[p][S_BATCH]);
+        }
     snprintf(name, sizeof(name), "Redis GET, pipelines of %llu", (unsigned long long)o.batch);
     print_row(name, v[R_REDIS_PIPE]);
     print_row("memcpy of the same bytes", v[R_MEMCPY]);
@@ -540,29 +610,9 @@ int main(int argc, char **argv)
         double redis_best = max3(v[R_REDIS_GET]) > max3(v[R_REDIS_PIPE]) ? max3(v[R_REDIS_GET])
                                                                         : max3(v[R_REDIS_PIPE]);
         int met = 0, all = 0;
-        printf("\ntargets\n");
-        for (int c = 0; c < N_CONC; c++) {
-            char what[96];
-            snprintf(what, sizeof(what), "put >= Redis SET, %d thread%s", conc[c], conc[c] > 1 ? "s" : "");
-            met += verdict(what, v[R_STORE_PUT][c], v[R_REDIS_SET][c]);
-            snprintf(what, sizeof(what), "get >= Redis GET, %d thread%s", conc[c], conc[c] > 1 ? "s" : "");
-            met += verdict(what, v[R_STORE_GET][c], v[R_REDIS_GET][c]);
-            all += 2;
-        }
-        met += verdict("best batched get >= 2x Redis's best get", max3(v[R_STORE_BATCH]),
-                       2 * redis_best);
-        double best_ratio = 0;
-        int at = 0;
-        for (int c = 0; c < N_CONC; c++)
-            if (v[R_STORE_BATCH][c] / v[R_MEMCPY][c] > best_ratio) {
-                best_ratio = v[R_STORE_BATCH][c] / v[R_MEMCPY][c];
-                at = c;
-            }
-        char what[96];
-        snprintf(what, sizeof(what), "batched get >= 50%% of memcpy, %d thread%s", conc[at],
-                 conc[at] > 1 ? "s" : "");
-        met += verdict(what, v[R_STORE_BATCH][at], 0.5 * v[R_MEMCPY][at]);
-        all += 2;
+        for (int p = 0; p < N_PATHS; p++)
+            if (use[p])
+                met += path_targets(path_label[p], sv[p], v, redis_best, &all);
         printf("%d of %d targets met\n", met, all);
     }
     kvs_close(o.core);

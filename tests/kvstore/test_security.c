@@ -525,3 +525,333 @@ Test(security, mutual_tls_admits_a_signed_client_certificate_only, .timeout = 60
     th_store_stop(&s);
     th_rmtree(dir);
 }
+
+/* ---------------------------------------------------------------- the gRPC data path */
+
+/* A raw Put of one object (cls, key, bytes) by c; the call's status, and the item's in *item. */
+static di_status raw_put(kvc_client *c, int cls, const kvkey *k, const uint8_t *data,
+                         size_t len, di_status *item)
+{
+    Di__Kvstore__PutItem it = DI__KVSTORE__PUT_ITEM__INIT, *p = &it;
+    it.cls = (Di__Kvstore__ObjClass)cls;
+    it.key = (ProtobufCBinaryData){KVKEY_BYTES, (uint8_t *)k->b};
+    it.data = (ProtobufCBinaryData){len, (uint8_t *)data};
+    Di__Kvstore__PutRequest req = DI__KVSTORE__PUT_REQUEST__INIT;
+    req.n_items = 1;
+    req.items = &p;
+    size_t n = di__kvstore__put_request__get_packed_size(&req), rlen = 0;
+    uint8_t *buf = malloc(n), *rep = NULL;
+    cr_assert_not_null(buf);
+    di__kvstore__put_request__pack(&req, buf);
+    di_error e;
+    di_status st = kvc_call(c, "Put", buf, n, &rep, &rlen, &e);
+    free(buf);
+    if (st != DI_OK)
+        return st;
+    Di__Kvstore__PutReply *r = di__kvstore__put_reply__unpack(NULL, rlen, rep);
+    cr_assert(r && r->n_results == 1, "a PutReply with one result");
+    *item = r->results[0]->status;
+    di__kvstore__put_reply__free_unpacked(r, NULL);
+    free(rep);
+    return DI_OK;
+}
+
+/* A raw Get of n copies of one key by c; the call's status, the first item's status in *item
+ * and its bytes in out (cap bytes at most) with their count in *got. */
+static di_status raw_get(kvc_client *c, const kvkey *k, size_t n, di_status *item, uint8_t *out,
+                         size_t cap, size_t *got)
+{
+    Di__Kvstore__ObjRef ref = DI__KVSTORE__OBJ_REF__INIT;
+    ref.cls = DI__KVSTORE__OBJ_CLASS__BLOCK;
+    ref.key = (ProtobufCBinaryData){KVKEY_BYTES, (uint8_t *)k->b};
+    Di__Kvstore__ObjRef **ptrs = calloc(n, sizeof(*ptrs));
+    for (size_t i = 0; i < n; i++)
+        ptrs[i] = &ref;
+    Di__Kvstore__GetRequest req = DI__KVSTORE__GET_REQUEST__INIT;
+    req.n_items = n;
+    req.items = ptrs;
+    size_t len = di__kvstore__get_request__get_packed_size(&req), rlen = 0;
+    uint8_t *buf = malloc(len), *rep = NULL;
+    di__kvstore__get_request__pack(&req, buf);
+    di_error e;
+    di_status st = kvc_call(c, "Get", buf, len, &rep, &rlen, &e);
+    free(buf);
+    free(ptrs);
+    if (st != DI_OK)
+        return st;
+    Di__Kvstore__GetReply *r = di__kvstore__get_reply__unpack(NULL, rlen, rep);
+    cr_assert(r && r->n_results == n, "a GetReply with a result per item");
+    *item = r->results[0]->status;
+    *got = r->results[0]->data.len;
+    if (*item != DI_OK)
+        cr_assert_eq(*got, 0, "a failed item carries bytes");
+    memcpy(out, r->results[0]->data.data, *got < cap ? *got : cap);
+    di__kvstore__get_reply__free_unpacked(r, NULL);
+    free(rep);
+    return DI_OK;
+}
+
+/* The store's count of active leases (Stats, admin token). */
+static uint64_t leases_active(const th_store *s)
+{
+    Di__Kvstore__StatsRequest req = DI__KVSTORE__STATS_REQUEST__INIT;
+    uint8_t buf[16], *rep = NULL;
+    size_t n = di__kvstore__stats_request__pack(&req, buf), len = 0;
+    di_error e;
+    kvc_client *a = th_client(s, admin);
+    cr_assert_eq(kvc_call(a, "Stats", buf, n, &rep, &len, &e), DI_OK, "%s", e.msg);
+    Di__Kvstore__StatsReply *r = di__kvstore__stats_reply__unpack(NULL, len, rep);
+    cr_assert_not_null(r);
+    uint64_t v = r->leases_active;
+    di__kvstore__stats_reply__free_unpacked(r, NULL);
+    free(rep);
+    kvc_close(a);
+    return v;
+}
+
+/* The object under k is absent (a raw Get by c says ENOENT with no bytes). */
+static void absent(kvc_client *c, const kvkey *k, const char *what)
+{
+    uint8_t buf[64];
+    size_t got = 1;
+    di_status item = DI_OK;
+    cr_assert_eq(raw_get(c, k, 1, &item, buf, sizeof(buf), &got), DI_OK, "%s", what);
+    cr_assert_eq(item, DI_ENOENT, "%s: %s, not ENOENT", what, di_status_name(item));
+}
+
+Test(security, the_grpc_data_path_checks_what_the_tickets_check, .timeout = 120)
+{
+    char dir[256];
+    th_store s;
+    start_store(&s, dir);
+    kvc_options o;
+    kvc_options_default(&o);
+    o.target = s.target;
+    o.token = engine;
+    o.data_path = KVC_PATH_GRPC;
+    o.deadline_ms = 10000;
+    kvc_client *victim, *mallory, *nobody, *forger;
+    di_error e;
+    cr_assert_eq(kvc_open(&o, &victim, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvc_open(&o, &mallory, &e), DI_OK, "%s", e.msg);
+    o.token = NULL;
+    cr_assert_eq(kvc_open(&o, &nobody, &e), DI_OK, "%s", e.msg);
+    o.token = "engine-secreT";
+    cr_assert_eq(kvc_open(&o, &forger, &e), DI_OK, "%s", e.msg);
+    kvc_store_info info;
+    cr_assert_eq(kvc_info(victim, &info, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(info.path, KVC_PATH_GRPC);
+    cr_assert_eq(info.data_paths, KVC_PATHS_UCX | KVC_PATHS_GRPC, "the store offers both");
+
+    kvkey a = th_key(11), v = th_key(12), w = th_key(13);
+    uint8_t *pa = object(&a, 11), *pv = object(&v, 12), *pw = object(&w, 13);
+    uint8_t *buf = malloc(BLOCK + 128);
+    cr_assert_eq(kvc_put1(victim, KVKEY_BLOCK, &a, pa, BLOCK, &e), DI_OK, "%s", e.msg);
+    check_object(victim, &a, 11);
+    di_status item = DI_OK;
+    size_t got = 0;
+
+    /* (a) No token or a wrong one: neither bytes out nor bytes in. */
+    cr_assert_eq(raw_get(nobody, &a, 1, &item, buf, BLOCK, &got), DI_EAUTH, "Get without a token");
+    cr_assert_eq(raw_get(forger, &a, 1, &item, buf, BLOCK, &got), DI_EAUTH, "Get, wrong token");
+    cr_assert_eq(raw_put(nobody, KVKEY_BLOCK, &w, pw, BLOCK, &item), DI_EAUTH, "Put, no token");
+    cr_assert_eq(raw_put(forger, KVKEY_BLOCK, &w, pw, BLOCK, &item), DI_EAUTH, "Put, wrong token");
+    cr_assert_eq(kvc_get1(nobody, KVKEY_BLOCK, &a, buf, BLOCK, NULL, &e), DI_EAUTH);
+    absent(mallory, &w, "a refused Put stored something");
+
+    /* (b) Another client's objects: a stored one cannot be overwritten, one whose allocation
+     * is in flight (the victim's, on the ticket path) can be neither read nor taken over. */
+    uint8_t *evil = object(&a, 99);
+    cr_assert_eq(raw_put(mallory, KVKEY_BLOCK, &a, evil, BLOCK, &item), DI_OK);
+    cr_assert_eq(item, DI_EEXIST, "a Put over a stored object: %s", di_status_name(item));
+    free(evil);
+    uint64_t vid;
+    ucxt_ticket vt;
+    raw_alloc(victim, &v, &vid, &vt);
+    absent(mallory, &v, "the victim's uncommitted allocation was served");
+    evil = object(&v, 98);
+    cr_assert_eq(raw_put(mallory, KVKEY_BLOCK, &v, evil, BLOCK, &item), DI_OK);
+    cr_assert_eq(item, DI_EBUSY, "a Put over another client's allocation: %s",
+                 di_status_name(item));
+    free(evil);
+    absent(mallory, &v, "an uncommitted object was served after a Put attempt");
+    cr_assert_eq(settle(victim, "Abort", vid), DI_OK);
+    absent(mallory, &v, "an aborted allocation was served");
+
+    /* (c) The allocation length is exact: longer and shorter blocks are refused. */
+    memcpy(buf, pv, BLOCK);
+    memset(buf + BLOCK, 0, 128);
+    cr_assert_eq(raw_put(mallory, KVKEY_BLOCK, &v, buf, BLOCK + 64, &item), DI_OK);
+    cr_assert_eq(item, DI_EINVAL, "a block 64 bytes long: %s", di_status_name(item));
+    cr_assert_eq(raw_put(mallory, KVKEY_BLOCK, &v, buf, BLOCK - 64, &item), DI_OK);
+    cr_assert_eq(item, DI_EINVAL, "a block 64 bytes short: %s", di_status_name(item));
+    cr_assert_eq(raw_put(mallory, KVKEY_BLOCK, &v, buf, 0, &item), DI_OK);
+    cr_assert_neq(item, DI_OK, "an empty block was stored");
+    absent(mallory, &v, "a block of the wrong length was stored");
+
+    /* (d) Bytes that fail verification (one payload byte flipped, or another key's object) are
+     * never committed, so never served. */
+    buf[BLOCK - 1] ^= 0x40;
+    cr_assert_eq(raw_put(mallory, KVKEY_BLOCK, &v, buf, BLOCK, &item), DI_OK);
+    cr_assert_eq(item, DI_ECORRUPT, "a corrupt block: %s", di_status_name(item));
+    cr_assert_eq(raw_put(mallory, KVKEY_BLOCK, &v, pw, BLOCK, &item), DI_OK);
+    cr_assert_eq(item, DI_ECORRUPT, "another key's block: %s", di_status_name(item));
+    absent(mallory, &v, "a corrupt block was stored");
+
+    /* (e) Oversized messages: a Put over the message limit is refused before any handler;
+     * more items than a batch takes are refused too. */
+    size_t huge = KVC_GRPC_MAX_MESSAGE + 4096;
+    uint8_t *big = calloc(1, huge);
+    cr_assert_not_null(big);
+    cr_assert_neq(raw_put(mallory, KVKEY_HANDOFF, &w, big, huge, &item), DI_OK,
+                  "a Put over the message limit was taken");
+    free(big);
+    cr_assert_eq(raw_get(mallory, &a, KVC_MAX_BATCH + 1, &item, buf, BLOCK, &got), DI_EINVAL,
+                 "a Get of more items than a batch");
+    kvc_item hi = {.cls = KVKEY_HANDOFF, .key = w, .buf = pw, .cap = KVC_GRPC_MAX_DATA + 1};
+    cr_assert_eq(kvc_put(mallory, &hi, 1, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(hi.status, DI_ERANGE, "an object over a message's bytes: %s",
+                 di_status_name(hi.status));
+
+    /* (f) What a Get returns is the committed object, byte for byte; a batch with a miss in
+     * it gets the others. */
+    cr_assert_eq(raw_get(mallory, &a, 3, &item, buf, BLOCK, &got), DI_OK);
+    cr_assert_eq(item, DI_OK);
+    cr_assert_eq(got, BLOCK);
+    cr_assert_eq(memcmp(buf, pa, BLOCK), 0, "a Get returned other bytes");
+    kvc_item two[2] = {{.cls = KVKEY_BLOCK, .key = v, .buf = buf, .cap = BLOCK},
+                       {.cls = KVKEY_BLOCK, .key = a, .buf = buf + 64, .cap = BLOCK + 64}};
+    cr_assert_eq(kvc_get(mallory, two, 2, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(two[0].status, DI_ENOENT);
+    cr_assert_eq(two[1].status, DI_OK, "%s", two[1].error.msg);
+    cr_assert_eq(two[1].bytes, BLOCK);
+    cr_assert_eq(memcmp(buf + 64, pa, BLOCK), 0);
+    /* A buffer too small for the object is refused, not overrun. */
+    memset(buf, 0x5a, 64);
+    cr_assert_eq(kvc_get1(mallory, KVKEY_BLOCK, &a, buf, 64, NULL, &e), DI_ERANGE);
+
+    /* (g) Explicit leases work on this path too: the lease pins, the read uses Get. */
+    kvc_lease l;
+    cr_assert_eq(kvc_acquire(victim, KVKEY_BLOCK, &a, 30000, &l, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvc_read(victim, KVKEY_BLOCK, &a, &l, buf, BLOCK, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(memcmp(buf, pa, BLOCK), 0);
+    cr_assert_eq(kvc_release(victim, &l, &e), DI_OK, "%s", e.msg);
+
+    check_object(mallory, &a, 11);
+    cr_assert_eq(leases_active(&s), 0, "leases left behind by Get");
+    admin_intact(&s);
+    free(pa);
+    free(pv);
+    free(pw);
+    free(buf);
+    kvc_close(victim);
+    kvc_close(mallory);
+    kvc_close(nobody);
+    kvc_close(forger);
+    th_store_stop(&s);
+    th_rmtree(dir);
+}
+
+Test(security, the_grpc_data_path_round_trips_under_tls_and_the_store_picks_its_paths,
+     .timeout = 90)
+{
+    char dir[256], data[300], cert[300], key[300];
+    th_tmpdir(dir);
+    make_pki(dir);
+    snprintf(data, sizeof(data), "%s/data", dir);
+    snprintf(cert, sizeof(cert), "%s/srv.pem", dir);
+    snprintf(key, sizeof(key), "%s/srv.key", dir);
+    th_store s;
+    const char *args[] = {"--block-bytes", "4224", "--window-bytes", "8320", "--dram-bytes",
+                          "8MiB", "--tls-cert", cert, "--tls-key", key, "--data-path", "grpc",
+                          NULL};
+    th_store_start(&s, data, args);
+    char *ca_pem = load(dir, "ca.pem");
+    kvc_options o;
+    kvc_options_default(&o);
+    o.target = s.target;
+    o.tls_ca_pem = ca_pem;
+    di_error e;
+
+    /* A loopback target would take UCX, but this store offers gRPC only: auto takes gRPC, and
+     * a client that insists on UCX gets a clear refusal. */
+    kvc_client *c, *u;
+    cr_assert_eq(kvc_open(&o, &c, &e), DI_OK, "%s", e.msg);
+    kvc_store_info info;
+    cr_assert_eq(kvc_info(c, &info, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(info.data_paths, KVC_PATHS_GRPC);
+    cr_assert_eq(info.path, KVC_PATH_GRPC);
+    o.data_path = KVC_PATH_UCX;
+    cr_assert_eq(kvc_open(&o, &u, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvc_info(u, &info, &e), DI_EUNAVAIL, "a UCX client of a gRPC-only store");
+    cr_assert(strstr(e.msg, "--data-path"), "%s", e.msg);
+    kvc_close(u);
+    /* ... and the ticket path's Alloc is refused. */
+    uint8_t ab[256], *rep = NULL;
+    kvkey k0 = th_key(40);
+    Di__Kvstore__AllocItem ai = DI__KVSTORE__ALLOC_ITEM__INIT, *ap = &ai;
+    ai.key = (ProtobufCBinaryData){KVKEY_BYTES, k0.b};
+    ai.bytes = BLOCK;
+    Di__Kvstore__AllocRequest areq = DI__KVSTORE__ALLOC_REQUEST__INIT;
+    areq.n_items = 1;
+    areq.items = &ap;
+    size_t an = di__kvstore__alloc_request__pack(&areq, ab), alen = 0;
+    cr_assert_eq(kvc_call(c, "Alloc", ab, an, &rep, &alen, &e), DI_EPERM, "Alloc on gRPC only");
+
+    /* A batch of 100 objects over TLS, then read back as one batch, byte for byte. */
+    enum { N = 100 };
+    kvc_item items[N];
+    uint8_t *objs = malloc((size_t)N * BLOCK), *back = calloc(N, BLOCK);
+    for (int i = 0; i < N; i++) {
+        kvkey k = th_key(100 + i);
+        uint8_t *p = object(&k, (uint64_t)i);
+        memcpy(objs + (size_t)i * BLOCK, p, BLOCK);
+        free(p);
+        items[i] = (kvc_item){.cls = KVKEY_BLOCK, .key = k, .buf = objs + (size_t)i * BLOCK,
+                              .cap = BLOCK};
+    }
+    cr_assert_eq(kvc_put(c, items, N, &e), DI_OK, "%s", e.msg);
+    for (int i = 0; i < N; i++) {
+        cr_assert_eq(items[i].status, DI_OK, "put %d: %s", i, items[i].error.msg);
+        items[i].buf = back + (size_t)i * BLOCK;
+    }
+    cr_assert_eq(kvc_get(c, items, N, &e), DI_OK, "%s", e.msg);
+    for (int i = 0; i < N; i++)
+        cr_assert_eq(items[i].status, DI_OK, "get %d: %s", i, items[i].error.msg);
+    cr_assert_eq(memcmp(objs, back, (size_t)N * BLOCK), 0, "bytes read back differ");
+    /* A plaintext client gets nothing from a TLS store. */
+    kvc_client *plain;
+    o.tls_ca_pem = NULL;
+    o.data_path = KVC_PATH_GRPC;
+    o.deadline_ms = 2000;
+    cr_assert_eq(kvc_open(&o, &plain, &e), DI_OK, "%s", e.msg);
+    cr_assert_neq(kvc_get(plain, items, 1, &e), DI_OK, "a plaintext client was served");
+    kvc_close(plain);
+    kvc_close(c);
+    th_store_stop(&s);
+
+    /* A store with UCX only refuses Get and Put, and a gRPC client is told so. */
+    const char *uargs[] = {"--block-bytes", "4224", "--window-bytes", "8320", "--dram-bytes",
+                           "8MiB", "--data-path", "ucx", NULL};
+    th_store_start(&s, data, uargs);
+    o.target = s.target;
+    cr_assert_eq(kvc_open(&o, &c, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvc_get(c, items, 1, &e), DI_EUNAVAIL, "a gRPC client of a UCX-only store");
+    kvc_close(c);
+    di_status item = DI_OK;
+    o.data_path = KVC_PATH_AUTO;
+    cr_assert_eq(kvc_open(&o, &c, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(raw_put(c, KVKEY_BLOCK, &k0, objs, BLOCK, &item), DI_EPERM, "Put on UCX only");
+    /* auto on loopback takes UCX there: the objects written over gRPC are still there. */
+    cr_assert_eq(kvc_get1(c, KVKEY_BLOCK, &items[7].key, back, BLOCK, NULL, &e), DI_OK, "%s",
+                 e.msg);
+    cr_assert_eq(memcmp(back, objs + 7 * BLOCK, BLOCK), 0);
+    cr_assert_eq(kvc_info(c, &info, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(info.path, KVC_PATH_UCX);
+    kvc_close(c);
+    th_store_stop(&s);
+    free(objs);
+    free(back);
+    free(ca_pem);
+    th_rmtree(dir);
+}

@@ -222,6 +222,14 @@ static di_status o_kv_token(gen_args *a, const char *v, di_error *err)
     return DI_OK;
 }
 
+static di_status o_kv_path(gen_args *a, const char *v, di_error *err)
+{
+    if (strcmp(v, "auto") && strcmp(v, "ucx") && strcmp(v, "grpc"))
+        return di_fail(err, DI_EINVAL, "--kvstore-data-path \"%s\": auto, ucx or grpc", v);
+    a->kvstore_data_path = v;
+    return DI_OK;
+}
+
 /* "250ms", "2s" or milliseconds. */
 static di_status o_kv_deadline(gen_args *a, const char *v, di_error *err)
 {
@@ -360,6 +368,8 @@ static const gen_opt options[] = {
     {"--kvstore-token-file", "FILE", o_kv_token, "engine token of the store (default "
      "$DI_KVSTORE_TOKEN)"},
     {"--kvstore-deadline", "DUR", o_kv_deadline, "deadline of each store call (default 2s)"},
+    {"--kvstore-data-path", "PATH", o_kv_path, "how KV bytes move: auto (default: UCX to a store "
+     "on this host, else inside gRPC), ucx, grpc"},
     {"--kvstore-replay", NULL, o_kv_replay, "when the window state at the hit is missing, replay "
      "128 tokens with clipped windows (faster, but the logits then differ from a full prefill) "
      "instead of resuming at an older window state"},

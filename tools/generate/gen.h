@@ -51,6 +51,7 @@ typedef struct gen_args {
     const char *kvstore_token_file; /* --kvstore-token-file */
     char *kvstore_token;         /* the engine token (from the file or $DI_KVSTORE_TOKEN); owned */
     uint32_t kvstore_deadline_ms; /* --kvstore-deadline */
+    const char *kvstore_data_path; /* --kvstore-data-path: auto, ucx, grpc; NULL: auto */
     bool kvstore_replay;         /* --kvstore-replay */
     uint32_t kvstore_window_every; /* --kvstore-window-every */
     bool varlen;                 /* --varlen: MTP varlen in the scheduler */

@@ -157,7 +157,9 @@ di_status gen_kv_open(const gen_kv_options *o, const kv_geometry *g, gen_kv **ou
     co.token = o->token;
     co.deadline_ms = o->deadline_ms;
     co.model_id = g->model_id;
-    di_status st = kvc_open(&co, &k->c, err);
+    di_status st = o->data_path ? kvc_data_path_parse(o->data_path, &co.data_path, err) : DI_OK;
+    if (st == DI_OK)
+        st = kvc_open(&co, &k->c, err);
     if (st != DI_OK) {
         gen_kv_close(k);
         return st;

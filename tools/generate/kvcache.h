@@ -48,6 +48,7 @@ typedef struct gen_kv_options {
     const char *target;        /* HOST:PORT of di-kvstore */
     const char *token;         /* engine token; NULL when the store has none */
     uint32_t deadline_ms;      /* per store call */
+    const char *data_path;     /* "auto" (NULL), "ucx" or "grpc" (kvc_options.data_path) */
     bool allow_replay;         /* --kvstore-replay */
     uint32_t window_every;     /* also keep the window state at every Nth multiple of 128; 0 off */
     uint32_t always_compute;   /* positions at the prompt's end prefill always computes:

@@ -445,6 +445,7 @@ static di_status open_kvstore(const gen_args *a, const model_config *c, uint32_t
     kv_geometry geo;
     model_config_kv_geometry_yoco(c, nextn, (uint32_t)a->yoco, &geo);
     gen_kv_options ko = {.target = a->kvstore, .token = a->kvstore_token,
+                         .data_path = a->kvstore_data_path,
                          .deadline_ms = a->kvstore_deadline_ms, .allow_replay = a->kvstore_replay,
                          .window_every = a->kvstore_window_every,
                          .always_compute = a->keep_tokens > geo.ring_positions
