@@ -15,6 +15,7 @@
 #include <sys/random.h>
 #include <unistd.h>
 
+#include "common/kvfmt/kv_handoff.h"
 #include "common/model/config.h"
 #include "common/model/shard_sums.h"
 #include "common/net/kv_client.h"
@@ -98,7 +99,8 @@ static const svc_opt option_rows[] = {
     {"window-bytes", SVC_OPT_SIZE, O(window_bytes), NULL, 0, 0, "N",
      "override the window-state object size", NULL},
     {"handoff-max-bytes", SVC_OPT_SIZE, O(handoff_max_bytes), NULL, 0, 0, "N",
-     "largest handoff object [block + window]", NULL},
+     "largest handoff object [what an engine of the model writes: its longest prompt, the "
+     "state slot, the drafts and the executor state]", NULL},
     {"ttl-block", SVC_OPT_DURATION, O(ttl_block_ms), "3d", 0, 0, "DUR",
      "cache TTL of blocks, refreshed on every hit (0 = never)", NULL},
     {"ttl-window", SVC_OPT_DURATION, O(ttl_window_ms), "3d", 0, 0, "DUR",
@@ -220,6 +222,32 @@ static di_status check_machine(app *a, di_error *err)
     return DI_OK;
 }
 
+/* The largest handoff an engine of this model writes (kv_handoff.h): a prompt as long as the
+ * model takes, a partial last block, the whole state slot, nextn pending drafts and the
+ * executor state (16 bytes, the drafts and their draft-head logits, nextn x vocabulary fp32). */
+static uint64_t handoff_max_bytes(const model_config *cfg, const app *a)
+{
+    uint64_t len = cfg->max_position_embeddings;
+    if (len > KV_HANDOFF_MAX_TOKENS)
+        len = KV_HANDOFF_MAX_TOKENS;
+    if (len < 2)
+        len = 2;
+    uint32_t nextn = (uint32_t)a->o.nextn;
+    uint64_t exec = 16 + (uint64_t)nextn * 4 + (uint64_t)nextn * cfg->vocab_size * 4;
+    uint64_t most = 0;
+    for (uint32_t back = 1; back <= 2; back++) { /* with and without a partial last block */
+        kv_handoff h = {.prompt_len = (uint32_t)len - 1, .n_output = 1,
+                        .kv_positions = (uint32_t)(len - back),
+                        .n_drafts = nextn < KV_HANDOFF_MAX_DRAFTS ? nextn : KV_HANDOFF_MAX_DRAFTS,
+                        .exec_bytes = exec < KV_HANDOFF_MAX_EXEC ? (uint32_t)exec
+                                                                 : KV_HANDOFF_MAX_EXEC};
+        size_t b = kv_handoff_bytes(&a->geometry, &h);
+        if (b > most)
+            most = b;
+    }
+    return most;
+}
+
 static di_status load_geometry(app *a, di_error *err)
 {
     /* A checkpoint wins over a config file, which wins over a shipped name; all go through the
@@ -259,8 +287,7 @@ static di_status load_geometry(app *a, di_error *err)
     a->object_bytes[KVKEY_WINDOW] =
         a->o.window_bytes ? a->o.window_bytes : kv_window_state_bytes(&a->geometry);
     a->object_bytes[KVKEY_HANDOFF] =
-        a->o.handoff_max_bytes ? a->o.handoff_max_bytes
-                               : a->object_bytes[KVKEY_BLOCK] + a->object_bytes[KVKEY_WINDOW];
+        a->o.handoff_max_bytes ? a->o.handoff_max_bytes : handoff_max_bytes(&cfg, a);
     for (int c = 0; c < (int)KVKEY_CLASS_COUNT; c++)
         if (a->object_bytes[c] <= KV_HEADER_BYTES || a->object_bytes[c] > (1ull << 31))
             return di_fail(err, DI_EINVAL, "%s objects of %llu bytes: must be %u..2^31 bytes",
@@ -508,10 +535,11 @@ static di_status kv_start(void *ud, const svc_ctx *ctx, int *port, di_error *err
     kvcli_format_size(a->o.disk_bytes, disk, sizeof(disk));
     di_log(&a->log, DI_LOG_INFO,
            "serving on %s (port %d): dir %s, durability %s, DRAM %s, disk %s, block %llu B, "
-           "window %llu B, auth %s, TLS %s, KV data paths: %s%s%s",
+           "window %llu B, handoff up to %llu B, auth %s, TLS %s, KV data paths: %s%s%s",
            a->o.base.listen, *port, a->o.dir, a->o.durability, dram, disk,
            (unsigned long long)a->object_bytes[KVKEY_BLOCK],
            (unsigned long long)a->object_bytes[KVKEY_WINDOW],
+           (unsigned long long)a->object_bytes[KVKEY_HANDOFF],
            a->o.engine_token || a->o.admin_token ? "tokens" : "none", a->tls_cert ? "on" : "off",
            a->data_paths & KVC_PATHS_GRPC ? "gRPC messages; " : "",
            !(a->data_paths & KVC_PATHS_UCX) ? "no UCX"
