@@ -11,8 +11,8 @@
 #   2. each service listens only on its namespace's address (not 0.0.0.0, not loopback);
 #   3. the router answers the OpenAI API across the links, refuses a missing or wrong key;
 #      the store refuses a wrong token;
-#   4. KV moves over UCX between namespaces (UCX_TLS=tcp: no shared memory): kvdemo on the
-#      prefill0 host writes and reads prompts' KV in the store, which holds them, and the bytes
+#   4. KV moves between namespaces over the store's gRPC data path (the UCX data path serves one
+#      host or RDMA only, never TCP: docs/kvstore.md): kvdemo on the prefill0 host writes and reads prompts' KV in the store, which holds them, and the bytes
 #      crossed prefill0's link;
 #   5. with di-prefill and di-decode built: requests end to end through prefill and decode; then
 #      prefill1's link is cut: the router routes around it and every request that had not
@@ -95,13 +95,15 @@ rand() { head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n'; }
 mkdir -p "$work/secrets" && chmod 700 "$work/secrets"
 rand >"$work/secrets/engine.token"
 rand >"$work/secrets/kvstore-admin.token"
+rand >"$work/secrets/router-client.token"
 key=$(rand)
 printf 'client %s generate\n' "$key" >"$work/secrets/api-keys"
 
 # the model every host loads (as the cpu-small overlay: di-mkmodel demo in each pod)
 "$build/tools/mkmodel/di-mkmodel" --quiet demo "$work/model"
 
-# Only TCP for UCX: the KV bytes cross the links, never shared memory between namespaces.
+# No shared memory between namespaces: a client that tried UCX here finds only TCP, which the
+# data path never uses, so the KV bytes cross the links inside gRPC.
 export UCX_TLS=tcp UCX_NET_DEVICES=eth0
 
 wait_port() { # host, port file, pid
@@ -118,7 +120,7 @@ wait_port() { # host, port file, pid
 
 # the store: the flags of deploy/k8s/base/kvstore.yaml
 ip netns exec "$(ns kvstore)" "$build/kvstore/di-kvstore" --listen "$net.5:9470" --port-file "$work/kvstore.port" \
-  --dir "$work/kv" --model "$work/model" --durability wal --dram-bytes 256MiB --disk-bytes 8GiB \
+  --dir "$work/kv" --model "$work/model" --durability wal --dram-bytes 256MiB --dram-handoff-share 0.25 --disk-bytes 8GiB \
   --ttl-block 3d --ttl-window 3d --ttl-handoff 60s \
   --token-file "$work/secrets/engine.token" \
   --admin-token-file "$work/secrets/kvstore-admin.token" --log-level info >"$work/kvstore.log" 2>&1 &
@@ -165,6 +167,7 @@ fi
 
 # the router: the flags of deploy/k8s/base/router.yaml
 ip netns exec "$(ns router)" "$build/router/di-router" --listen-http "$net.1:8000" \
+  --listen "$net.1:9400" --token-file "$work/secrets/router-client.token" --prefill-timeout 30s \
   --port-file "$work/router.port" --drain 60s --api-key-file "$work/secrets/api-keys" \
   --tokenizer "$tok" --model deepseek-v4.1 --kvstore "$net.5:9470" "${rank_flags[@]}" "${backend[@]}" \
   >"$work/router.log" 2>&1 &
@@ -241,13 +244,19 @@ else
   ok "the store refuses the engine token on an admin call: $(head -n 1 "$work/kvctl.out")"
 fi
 
-# 4. KV over UCX between namespaces
+# 4. KV between namespaces, across the links
 bytes() { on "$1" cat "/sys/class/net/eth0/statistics/$2_bytes"; }
+store_bytes() { # put or get bytes the store has counted so far
+  kvctl client "$work/secrets/kvstore-admin.token" --json stats 2>/dev/null |
+    python3 -c 'import json, sys; print(int(json.load(sys.stdin)[sys.argv[1] + "_bytes"]))' "$1" ||
+    echo 0
+}
+put0=$(store_bytes put)
 tx0=$(bytes prefill0 tx)
 rx0=$(bytes prefill0 rx)
 if on prefill0 "$build/kvstore/kvdemo" --store "$net.5:9470" --token "$(cat "$work/secrets/engine.token")" \
      --tokens 1000 --prompts 3 --shared 512 --ids-dir "$work" >"$work/kvdemo.log" 2>&1; then
-  ok "kvdemo on prefill0 wrote and read 3 prompts' KV in the store over UCX"
+  ok "kvdemo on prefill0 wrote and read 3 prompts' KV in the store across the link"
 else
   bad "kvdemo on prefill0 failed: $(tail -n 3 "$work/kvdemo.log")"
 fi
@@ -261,8 +270,9 @@ b = s["classes"]["block"]["objects"]
 print(b, int(s["put_bytes"]), int(s["get_bytes"]))
 ' "$work/stats.json" 2>/dev/null || echo "? 0 0")
 if [ "$blocks" = 13 ]; then ok "the store holds 13 blocks (3 prompts of 1,000 tokens sharing 512)"; else bad "the store holds $blocks blocks, want 13 ($(head -c 300 "$work/kvctl.err"))"; fi
+put=$((put - put0))
 if [ "$put" -gt 0 ] && [ "$tx" -ge "$put" ]; then
-  ok "prefill0 sent $tx bytes over its link, the store took $put bytes of KV (UCX over TCP, no shared memory); received $rx (KV read back $got)"
+  ok "prefill0 sent $tx bytes over its link, the store took $put bytes of KV (inside gRPC across the link, no shared memory); received $rx (KV read back $got)"
 else
   bad "prefill0 sent $tx bytes over its link, the store reports $put bytes of KV put"
 fi
