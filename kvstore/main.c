@@ -288,6 +288,18 @@ static di_status load_geometry(app *a, di_error *err)
         a->o.window_bytes ? a->o.window_bytes : kv_window_state_bytes(&a->geometry);
     a->object_bytes[KVKEY_HANDOFF] =
         a->o.handoff_max_bytes ? a->o.handoff_max_bytes : handoff_max_bytes(&cfg, a);
+    /* The default must not stop a small store from starting: it is capped at one slot of the
+     * handoff share, and the start-up line says what that costs. */
+    uint64_t share = (uint64_t)((double)a->o.dram_bytes * a->o.handoff_share) & ~4095ull;
+    if (!a->o.handoff_max_bytes && share > KV_HEADER_BYTES &&
+        a->object_bytes[KVKEY_HANDOFF] > share) {
+        di_log(&a->log, DI_LOG_WARN,
+               "handoffs capped at %llu bytes (--dram-bytes x --dram-handoff-share), below the "
+               "%llu bytes of the model's longest handoff: a request whose handoff is larger "
+               "fails at prefill (raise --dram-bytes or --dram-handoff-share)",
+               (unsigned long long)share, (unsigned long long)a->object_bytes[KVKEY_HANDOFF]);
+        a->object_bytes[KVKEY_HANDOFF] = share;
+    }
     for (int c = 0; c < (int)KVKEY_CLASS_COUNT; c++)
         if (a->object_bytes[c] <= KV_HEADER_BYTES || a->object_bytes[c] > (1ull << 31))
             return di_fail(err, DI_EINVAL, "%s objects of %llu bytes: must be %u..2^31 bytes",
