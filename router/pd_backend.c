@@ -17,6 +17,8 @@ struct pd_backend {
     pd_config cfg;
     pthread_mutex_t mu;      /* guards the list, the counters and every request's cur/aborted */
     pthread_cond_t cv;       /* signalled when a request ends */
+    pthread_t sweeper;       /* cancels prefill calls on ranks that left rotation */
+    bool sweeping, stop_sweep;
     struct pd_req *head;     /* requests running */
     uint64_t next_handle, started, retries, running;
     uint64_t nonce;          /* makes request ids unique across router restarts */
@@ -42,6 +44,8 @@ typedef struct pd_req {
     rt_gen_cb cb;
     bool aborted;
     rpc_stream *cur;
+    long prefill_rank;       /* rank index of the prefill call in flight, -1: none (b->mu) */
+    bool rank_lost;          /* that call was cancelled because its rank left rotation */
     char id[64];
     uint32_t n_out;          /* tokens relayed */
     outcome out;             /* what the calls brought (the request thread's) */
@@ -254,11 +258,22 @@ static di_status do_prefill(pd_req *q, uint32_t cached, outcome *out, rk_pick *p
         uint64_t t0 = di_mono_ns();
         uint64_t computed = q->req.n_prompt > cached ? q->req.n_prompt - cached : 0;
         di_error e = {0};
+        pthread_mutex_lock(&b->mu);
+        q->prefill_rank = p.idx;
+        q->rank_lost = false;
+        pthread_mutex_unlock(&b->mu);
         st = run_call(q, p.client, "/di.prefill.Prefill/Prefill", buf, n,
                       b->cfg.prefill_timeout_ms, on_prefill_msg, &e);
+        pthread_mutex_lock(&b->mu);
+        q->prefill_rank = -1;
+        bool lost = q->rank_lost && !q->aborted;
+        pthread_mutex_unlock(&b->mu);
+        if (lost && st != DI_OK)
+            st = di_fail(&e, DI_EUNAVAIL, "left rotation (missed heartbeats) with the call in "
+                         "flight");
         if (st == DI_OK && !out->pre)
             st = di_fail(&e, DI_EPROTO, "Prefill ended without a reply");
-        bool cancelled = st == DI_ECANCELED || is_aborted(q);
+        bool cancelled = !lost && (st == DI_ECANCELED || is_aborted(q));
         double secs = out->pre && out->pre->compute_ms ? out->pre->compute_ms / 1000.0
                                                        : (double)(di_mono_ns() - t0) * 1e-9;
         /* A cancel of ours is not the rank's fault. */
@@ -280,6 +295,33 @@ static di_status do_prefill(pd_req *q, uint32_t cached, outcome *out, rk_pick *p
     }
     free(buf);
     return st;
+}
+
+/* A rank that leaves rotation while a prefill call waits on it (a cut link gives no reset)
+ * would hold the request until --prefill-timeout: the sweeper cancels such calls so that
+ * do_prefill retries them on another rank at once. Nothing has reached the client yet. */
+static void *sweep_thread(void *arg)
+{
+    pd_backend *b = arg;
+    pthread_mutex_lock(&b->mu);
+    while (!b->stop_sweep) {
+        for (pd_req *q = b->head; q; q = q->next)
+            if (q->prefill_rank >= 0 && q->cur && !q->aborted && !q->rank_lost &&
+                rk_health(b->cfg.ranks, (size_t)q->prefill_rank) == PL_OUT) {
+                q->rank_lost = true;
+                rpc_stream_cancel(q->cur);
+            }
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 100 * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        pthread_cond_timedwait(&b->cv, &b->mu, &ts);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return NULL;
 }
 
 static rt_finish finish_of(Di__Engine__Finish f)
@@ -388,6 +430,7 @@ static di_status pd_generate(void *self, const rt_gen_req *req, const rt_gen_cb 
     }
     memcpy(p, req->prompt, req->n_prompt * sizeof *p);
     q->b = b;
+    q->prefill_rank = -1;
     q->req = *req;
     q->req.prompt = p;
     q->prompt = p;
@@ -447,6 +490,14 @@ di_status pd_new(const pd_config *cfg, pd_backend **out, di_error *err)
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     b->nonce = ((uint64_t)ts.tv_sec << 32) ^ (uint64_t)ts.tv_nsec ^ ((uint64_t)getpid() << 16);
+    if (pthread_create(&b->sweeper, NULL, sweep_thread, b) != 0) {
+        pthread_cond_destroy(&b->cv);
+        pthread_mutex_destroy(&b->store_mu);
+        pthread_mutex_destroy(&b->mu);
+        free(b);
+        return di_fail(err, DI_ENOMEM, "cannot start the backend's sweeper thread");
+    }
+    b->sweeping = true;
     *out = b;
     return DI_OK;
 }
@@ -463,7 +514,11 @@ void pd_free(pd_backend *b)
     }
     while (b->running > 0)
         pthread_cond_wait(&b->cv, &b->mu);
+    b->stop_sweep = true;
+    pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
+    if (b->sweeping)
+        pthread_join(b->sweeper, NULL);
     pthread_cond_destroy(&b->cv);
     pthread_mutex_destroy(&b->store_mu);
     pthread_mutex_destroy(&b->mu);

@@ -556,6 +556,39 @@ Test(pd, ranks_that_miss_heartbeats_leave_rotation_and_come_back, .timeout = 90)
     fake_stop(&P2);
 }
 
+/* A rank that leaves rotation while a prefill call waits on it (a cut link answers nothing):
+ * the call is cancelled and the request retried on another rank at once, not after the
+ * prefill deadline. */
+Test(pd, a_prefill_waiting_on_a_rank_that_left_rotation_is_retried_at_once, .timeout = 60)
+{
+    pd_backend *b;
+    rk_table *t = setup(true, 30000, &b);
+    atomic_store(&P1.delay_ms, 20000);
+    atomic_store(&P2.delay_ms, 20000);
+    seen s;
+    cr_assert_eq(gen(b, &s, 4, NULL), DI_OK);
+    for (int i = 0; i < 400 && atomic_load(&P1.calls) + atomic_load(&P2.calls) < 1; i++)
+        usleep(5000);
+    fake *hung = atomic_load(&P1.calls) ? &P1 : &P2, *other = hung == &P1 ? &P2 : &P1;
+    size_t hung_idx = hung == &P1 ? 0 : 1;
+    atomic_store(&other->delay_ms, 0);
+    atomic_store(&hung->draining, 1); /* its heartbeats now fail: out of rotation */
+    double secs = wait_for(&s, 0);
+    cr_assert_eq(s.st, DI_OK, "%s", s.msg);
+    cr_assert_eq(s.n, 4);
+    cr_assert_lt(secs, 10.0, "the retry waited %.1f s", secs);
+    cr_assert_eq(rk_health(t, hung_idx), PL_OUT);
+    cr_assert_eq(atomic_load(&other->calls), 1);
+    uint64_t started, retries, running;
+    pd_counts(b, &started, &retries, &running);
+    cr_assert_eq(retries, 1);
+    for (int i = 0; i < 400 && atomic_load(&hung->cancels) < 1; i++)
+        usleep(5000);
+    cr_assert_eq(atomic_load(&hung->cancels), 1, "the call on the rank that left was cancelled");
+    atomic_store(&hung->delay_ms, 0);
+    teardown(t, b);
+}
+
 Test(pd, registration_adds_a_rank_once, .timeout = 30)
 {
     reset_fakes();
