@@ -116,10 +116,11 @@ wait_port() { # host, port file, pid
   return 1
 }
 
-# the store: the flags of deploy/k8s/base/kvstore.yaml
+# the store: the flags of deploy/k8s/base/kvstore.yaml, and room for the demo model's handoffs
+# (2.7 MB each: the default largest handoff is one block and one window state, 49 KB)
 ip netns exec "$(ns kvstore)" "$build/kvstore/di-kvstore" --listen "$net.5:9470" --port-file "$work/kvstore.port" \
   --dir "$work/kv" --model "$work/model" --durability wal --dram-bytes 256MiB --disk-bytes 8GiB \
-  --ttl-block 3d --ttl-window 3d --ttl-handoff 60s \
+  --ttl-block 3d --ttl-window 3d --ttl-handoff 60s --handoff-max-bytes 4MiB --dram-handoff-share 0.25 \
   --token-file "$work/secrets/engine.token" \
   --admin-token-file "$work/secrets/kvstore-admin.token" --log-level info >"$work/kvstore.log" 2>&1 &
 pids+=($!)
