@@ -1,107 +1,130 @@
 #!/usr/bin/env bash
-# The main job on one machine, everything on loopback, small model on the CPU backend:
+# The main job on one machine: the disaggregated cluster on loopback, small model, CPU backend.
 #   1. builds the project (build/);
-#   2. writes a random-weight `demo` checkpoint (di-mkmodel, with its checksum manifest) and
-#      starts the KV store (di-kvstore) for it with engine and admin tokens, RocksDB in a temp dir;
-#   3. generates text with the offline NORMAL engine (di-generate: scheduler, V4.1 forward on the
-#      CPU, speculative decoding with the draft model, sampler) on the `demo` config (random
-#      weights, the DeepSeek tokenizer's vocabulary), twice on the same long prompt with the KV
-#      store: the first run stores the prompt's KV, the second loads its cached prefix and
-#      prefills only the rest, with the same text;
-#   4. shows what the store holds (di-kvctl stats, inspect of the prompt);
-#   5. runs the scheduler simulator (di-sim) on two ranks, and sizes the KV of V4.1-Flash
-#      (di-plan kv);
-#   6. stops the store and removes its data.
-# Options: --keep keeps the temp dir; --prompt TEXT changes the prompt.
+#   2. brings the cluster up (deploy/local/cluster.sh up: a random-weight `demo` checkpoint,
+#      di-kvstore, one di-prefill and one di-decode rank, di-router with client keys);
+#   3. sends a chat request to the router's OpenAI API with curl and prints the answer as it
+#      streams (random weights, so the text is noise);
+#   4. sends a second chat request with the same long system prompt and another question: shows
+#      what the store holds of the shared prefix (di-kvctl inspect) and the cached tokens the
+#      router reports, and what is and is not reused;
+#   5. shows the store's counters (di-kvctl stats);
+#   6. stops everything (deploy/local/cluster.sh down), also on an error and on Ctrl-C.
+# The offline engine with the store-backed resume of di-generate: deploy/local/offline.sh.
+# Options: --keep keeps the state dir (logs, tokens, checkpoint); --prefill N, --decode M,
+# --backend cpu|cuda go to cluster.sh up.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 
 keep=0
-prompt="The capital of France is"
+up_args=()
 while [ $# -gt 0 ]; do
   case "$1" in
     --keep) keep=1 ;;
-    --prompt) prompt=$2; shift ;;
-    -h|--help) sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    --prefill|--decode|--backend) up_args+=("$1" "${2:?$1 needs a value}"); shift ;;
+    -h|--help) sed -n '2,/^[^#]/{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
     *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
   esac
   shift
+done
+for t in curl jq; do
+  command -v "$t" >/dev/null || { echo "run.sh: $t is not installed: run deploy/local/install-deps.sh" >&2; exit 1; }
 done
 
 step() { printf '\n== %s\n' "$*"; }
 
 step "build"
-if [ ! -f build/build.ninja ]; then
-  meson setup build --buildtype=debugoptimized >/dev/null
-fi
-ninja -C build >/dev/null
-for b in kvstore/di-kvstore kvstore/di-kvctl tools/generate/di-generate \
-         tools/mkmodel/di-mkmodel tools/sim/di-sim tools/plan/di-plan; do
-  [ -x "build/$b" ] || { echo "run.sh: build/$b was not built (missing dependencies? run deploy/local/install-deps.sh)" >&2; exit 1; }
-done
-tok=data/tokenizer/deepseek-v3/tokenizer.json
-[ -f "$tok" ] || { echo "run.sh: $tok is missing: run deploy/local/install-deps.sh" >&2; exit 1; }
-echo "built in build/"
+deploy/local/build.sh kvstore/di-kvstore kvstore/di-kvctl prefill/di-prefill decode/di-decode \
+  router/di-router tools/mkmodel/di-mkmodel tools/tokenize/di-tokenize
 
-work=$(mktemp -d /tmp/deepinfer-local.XXXXXX)
-store_pid=
+step "the cluster on loopback: deploy/local/cluster.sh up"
+state=
+env_file=
 cleanup() {
-  if [ -n "$store_pid" ] && kill -0 "$store_pid" 2>/dev/null; then
-    kill -TERM "$store_pid" 2>/dev/null || true
-    wait "$store_pid" 2>/dev/null || true
+  local rc=$?
+  trap - EXIT INT TERM
+  [ -z "$env_file" ] || rm -f "$env_file"
+  if [ -n "$state" ]; then
+    step "stop: deploy/local/cluster.sh down"
+    if [ "$keep" = 1 ]; then deploy/local/cluster.sh down "$state" --keep
+    else deploy/local/cluster.sh down "$state"; fi
   fi
-  if [ "$keep" = 1 ]; then echo "kept $work"; else rm -rf "$work"; fi
+  exit "$rc"
 }
 trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+env_file=$(mktemp /tmp/deepinfer-run.XXXXXX)
+deploy/local/cluster.sh up ${up_args[@]+"${up_args[@]}"} >"$env_file"
+# shellcheck disable=SC1090,SC2154
+. "$env_file"
+sed 's/^/  /' "$state/cluster.env"
+key=$(cat "$api_key_file")
 
-step "a random-weight demo checkpoint with its checksum manifest: di-mkmodel demo"
-build/tools/mkmodel/di-mkmodel --quiet demo "$work/demo"
-
-step "KV store on loopback, for that checkpoint (model id from its config and manifest)"
-head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/engine.token"
-head -c 16 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$work/admin.token"
-build/kvstore/di-kvstore --dir "$work/kv" --listen 127.0.0.1:0 --port-file "$work/port" \
-  --model "$work/demo" --token-file "$work/engine.token" --admin-token-file "$work/admin.token" \
-  --dram-bytes 64MiB --disk-bytes 1GiB --log-level warn >"$work/kvstore.log" 2>&1 &
-store_pid=$!
-for _ in $(seq 1 200); do
-  [ -s "$work/port" ] && break
-  kill -0 "$store_pid" 2>/dev/null || { cat "$work/kvstore.log" >&2; exit 1; }
-  sleep 0.05
-done
-[ -s "$work/port" ] || { echo "run.sh: di-kvstore did not start" >&2; cat "$work/kvstore.log" >&2; exit 1; }
-addr=127.0.0.1:$(cat "$work/port")
-echo "di-kvstore serving on $addr (pid $store_pid, data in $work/kv)"
-
-step "generate twice with the KV store: di-generate --model demo (random weights, so the text is noise)"
-# a long system prompt (whole 128-token blocks to cache) and the question
+# A long system prompt (whole 128-token blocks for the store) shared by both requests.
 system=$(for i in $(seq 1 30); do printf 'Rule %d: answer briefly, and name the source of every number you give. ' "$i"; done)
-printf '%s Question: %s' "$system" "$prompt" >"$work/prompt.txt"
-for run in 1 2; do
-  echo "-- run $run"
-  build/tools/generate/di-generate --model "$work/demo" --prompt "$(cat "$work/prompt.txt")" \
-    --max-tokens 24 --temperature 0.8 --seed 7 --kvstore "$addr" \
-    --kvstore-token-file "$work/engine.token" >"$work/run$run.out" 2>"$work/run$run.err"
-  grep -E 'model id|prompt 1:|KV store:|prefill|warning' "$work/run$run.err" | sed 's/^di-generate: /  /'
-  grep '^text' "$work/run$run.out" | sed 's/^/  /'
-done
-if cmp -s "$work/run1.out" "$work/run2.out"; then echo "same tokens and text in both runs"
-else echo "run.sh: the run with the cached prefix gave other tokens" >&2; exit 1; fi
+messages() { jq -cn --arg s "$system" --arg q "$1" '[{role:"system",content:$s},{role:"user",content:$q}]'; }
 
-step "what the store holds: di-kvctl stats, inspect of the prompt"
-export DI_KVSTORE_TARGET=$addr
-export DI_KVSTORE_ADMIN_TOKEN=$(cat "$work/admin.token")
+chat() { # question: streams the answer, prints it as it comes, leaves the usage in $state/usage.json
+  local body
+  body=$(jq -cn --arg m "$model" --argjson msgs "$(messages "$1")" \
+    '{model:$m, messages:$msgs, max_tokens:24, temperature:0.8, seed:7, stream:true,
+      stream_options:{include_usage:true}}')
+  printf '  Q: %s\n  A: ' "$1"
+  curl -sSN --fail-with-body -m 120 "$router_http/v1/chat/completions" \
+    -H "Authorization: Bearer $key" -H 'Content-Type: application/json' -d "$body" |
+  while IFS= read -r line; do
+    line=${line%$'\r'}
+    case "$line" in
+      'data: [DONE]') break ;;
+      'data: '*)
+        chunk=${line#data: }
+        if [ "$(jq -r '.usage != null' <<<"$chunk")" = true ]; then
+          jq -c '.usage' <<<"$chunk" >"$state/usage.json"
+        elif [ "$(jq -r 'has("error")' <<<"$chunk")" = true ]; then
+          printf '\n' ; echo "run.sh: the stream ended with an error: $chunk" >&2; exit 1
+        else
+          jq -j '.choices[0].delta.content // empty' <<<"$chunk"
+        fi ;;
+      *) [ -z "$line" ] || { printf '\n'; echo "run.sh: the router answered: $line" >&2; exit 1; } ;;
+    esac
+  done
+  printf '\n'
+  [ -s "$state/usage.json" ] || { echo "run.sh: the stream carried no usage" >&2; exit 1; }
+  jq -r '"  usage: \(.prompt_tokens) prompt tokens, \(.completion_tokens) completion tokens, prompt_tokens_details.cached_tokens \(.prompt_tokens_details.cached_tokens)"' "$state/usage.json"
+}
+
+step "a chat request, streamed: curl $router_http/v1/chat/completions (random weights: the text is noise)"
+rm -f "$state/usage.json"
+chat "What is the capital of France?"
+cached1=$(jq -r '.prompt_tokens_details.cached_tokens' "$state/usage.json")
+
+step "a second request with the same system prompt and another question"
+rm -f "$state/usage.json"
+chat "And the capital of Italy?"
+prompt2=$(jq -r '.prompt_tokens' "$state/usage.json")
+cached2=$(jq -r '.prompt_tokens_details.cached_tokens' "$state/usage.json")
+
+echo "  what the store holds of the second prompt (di-tokenize --chat, di-kvctl inspect):"
+export DI_KVSTORE_TARGET=$kvstore
+DI_KVSTORE_ADMIN_TOKEN=$(cat "$admin_token_file")
+export DI_KVSTORE_ADMIN_TOKEN
+messages "And the capital of Italy?" |
+  build/tools/tokenize/di-tokenize --chat --tokenizer data/tokenizer/deepseek-v3/tokenizer.json >"$state/prompt2.ids"
+build/kvstore/di-kvctl inspect "$state/prompt2.ids" | sed 's/^/    /'
+held=$(build/kvstore/di-kvctl --json inspect "$state/prompt2.ids" | jq -r '.cached_prefix_blocks')
+[ "$held" -ge 1 ] || { echo "run.sh: the store holds none of the shared system prompt" >&2; exit 1; }
+echo
+echo "  Prefix cache: the store holds $held blocks ($((held * 128)) tokens) of the second prompt's $prompt2:"
+echo "  the shared system prompt, stored by di-prefill for the first request. The router looked"
+echo "  them up (the lookup counters of di-kvctl stats below) and placed the prefill by the"
+echo "  tokens left to compute. Not reused yet: di-prefill computes every prompt token again (it"
+echo "  stores full blocks but does not load prefix hits), so the router reports"
+echo "  usage.prompt_tokens_details.cached_tokens = $cached2 for the second request ($cached1 for the"
+echo "  first): the tokens prefill actually took from the store. What the store does save today is"
+echo "  the handoff: decode loads the prompt's KV and state from it instead of recomputing them."
+echo "  A resume from a cached prefix is what di-generate --kvstore does: deploy/local/offline.sh."
+
+step "the store's counters: di-kvctl stats"
 build/kvstore/di-kvctl stats
-build/kvstore/di-kvctl inspect --text "$work/prompt.txt" --bos
-
-step "scheduler simulation: di-sim, 2 ranks, 400 requests"
-build/tools/sim/di-sim --requests 400 --rate 20 --ranks 2 --async --seed 1
-
-step "KV sizes of DeepSeek-V4.1-Flash: di-plan kv"
-echo '{"config": "v41-flash", "tokens": [16389, 50000]}' | build/tools/plan/di-plan kv
-
-step "stop"
-kill -TERM "$store_pid"
-wait "$store_pid" && echo "di-kvstore stopped cleanly"
-store_pid=
