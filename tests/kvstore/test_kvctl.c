@@ -55,8 +55,9 @@ static void setup(fx *f, int32_t *tokens)
     FILE *t = fopen(f->tok, "w");
     fputs("admin-secret\n", t);
     fclose(t);
-    const char *args[] = {"--block-bytes", "4224", "--window-bytes", "8320", "--dram-bytes",
-                          "8MiB", "--admin-token-file", f->tok, NULL};
+    const char *args[] = {"--block-bytes", "4224", "--window-bytes", "8320",
+                          "--handoff-max-bytes", "16512", "--dram-bytes", "8MiB",
+                          "--admin-token-file", f->tok, NULL};
     th_store_start(&f->s, f->dir, args);
     kvc_client *c = th_client(&f->s, NULL);
     for (int i = 0; i < 300; i++)
