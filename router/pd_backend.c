@@ -311,13 +311,7 @@ static void *sweep_thread(void *arg)
                 q->rank_lost = true;
                 rpc_stream_cancel(q->cur);
             }
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        ts.tv_nsec += 100 * 1000000L;
-        if (ts.tv_nsec >= 1000000000L) {
-            ts.tv_sec++;
-            ts.tv_nsec -= 1000000000L;
-        }
+        struct timespec ts = di_realtime_in_ms(100);
         pthread_cond_timedwait(&b->cv, &b->mu, &ts);
     }
     pthread_mutex_unlock(&b->mu);

@@ -472,13 +472,7 @@ static void *engine_main(void *arg)
                 cancels = atomic_load(&r->cancelled);
             if (cancels)
                 break;
-            struct timespec ts;
-            clock_gettime(CLOCK_REALTIME, &ts);
-            ts.tv_nsec += 20 * 1000000L;
-            if (ts.tv_nsec >= 1000000000L) {
-                ts.tv_sec++;
-                ts.tv_nsec -= 1000000000L;
-            }
+            struct timespec ts = di_realtime_in_ms(20);
             pthread_cond_timedwait(&s->cv, &s->mu, &ts);
         }
         sreq *in = s->inbox;

@@ -30,4 +30,19 @@ static inline uint64_t di_thread_cpu_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+/* The CLOCK_REALTIME time ms milliseconds from now, for pthread_cond_timedwait on a condition
+ * variable with the default clock. */
+static inline struct timespec di_realtime_in_ms(uint32_t ms)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    ts.tv_sec += ms / 1000;
+    ts.tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
 #endif
