@@ -1,8 +1,9 @@
 /* kernels.h: the backend table, one function pointer per numeric op of the V4.1 forward.
  *
  * The forward (common/model/forward*.c) is written once against this table. kernels/cpu fills
- * every entry with the plain C reference (kern_cpu_create); a device backend later overrides
- * the entries it supports and must match the CPU entry within the tolerance stated at each op.
+ * every entry but the optional `sample` with the plain C reference (kern_cpu_create); a device
+ * backend later overrides the entries it supports and must match the CPU entry within the
+ * tolerance stated at each op.
  *
  * Conventions shared by every op:
  *  - One POD params struct per op; the op reads it and never keeps a pointer to it.

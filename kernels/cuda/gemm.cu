@@ -334,7 +334,7 @@ static di_status gemm_invariant(cuda_ctx *c, const cuda_gemm *g)
     const size_t ysz = g->out_f32 ? 4 : 2;
     const size_t xb = cuda_align_up((size_t)CUDA_BI_ROWS * xw * 2);
     const size_t yb = cuda_align_up((size_t)CUDA_BI_ROWS * yw * ysz);
-    uint8_t *buf;
+    uint8_t *buf = NULL;
     di_status st = bi_buffer(c, xb + yb, &buf);
     if (st != DI_OK)
         return st;

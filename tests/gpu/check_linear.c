@@ -26,7 +26,8 @@
 
 static const char usage[] =
     "usage: check_linear [--bench] [--seed N]\n"
-    "  CUDA linear_fp8, linear_fp4, linear_bf16, head against the C twins; --bench adds timings\n";
+    "  CUDA linear_fp8, linear_fp4, linear_bf16, head against the C twins; --bench adds timings\n"
+    "  (CHECK_LINEAR_BENCH=NAME times only the bench shapes whose name contains NAME)\n";
 
 enum { OP_FP8, OP_FP4, OP_BF16, OP_HEAD, OP_COUNT };
 static const char *const op_name[OP_COUNT] = {"linear_fp8", "linear_fp4", "linear_bf16", "head"};
@@ -334,17 +335,20 @@ static void sweep(chk_env *env, const kern_backend *simple)
         print_stats(op_name[i], &per_op[i]);
     print_stats("all ops on the plain GEMM", &plain);
     /* batch-invariant mode: the fixed 64-row chunks, padded strides, groups and accumulation
-     * held to the same tolerance */
+     * held to the same tolerance, on cases the default path passes above (a small shape's
+     * every output kind, a large shape's two cases: at k >= 4096, arange x against
+     * extreme-code weights cancels enough that another fp32 summation order can leave the
+     * tolerance, whatever the path) */
     sweep_stats inv = {0, 0, 0.0, 1.0};
     kern_cuda_set_batch_invariant(&env->gpu, 1);
-    for (size_t si = 0; si < N_SHAPES; si++)
-        for (size_t ci = 0; ci < 3 * N_PAIRS; ci += N_PAIRS + 1) {
+    for (size_t si = 0; si < N_SHAPES; si++) {
+        const shape *sh = &shapes[si];
+        for (size_t c = 0; c < (sh->full ? 3 : 2); c++) {
             lin_case lc;
-            shape_cases(&shapes[si], ci, &lc);
-            if (shapes[si].m * shapes[si].n >= 200000 && ci > 0)
-                continue;
+            shape_cases(sh, sh->full ? c * (N_PAIRS + 1) : (c == 0 ? 3 : N_PAIRS + 5), &lc);
             run_case(env, &env->gpu, &lc, &inv);
         }
+    }
     kern_cuda_set_batch_invariant(&env->gpu, 0);
     print_stats("all ops, batch-invariant mode", &inv);
 }
@@ -602,8 +606,11 @@ static void bench(chk_env *env)
     size_t n_rows = sizeof(bench_shapes) / sizeof(bench_shapes[0]) * (sizeof(bench_m) / sizeof(bench_m[0]));
     bench_row *rows = chk_malloc(n_rows * sizeof(*rows));
     size_t r = 0;
+    const char *only = getenv("CHECK_LINEAR_BENCH"); /* names containing this, when set */
     for (size_t s = 0; s < sizeof(bench_shapes) / sizeof(bench_shapes[0]); s++)
         for (size_t i = 0; i < sizeof(bench_m) / sizeof(bench_m[0]); i++) {
+            if (only && *only && !strstr(bench_shapes[s].name, only))
+                continue;
             bench_shape_m(env, &bench_shapes[s], bench_m[i], &rows[r++]);
             fprintf(stderr, "bench %s m=%u done\n", bench_shapes[s].name, bench_m[i]);
         }
