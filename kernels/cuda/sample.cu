@@ -15,6 +15,9 @@
  * far (counts, and masses as 64-bit integers), one warp finds the bin where the target falls.
  * A pass stops early once the bin it picked holds exactly what is needed.
  *
+ * Scratch: 12 bytes per candidate slot, rows x min(force top-k, vocabulary) slots (64 rows of
+ * 4,096: 3 MB; with force top-k off, 64 rows of 129,280: 99 MB).
+ *
  * Passes per row: one over the vocabulary (bad logits, allowed count, largest key), the
  * force-top-k selection over the vocabulary (usually 4-5 passes), one that writes the
  * candidates (key, mass) to a scratch list, then a few over that list (top-k, top-p, the draw,
