@@ -1,8 +1,9 @@
 /* kernels.h: the backend table, one function pointer per numeric op of the V4.1 forward.
  *
  * The forward (common/model/forward*.c) is written once against this table. kernels/cpu fills
- * every entry with the plain C reference (kern_cpu_create); a device backend later overrides
- * the entries it supports and must match the CPU entry within the tolerance stated at each op.
+ * every entry but the optional `sample` with the plain C reference (kern_cpu_create); a device
+ * backend later overrides the entries it supports and must match the CPU entry within the
+ * tolerance stated at each op.
  *
  * Conventions shared by every op:
  *  - One POD params struct per op; the op reads it and never keeps a pointer to it.
@@ -497,6 +498,59 @@ typedef struct kern_copy_rows {
     size_t dst_stride;          /* bytes */
 } kern_copy_rows;
 
+/* ---- sampling on the backend ------------------------------------------------------------ */
+
+/* Sampling from logits that stay in backend memory: each row's token drawn exactly as
+ * common/sampling's sampler_sample draws it (sampler.h steps 1-10: force top-k with ties to the
+ * lower id, temperature, integer masses floor(w * 2^31), draw order, top-k, top-p, the keyed
+ * Philox draw), with its processed logprob and top logprobs. Only integer sums follow the
+ * exponentials, so no result depends on a reduction order. Blacklist, a banned EOS and a
+ * grammar mask arrive as one bitmap of allowed tokens (sampler_kern_row builds it). This entry
+ * is optional: the CPU backend leaves it NULL and the caller runs common/sampling on host
+ * logits, which is its reference (tests/gpu/check_sample.c). */
+#define KERN_SAMPLE_MAX_TOP 20
+
+typedef enum kern_sample_status {
+    KERN_SAMPLE_OK = 0,
+    KERN_SAMPLE_BAD_LOGIT = 1,   /* a logit is NaN or +inf (sampler.h: DI_ERANGE) */
+    KERN_SAMPLE_ALL_BLOCKED = 2, /* no token may be drawn (DI_ERANGE) */
+} kern_sample_status;
+
+/* One row's parameters, already validated and resolved (sampling_params, sampler_row). */
+typedef struct kern_sample_row {
+    float temperature;          /* > 0 and finite: the temperature used (0 already made 1e-5) */
+    float top_p;                /* (0, 1]; 1 = off */
+    int32_t top_k;              /* <= 0 = off */
+    uint32_t force_top_k;       /* 0 = off */
+    uint32_t n_logprobs;        /* 0 .. KERN_SAMPLE_MAX_TOP */
+    uint64_t seed;              /* key of the draw (the draft seed for a draft row) */
+    uint64_t stream;            /* counter of the draw: sampler_stream(position, row, case) */
+    const uint32_t *allowed;    /* host [(n_vocab + 31) / 32]: bit t % 32 of word t / 32 set =
+                                 * token t may be drawn; NULL = every token */
+} kern_sample_row;
+
+/* One row's outcome (host memory). */
+typedef struct kern_sample_out {
+    int32_t status;             /* kern_sample_status; the rest is undefined unless OK */
+    int32_t token;              /* the drawn token */
+    float logprob;              /* log(m / M) of the token, rounded once to fp32 */
+    uint32_t n_top;             /* min(n_logprobs, n_kept) */
+    uint64_t total;             /* M: the kept tokens' integer mass */
+    uint32_t n_kept;            /* tokens of non-zero mass after top-k and top-p */
+    uint32_t pad;
+    int32_t top_tokens[KERN_SAMPLE_MAX_TOP];  /* the first n_top tokens in draw order */
+    float top_logprobs[KERN_SAMPLE_MAX_TOP];  /* their logprobs */
+} kern_sample_out;
+
+typedef struct kern_sample {
+    uint32_t n_rows;
+    uint32_t n_vocab;           /* >= 1 */
+    const float *logits;        /* [n_rows, n_vocab] f32 (backend memory), row stride below */
+    size_t logits_stride;       /* >= n_vocab */
+    const kern_sample_row *rows; /* host [n_rows] */
+    kern_sample_out *out;       /* host [n_rows], written before the op returns */
+} kern_sample;
+
 /* ---- the table ----------------------------------------------------------------------------- */
 
 typedef struct kern_ops {
@@ -531,6 +585,8 @@ typedef struct kern_ops {
     di_status (*engram_lookup)(void *ctx, const kern_engram_lookup *p);
     di_status (*engram_gate)(void *ctx, const kern_engram_gate *p);
     di_status (*copy_rows)(void *ctx, const kern_copy_rows *p);
+    /* optional (NULL on the CPU backend): sampling from backend-memory logits, above */
+    di_status (*sample)(void *ctx, const kern_sample *p);
 } kern_ops;
 
 /* A backend: its name, its state (thread pool, lookup tables) and its table. */

@@ -896,20 +896,16 @@ static di_status final_logits(fwd_run *r, const fwd_step *st, float *logits, di_
                         .x_stride = c->dim, .w = m->head, .out_f32 = 1, .y = r->logits,
                         .y_stride = c->vocab_size};
     FWD_TRY(err, -1, be->ops.head(be->ctx, &head)); /* [n, V] f32 */
-    be->ops.to_host(be->ctx, logits, r->logits, bytes);
+    if (logits) /* NULL: they stay in backend memory (fwd_step_run_keep) */
+        be->ops.to_host(be->ctx, logits, r->logits, bytes);
     return DI_OK;
 }
 
-di_status fwd_step_run(fwd_run *r, fwd_kv *kv, const fwd_step *st, float *logits, di_error *err)
+/* A checked step; logits NULL keeps them in backend memory. */
+static di_status step_run(fwd_run *r, fwd_kv *kv, const fwd_step *st, float *logits,
+                          uint32_t T, di_error *err)
 {
-    if (!r)
-        return di_fail(err, DI_EINVAL, "step: run is NULL");
-    uint32_t T = 0;
-    di_status s = check_step(r, kv, st, &T, err);
-    if (s != DI_OK)
-        return s;
-    if (st->n_logit_rows && !logits)
-        return di_fail(err, DI_EINVAL, "step: logits output is NULL");
+    di_status s;
     fwd_model *m = r->m;
     const model_config *c = m->cfg;
     build_rows(r, kv, st);
@@ -924,4 +920,31 @@ di_status fwd_step_run(fwd_run *r, fwd_kv *kv, const fwd_step *st, float *logits
     if (c->n_mtp && (s = fwd_draft_rings(r, kv, err)) != DI_OK)
         return s;
     return final_logits(r, st, logits, err);
+}
+
+di_status fwd_step_run(fwd_run *r, fwd_kv *kv, const fwd_step *st, float *logits, di_error *err)
+{
+    if (!r)
+        return di_fail(err, DI_EINVAL, "step: run is NULL");
+    uint32_t T = 0;
+    di_status s = check_step(r, kv, st, &T, err);
+    if (s != DI_OK)
+        return s;
+    if (st->n_logit_rows && !logits)
+        return di_fail(err, DI_EINVAL, "step: logits output is NULL");
+    return step_run(r, kv, st, logits, T, err);
+}
+
+di_status fwd_step_run_keep(fwd_run *r, fwd_kv *kv, const fwd_step *st, const float **logits,
+                            di_error *err)
+{
+    if (!r || !logits)
+        return di_fail(err, DI_EINVAL, "step: run or logits pointer is NULL");
+    uint32_t T = 0;
+    di_status s = check_step(r, kv, st, &T, err);
+    if (s == DI_OK)
+        s = step_run(r, kv, st, NULL, T, err);
+    if (s == DI_OK)
+        *logits = st->n_logit_rows ? r->logits : NULL;
+    return s;
 }

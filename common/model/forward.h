@@ -141,6 +141,14 @@ typedef struct fwd_step {
 di_status fwd_step_run(fwd_run *r, fwd_kv *kv, const fwd_step *step, float *logits,
                        di_error *err);
 
+/* The same step with the logits left in backend memory: *logits gets the run's
+ * [n_logit_rows, vocab_size] f32 buffer (NULL when no row asked for logits), valid until the
+ * next step of this run, for an on-device consumer such as the backend's sampler
+ * (sampler_sample_backend), so the host copy of fwd_step_run is not made. Same checks and
+ * failures; DI_EINVAL for a NULL logits pointer. */
+di_status fwd_step_run_keep(fwd_run *r, fwd_kv *kv, const fwd_step *step, const float **logits,
+                            di_error *err);
+
 /* ---- draft model (DSpark, MODEL.md §2.11) ---- */
 
 /* Picks the draft token for slot i of request `req` from its Markov-corrected logits (the

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/sampling/sampler_backend.h"
 #include "common/util/clock.h"
 #include "common/util/machine.h"
 
@@ -565,6 +566,91 @@ static di_status propose(runner_exec *ex, const sched_plan *plan, sched_seq_resu
     return DI_OK;
 }
 
+/* Entry i's result, cleared to OK, and its request with no error yet. */
+static rx_req *result_open(runner_exec *ex, const sched_plan *plan, uint32_t i,
+                           sched_seq_result *res)
+{
+    memset(res, 0, sizeof(*res));
+    res->status = SCHED_RESULT_OK;
+    rx_req *r = find(ex, plan->seqs[i].request_id);
+    r->err[0] = 0;
+    return r;
+}
+
+/* 1 when the step can sample on the backend: it has the entry, the caller did not ask for
+ * host sampling or the logits, and every sampled entry draws one fresh row (a prompt's last
+ * row, or a decode row with no drafts to verify) with no forced token. */
+static int device_sampling(const runner_exec *ex, const sched_plan *plan)
+{
+    if (!ex->be->ops.sample || ex->opt.host_sampling || ex->opt.on_logits)
+        return 0;
+    uint32_t sampled = 0;
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        if (ex->lbase[i] < 0)
+            continue;
+        const sched_seq_plan *p = &plan->seqs[i];
+        const rx_req *r = find(ex, p->request_id);
+        if ((!plan->prompt_run && p->seqlen_q != 1) || r->n_out < r->n_forced)
+            return 0;
+        sampled++;
+    }
+    return sampled > 0;
+}
+
+/* The step with its rows sampled by the backend (device_sampling): the logits never reach
+ * the host. The same tokens, logprobs and per-entry failures as sample_entry's. */
+static di_status step_device_sampled(runner_exec *ex, const sched_plan *plan,
+                                     const fwd_step *st, sched_seq_result *results,
+                                     di_error *err)
+{
+    const float *logits = NULL;
+    di_status s = fwd_step_run_keep(ex->run, ex->kv, st, &logits, err);
+    if (s != DI_OK)
+        return s;
+    uint32_t n = st->n_logit_rows;
+    sampler_row *rows = malloc(n * sizeof(*rows));
+    sampler_result *out = malloc(n * sizeof(*out));
+    if (!rows || !out) {
+        free(rows);
+        free(out);
+        return di_fail(err, DI_ENOMEM, "sampler rows of a %u-row step", n);
+    }
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        if (ex->lbase[i] < 0)
+            continue;
+        const sched_seq_plan *p = &plan->seqs[i];
+        rx_req *r = find(ex, p->request_id);
+        uint64_t pos = plan->prompt_run ? sampler_prefill_position(p->seqlen_k)
+                                        : sampler_decode_position(p->seqlen_k, p->seqlen_q);
+        rows[ex->lbase[i]] = target_row(ex, r, NULL, pos, 0, r->n_out);
+    }
+    s = sampler_sample_backend(ex->be, logits, ex->V, rows, n, ex->ws, out, NULL, err);
+    for (uint32_t i = 0; s == DI_OK && i < plan->n_seqs; i++) {
+        sched_seq_result *res = &results[i];
+        rx_req *r = result_open(ex, plan, i, res);
+        if (ex->lbase[i] < 0)
+            continue;
+        const sampler_result *o = &out[ex->lbase[i]];
+        if (o->err.code != DI_OK) {
+            res->status = SCHED_RESULT_FAILED;
+            r->n_last = 0;
+            snprintf(r->err, sizeof r->err, "%s", o->err.msg);
+            continue;
+        }
+        r->last[0].res = *o;
+        r->last[0].token = o->token;
+        r->n_last = 1;
+        res->n_tokens = 1;
+        res->tokens[0] = o->token;
+        r->n_out++;
+    }
+    free(rows);
+    free(out);
+    if (s != DI_OK)
+        return s;
+    return ex->nextn ? propose(ex, plan, results, err) : DI_OK;
+}
+
 di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
                            di_error *err)
 {
@@ -579,16 +665,15 @@ di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_re
     for (uint32_t i = 0; s == DI_OK && i < plan->n_seqs; i++)
         if (plan->seqs[i].n_load || plan->seqs[i].load_window)
             s = ex->opt.on_load(ex->opt.load_userdata, ex->kv, &plan->seqs[i], err);
+    if (s == DI_OK && device_sampling(ex, plan))
+        return step_device_sampled(ex, plan, &st, results, err);
     if (s == DI_OK)
         s = fwd_step_run(ex->run, ex->kv, &st, ex->logits, err);
     if (s != DI_OK)
         return s;
     for (uint32_t i = 0; i < plan->n_seqs; i++) {
         sched_seq_result *res = &results[i];
-        memset(res, 0, sizeof(*res));
-        res->status = SCHED_RESULT_OK;
-        rx_req *r = find(ex, plan->seqs[i].request_id);
-        r->err[0] = 0;
+        rx_req *r = result_open(ex, plan, i, res);
         if (ex->lbase[i] < 0)
             continue; /* an earlier prompt chunk: nothing to sample */
         di_error e;

@@ -54,6 +54,12 @@ typedef struct runner_exec_options {
     void *logits_userdata;
     runner_load_fn on_load;   /* NULL: plans that load KV are refused (DI_EUNSUPPORTED) */
     void *load_userdata;
+    int host_sampling;        /* 1: always copy the logits to the host and sample there. 0: a
+                                 step whose every sampled entry draws one fresh row (a prompt's
+                                 last row or a decode row without drafts, no forced tokens, no
+                                 on_logits) samples with the backend's `sample` entry when it
+                                 has one, and the logits stay in its memory; same results
+                                 (sampler_backend.h) */
 } runner_exec_options;
 
 /* What the executor must know of a request before its first plan. */

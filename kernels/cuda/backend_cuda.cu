@@ -26,7 +26,7 @@
     XX(hc_collapse) XX(hc_expand) XX(linear_fp8) XX(linear_fp4) XX(linear_bf16) XX(head)     \
     XX(fakequant) XX(ring_store) XX(compress_pool) XX(compressed_store) XX(sparse_attn)      \
     XX(index_scores) XX(index_candidates) XX(index_topk) XX(moe_gate) XX(swiglu)             \
-    XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows)
+    XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows) XX(sample)
 
 typedef struct op_row {
     const char *name;           /* kern_ops field name */
@@ -452,6 +452,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
                                                                : cfg->moe_grouped_rows);
     c->moe_cuda_cores = cfg->moe_cuda_cores != 0;
     c->moe_unstaged = cfg->moe_unstaged != 0;
+    c->batch_invariant = cfg->batch_invariant != 0;
     c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;
     di_status st = ctx_init(c, err);
     if (st != DI_OK) {
@@ -479,6 +480,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.hc_collapse = cuda_op_hc_collapse;
     be.ops.hc_expand = cuda_op_hc_expand;
     be.ops.copy_rows = cuda_op_copy_rows;
+    be.ops.sample = cuda_op_sample;
     be.ops.ring_store = cuda_op_ring_store;
     be.ops.compress_pool = cuda_op_compress_pool;
     be.ops.compressed_store = cuda_op_compressed_store;

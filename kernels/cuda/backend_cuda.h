@@ -61,6 +61,7 @@ typedef struct kern_cuda_config {
     int moe_unstaged;           /* 1: the tensor-core kernel reads the weights straight from
                                  * global memory instead of staging them through shared memory
                                  * (the previous version, for comparison) */
+    int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
@@ -76,6 +77,7 @@ typedef struct kern_cuda_stats {
     uint64_t linear_stream;     /* linear_fp8 / linear_fp4 calls of at most 16 rows run by the
                                  * weight-streaming tensor-core kernel (not cuBLASLt) */
     size_t scratch_bytes;       /* current size of the device scratch */
+    uint64_t gemm_invariant;    /* GEMM chunks run in batch-invariant mode (fixed 64-row plan) */
 } kern_cuda_stats;
 
 /* Fills *out with the CUDA backend on cfg->device: a stream, a cuBLASLt handle with its
@@ -107,6 +109,18 @@ void *kern_cuda_stream(const kern_backend *be);
 /* Waits until every queued op has finished. DI_OK; the failure of an earlier transfer not yet
  * reported; or the CUDA error of a failed op (a device fault surfaces here); message in err. */
 di_status kern_cuda_sync(kern_backend *be, di_error *err);
+
+/* Batch-invariant mode (on = 1): every op computes a row the same way whatever the other rows
+ * of the call, so a request's logits do not depend on its batch, bit for bit (docs/cuda.md).
+ * What changes: every GEMM (linear_bf16, head, and the FP8/FP4 linear layers after their exact
+ * dequantisation) runs in chunks of 64 rows through one cuBLASLt plan per (n, k), the rows
+ * copied into a zero-padded 64-row buffer, so cuBLASLt's per-m choice of algorithm (tiles,
+ * split-k) and the weight-streaming kernel of up to 16 rows no longer depend on the row count;
+ * hc_mixes splits every row into blocks of 1,024 inputs; moe_experts keeps the routed experts
+ * on the grouped path at any group size (the cuBLASLt per-expert path when the grouped path is
+ * off) and the shared expert always on the linear path. Off (0) restores the defaults. DI_OK;
+ * DI_EINVAL when be is not a CUDA backend. Takes effect at the next op. */
+di_status kern_cuda_set_batch_invariant(kern_backend *be, int on);
 
 /* Copies the counters into *out. */
 void kern_cuda_get_stats(const kern_backend *be, kern_cuda_stats *out);

@@ -83,6 +83,9 @@ typedef struct cuda_ctx {
     int smem_optin;             /* the device's opt-in shared memory per block (bytes); 0
                                  * until first queried (cuda_device_attr) */
     int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
+    int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
+    uint8_t *bi;                /* staging of the batch-invariant GEMM chunks (gemm.cu) */
+    size_t bi_bytes;
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
     uint32_t plan_next;         /* slot the next new plan replaces */
     kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */
@@ -222,7 +225,9 @@ typedef struct cuda_gemm {
     int accumulate;             /* f32 only: y += x @ w^T */
 } cuda_gemm;
 di_status cuda_gemm_run(cuda_ctx *c, const cuda_gemm *g);
-/* Destroys every cached plan. */
+/* Rows of one batch-invariant GEMM chunk: every GEMM of that mode runs with m = this. */
+#define CUDA_BI_ROWS 64
+/* Destroys every cached plan and the batch-invariant staging. */
 void cuda_gemm_release(cuda_ctx *c);
 
 /* linear.cu: a linear layer for ops built on linear layers (moe_experts): the checks and the
@@ -325,5 +330,6 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p);
 di_status cuda_op_engram_hash(void *ctx, const kern_engram_hash *p);
 di_status cuda_op_engram_lookup(void *ctx, const kern_engram_lookup *p);
 di_status cuda_op_engram_gate(void *ctx, const kern_engram_gate *p);
+di_status cuda_op_sample(void *ctx, const kern_sample *p);
 
 #endif

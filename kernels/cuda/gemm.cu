@@ -12,6 +12,17 @@
  * ("TN") the tensor-core kernels prefer. Groups are a strided batch: batch b uses
  * x + b*x_batch, W + b*w_batch, y + b*y_batch with the same leading dimensions.
  * accumulate is beta = 1 with C = D = y (an in-place update, same layout).
+ *
+ * Batch-invariant mode (kern_cuda_set_batch_invariant): cuBLASLt picks an algorithm per m
+ * (tiles, split-k), so a row's sums can come in another order when the call has another
+ * number of rows. In the mode every GEMM runs in chunks of CUDA_BI_ROWS rows: the chunk's rows
+ * of x are copied into a staging buffer of exactly that many rows (zeros below them), the GEMM
+ * runs with m = CUDA_BI_ROWS, the buffer's leading dimensions and 256-byte alignment, so one
+ * plan (one algorithm) serves every call of a given (n, k, groups), and the chunk's rows of y
+ * are copied out (and in first, to accumulate). A row's output then depends on its own inputs
+ * only: the same algorithm computes it with the same tiles in the same order whatever the
+ * other rows hold. Cost: a call of m rows reads the weight ceil(m / 64) times and moves its
+ * rows of x and y twice; at decode sizes (m <= 64) the weight is read once, as before.
  */
 #include <cublasLt.h>
 #include <cuda_runtime.h>
@@ -108,6 +119,10 @@ void cuda_gemm_release(cuda_ctx *c)
     for (int i = 0; i < CUDA_PLAN_SLOTS; i++)
         plan_destroy(&c->plans[i]);
     c->plan_next = 0;
+    if (c->bi)
+        cudaFree(c->bi);
+    c->bi = NULL;
+    c->bi_bytes = 0;
 }
 
 static di_status lt(cuda_ctx *c, cublasStatus_t s, const char *what)
@@ -251,10 +266,8 @@ static void plan_key(const cuda_gemm *g, cuda_plan_key *k)
     }
 }
 
-di_status cuda_gemm_run(cuda_ctx *c, const cuda_gemm *g)
+static di_status gemm_once(cuda_ctx *c, const cuda_gemm *g)
 {
-    if (g->m == 0 || g->n == 0 || g->batch == 0)
-        return DI_OK;
     if (g->accumulate && !g->out_f32)
         return cuda_fail(c, DI_EINVAL, "gemm: accumulate needs an f32 output");
     if (c->simple_gemm)
@@ -282,5 +295,94 @@ di_status cuda_gemm_run(cuda_ctx *c, const cuda_gemm *g)
         return st;
     }
     c->stats.gemm_cublaslt++;
+    return DI_OK;
+}
+
+/* ---- batch-invariant mode ---- */
+
+/* The staging buffer of the mode, at least `bytes` (grown in steps of 1 MiB after the queue
+ * has drained). */
+static di_status bi_buffer(cuda_ctx *c, size_t bytes, uint8_t **out)
+{
+    if (c->bi_bytes < bytes) {
+        di_status st = cuda_check(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize");
+        if (st != DI_OK)
+            return st;
+        if (c->bi)
+            cudaFree(c->bi);
+        c->bi = NULL;
+        c->bi_bytes = 0;
+        size_t want = (bytes + ((size_t)1 << 20) - 1) & ~(((size_t)1 << 20) - 1);
+        if (cudaMalloc(&c->bi, want) != cudaSuccess) {
+            cudaGetLastError();
+            c->bi = NULL;
+            return cuda_fail(c, DI_ENOMEM, "gemm: %zu bytes of batch-invariant staging", want);
+        }
+        c->bi_bytes = want;
+    }
+    *out = c->bi;
+    return DI_OK;
+}
+
+static di_status gemm_invariant(cuda_ctx *c, const cuda_gemm *g)
+{
+    if (g->batch > 1 && (g->x_batch != g->k || g->y_batch != g->n))
+        return cuda_fail(c, DI_EUNSUPPORTED, "gemm: batch-invariant mode takes groups side by "
+                                             "side in a row (x_batch %zu for k %u, y_batch %zu "
+                                             "for n %u)", g->x_batch, g->k, g->y_batch, g->n);
+    const size_t xw = (size_t)g->batch * g->k, yw = (size_t)g->batch * g->n;
+    const size_t ysz = g->out_f32 ? 4 : 2;
+    const size_t xb = cuda_align_up((size_t)CUDA_BI_ROWS * xw * 2);
+    const size_t yb = cuda_align_up((size_t)CUDA_BI_ROWS * yw * ysz);
+    uint8_t *buf = NULL;
+    di_status st = bi_buffer(c, xb + yb, &buf);
+    if (st != DI_OK)
+        return st;
+    cuda_gemm f = *g;
+    f.m = CUDA_BI_ROWS;
+    f.x = (const uint16_t *)buf, f.ldx = xw;
+    f.y = buf + xb, f.ldy = yw;
+    const uint8_t *x = (const uint8_t *)g->x;
+    uint8_t *y = (uint8_t *)g->y;
+    for (uint32_t r0 = 0; r0 < g->m && st == DI_OK; r0 += CUDA_BI_ROWS) {
+        const uint32_t rows = g->m - r0 < CUDA_BI_ROWS ? g->m - r0 : CUDA_BI_ROWS;
+        st = cuda_check(c, cudaMemcpy2DAsync(buf, xw * 2, x + (size_t)r0 * g->ldx * 2, g->ldx * 2,
+                                             xw * 2, rows, cudaMemcpyDeviceToDevice, c->stream),
+                        "gemm: rows into the batch-invariant staging");
+        if (st == DI_OK && rows < CUDA_BI_ROWS)
+            st = cuda_check(c, cudaMemsetAsync(buf + (size_t)rows * xw * 2, 0,
+                                               (size_t)(CUDA_BI_ROWS - rows) * xw * 2, c->stream),
+                            "gemm: zero rows of the staging");
+        if (st == DI_OK && g->accumulate)
+            st = cuda_check(c, cudaMemcpy2DAsync(buf + xb, yw * ysz,
+                                                 y + (size_t)r0 * g->ldy * ysz, g->ldy * ysz,
+                                                 yw * ysz, rows, cudaMemcpyDeviceToDevice,
+                                                 c->stream),
+                            "gemm: y into the staging");
+        if (st == DI_OK)
+            st = gemm_once(c, &f);
+        if (st == DI_OK)
+            st = cuda_check(c, cudaMemcpy2DAsync(y + (size_t)r0 * g->ldy * ysz, g->ldy * ysz,
+                                                 buf + xb, yw * ysz, yw * ysz, rows,
+                                                 cudaMemcpyDeviceToDevice, c->stream),
+                            "gemm: rows out of the staging");
+        if (st == DI_OK)
+            c->stats.gemm_invariant++;
+    }
+    return st;
+}
+
+di_status cuda_gemm_run(cuda_ctx *c, const cuda_gemm *g)
+{
+    if (g->m == 0 || g->n == 0 || g->batch == 0)
+        return DI_OK;
+    return c->batch_invariant ? gemm_invariant(c, g) : gemm_once(c, g);
+}
+
+extern "C" di_status kern_cuda_set_batch_invariant(kern_backend *be, int on)
+{
+    if (!be || !be->ctx || !be->name || strcmp(be->name, "cuda") != 0)
+        return DI_EINVAL;
+    ((cuda_ctx *)be->ctx)->batch_invariant = on != 0;
     return DI_OK;
 }

@@ -248,6 +248,8 @@ static unsigned elem_blocks(size_t n)
  * a double rounding tie, as against the twin. */
 static uint32_t hc_split_k(cuda_ctx *c, uint32_t rows, uint32_t width)
 {
+    if (c->batch_invariant) /* one split for every row count: the same sums in the same order */
+        return HC_SPLIT_K;
     const uint64_t want = (uint64_t)HC_BLOCKS_PER_SM *
                           cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
     const uint32_t most = (width + HC_SPLIT_K - 1) / HC_SPLIT_K; /* splits of HC_SPLIT_K */

@@ -314,7 +314,9 @@ static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *p
 static int plan_use_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl)
 {
     uint32_t rows = pl->max_count < CUDA_MOE_GROUP_ROWS ? pl->max_count : CUDA_MOE_GROUP_ROWS;
-    return c->moe_grouped_rows > 0 && pl->max_count <= (uint32_t)c->moe_grouped_rows &&
+    /* batch-invariant mode: the path must not depend on the group sizes */
+    return c->moe_grouped_rows > 0 &&
+           (c->batch_invariant || pl->max_count <= (uint32_t)c->moe_grouped_rows) &&
            cuda_moe_grouped_fits(c, rows, p->dim, p->inter);
 }
 
@@ -375,6 +377,7 @@ static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t
     /* the shared expert reads its FP8 weight once per group of rows: grouped only when all
      * rows make one group */
     pl->shared_grouped = pl->grouped && p->shared_inter && T <= CUDA_MOE_GROUP_ROWS &&
+                         !c->batch_invariant && /* the mode: one path at every row count */
                          cuda_moe_grouped_fits(c, T, p->dim, p->shared_inter);
     if (pl->shared_grouped) {
         const kern_expert *sh = &p->shared;

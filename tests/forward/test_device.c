@@ -13,7 +13,9 @@
 
 #include "common/model/forward.h"
 #include "common/model/runner.h"
+#include "common/model/runner_exec.h"
 #include "common/model/safetensors.h"
+#include "common/sampling/sampler_backend.h"
 #include "kernels/cpu/backend.h"
 #include "tests/forward/fwd_scenario.h"
 
@@ -209,6 +211,129 @@ Test(device, executor_with_forks_on_placed_weights_matches_the_host, .timeout = 
     cr_assert_eq(memcmp(a.slots, b.slots, a.slots_bytes), 0);
     scn_exec_free(&a);
     scn_exec_free(&b);
+    cr_assert_eq(v.trk.live, 0, "%lld allocations leaked", (long long)v.trk.live);
+    env_close(&v);
+}
+
+/* ---- sampling on the backend ---- */
+
+static sampler_workspace *g_sample_ws;
+static uint64_t g_sample_calls;
+
+static di_status dev_sample(void *ctx, const kern_sample *p)
+{
+    (void)ctx;
+    g_sample_calls++;
+    return sampler_host_sample(g_sample_ws, p);
+}
+
+typedef struct sampled_run {
+    sched_seq_result res[6][2];
+    runner_token toks[2][6];
+} sampled_run;
+
+/* The token (with its logprobs) each request made in step k. */
+static void keep_tokens(const runner_exec *ex, sampled_run *out, uint32_t k)
+{
+    for (int r = 0; r < 2; r++) {
+        uint32_t n = 0;
+        const runner_token *t = runner_exec_tokens(ex, (uint64_t)r + 1, &n);
+        cr_assert_eq(n, 1, "request %d made %u tokens in step %u", r + 1, n, k);
+        out->toks[r][k] = t[0];
+    }
+}
+
+/* Two requests (sampled with top-p and logprobs; greedy with a blacklist and an EOS ban): one
+ * prompt step of both, then five decode steps of one row each. */
+static void run_sampled(dev_env *v, const kern_backend *be, int host_sampling, sampled_run *out)
+{
+    di_error e;
+    runner_exec *ex = NULL;
+    runner_exec_options o = {.fwd = {.nextn = 0, .max_rows = 256, .token_map_pad = -1},
+                             .n_blocks = 5, .n_slots = 2, .host_sampling = host_sampling};
+    cr_assert_eq(runner_exec_create(&v->rm, be, &o, &ex, &e), DI_OK, "%s", e.msg);
+    uint32_t V = v->rm.w->config.vocab_size;
+    int32_t prompt[2][100];
+    static const int32_t bl[2] = {7, 11};
+    for (int r = 0; r < 2; r++) {
+        for (int i = 0; i < 100; i++)
+            prompt[r][i] = 3 + (i * (31 + 6 * r)) % (int32_t)(V - 3);
+        runner_request q = {.id = (uint64_t)r + 1, .prompt = prompt[r], .prompt_len = 100,
+                            .max_tokens = 8, .params = sampling_params_default()};
+        if (r == 0) {
+            q.params.temperature = 0.8f;
+            q.params.top_p = 0.9f;
+            q.params.n_logprobs = 5;
+            q.params.seed = 3;
+        } else {
+            q.params.temperature = 0.0f;
+            q.params.blacklist = bl;
+            q.params.n_blacklist = 2;
+            q.params.eos_id = 1;
+            q.params.first_n_no_eos = 3;
+        }
+        cr_assert_eq(runner_exec_add(ex, &q, &e), DI_OK, "%s", e.msg);
+    }
+    const uint32_t tables[2][2] = {{1, 2}, {3, 4}};
+    sched_seq_plan s[2];
+    for (int r = 0; r < 2; r++)
+        s[r] = (sched_seq_plan){.request_id = (uint64_t)r + 1, .seqlen_q = 100, .seqlen_k = 100,
+                                .tokens = prompt[r], .block_table = tables[r], .n_blocks = 2,
+                                .state_slot = r, .sample = true};
+    sched_plan p = {.prompt_run = true, .n_seqs = 2, .seqs = s, .n_rows = 200};
+    cr_assert_eq(runner_exec_step(ex, &p, out->res[0], &e), DI_OK, "%s", e.msg);
+    keep_tokens(ex, out, 0);
+    for (uint32_t k = 1; k < 6; k++) {
+        int32_t tok[2];
+        for (int r = 0; r < 2; r++) {
+            cr_assert_eq(out->res[k - 1][r].status, SCHED_RESULT_OK);
+            cr_assert_eq(out->res[k - 1][r].n_tokens, 1);
+            tok[r] = out->res[k - 1][r].tokens[0];
+            s[r].seqlen_q = 1;
+            s[r].seqlen_k = 100 + k;
+            s[r].first_position = 99 + k;
+            s[r].tokens = &tok[r];
+        }
+        sched_plan d = {.step = k, .n_seqs = 2, .seqs = s, .n_rows = 2};
+        cr_assert_eq(runner_exec_step(ex, &d, out->res[k], &e), DI_OK, "%s", e.msg);
+        keep_tokens(ex, out, k);
+    }
+    runner_exec_free(ex);
+}
+
+Test(device, executor_samples_on_the_backend_with_the_host_results, .timeout = 120)
+{
+    dev_env v;
+    env_open(&v, "tiny", 31);
+    g_sample_ws = NULL;
+    di_error e;
+    cr_assert_eq(sampler_workspace_new(v.rm.w->config.vocab_size, &g_sample_ws, &e), DI_OK);
+    v.dev.ops.sample = dev_sample;
+    sampled_run *a = calloc(3, sizeof(*a));
+    cr_assert_not_null(a);
+    run_sampled(&v, &v.cpu, 0, &a[0]); /* no sample entry: the host */
+    g_sample_calls = 0;
+    run_sampled(&v, &v.dev, 0, &a[1]);
+    cr_assert_eq(g_sample_calls, 6, "every step sampled on the backend (%llu calls)",
+                 (unsigned long long)g_sample_calls);
+    run_sampled(&v, &v.dev, 1, &a[2]);
+    cr_assert_eq(g_sample_calls, 6, "host_sampling keeps the logits on the host");
+    for (int k = 1; k < 3; k++) {
+        cr_assert_eq(memcmp(a[0].res, a[k].res, sizeof(a[0].res)), 0, "run %d: results differ", k);
+        for (int r = 0; r < 2; r++)
+            for (int i = 0; i < 6; i++) {
+                const runner_token *x = &a[0].toks[r][i], *y = &a[k].toks[r][i];
+                cr_assert_eq(x->token, y->token);
+                cr_assert_eq(memcmp(&x->res.logprob, &y->res.logprob, 4), 0);
+                cr_assert_eq(x->res.n_top, y->res.n_top);
+                cr_assert_eq(memcmp(x->res.top_tokens, y->res.top_tokens, x->res.n_top * 4), 0);
+                cr_assert_eq(memcmp(x->res.top_logprobs, y->res.top_logprobs, x->res.n_top * 4),
+                             0);
+            }
+    }
+    cr_assert_eq(a[0].toks[0][0].res.n_top, 5);
+    free(a);
+    sampler_workspace_free(g_sample_ws);
     cr_assert_eq(v.trk.live, 0, "%lld allocations leaked", (long long)v.trk.live);
     env_close(&v);
 }

@@ -41,6 +41,7 @@
 #include "common/model/forward.h"
 #include "common/model/mkmodel.h"
 #include "common/model/runner.h"
+#include "common/sampling/sampler_backend.h"
 #include "common/util/clock.h"
 #include "kernels/cpu/numfmt.h"
 #include "kernels/cuda/backend_cuda.h"
@@ -1040,7 +1041,7 @@ static double bench_step_ms(bench_ctx *b, const fwd_step *st, int reps)
 
 /* One more run of a step with the backend's per-op profile on: each op's device time (from
  * its start to the next op's start) per step and per layer, and its share of the step. */
-static void bench_profile(bench_ctx *b, const fwd_step *st, const char *what, uint32_t layers)
+static double bench_profile(bench_ctx *b, const fwd_step *st, const char *what, uint32_t layers)
 {
     di_error e;
     kern_cuda_op_time t[48];
@@ -1050,7 +1051,7 @@ static void bench_profile(bench_ctx *b, const fwd_step *st, const char *what, ui
         kern_cuda_profile_read(b->be, t, 48, &n, &e) != DI_OK) {
         printf("    profile of %s: %s\n", what, e.msg);
         kern_cuda_profile(b->be, 0, &e);
-        return;
+        return -1;
     }
     kern_cuda_profile(b->be, 0, &e);
     double total = 0;
@@ -1058,9 +1059,14 @@ static void bench_profile(bench_ctx *b, const fwd_step *st, const char *what, ui
         total += t[i].ms;
     printf("    per-op device time of one %s (profiled: %.2f ms in all)\n", what, total);
     printf("    %-18s %6s %10s %12s %7s\n", "op", "calls", "ms", "ms per layer", "share");
-    for (size_t i = 0; i < n; i++)
+    double head = 0;
+    for (size_t i = 0; i < n; i++) {
         printf("    %-18s %6u %10.3f %12.3f %6.1f%%\n", t[i].op, t[i].calls, t[i].ms,
                t[i].ms / layers, 100.0 * t[i].ms / total);
+        if (strcmp(t[i].op, "head") == 0)
+            head = t[i].ms;
+    }
+    return head;
 }
 
 /* The widened weights (see above): views, not copies, of the generated checkpoint. */
@@ -1116,28 +1122,44 @@ static void bench_unwiden(bench_weights *b)
     free(b->bias);
 }
 
-/* Decode steps of n sequences (one row each, position BENCH_CONTEXT) sharing the prompt's
- * blocks, each with a block and a slot of its own; and their report line. */
-static void bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, double copy_gbs)
-{
-    const model_config *c = &bw->w.config;
-    uint32_t nb = BENCH_CONTEXT / 128;
-    static uint32_t tables[BENCH_MAX_SEQS][BENCH_CONTEXT / 128 + 1];
+/* A decode step of the n sequences first .. first + n - 1 (one row each, position
+ * BENCH_CONTEXT) sharing the prompt's blocks, each with a block and a slot of its own. */
+typedef struct bench_dstep {
+    uint32_t tables[BENCH_MAX_SEQS][BENCH_CONTEXT / 128 + 1];
     fwd_seq seqs[BENCH_MAX_SEQS];
     int32_t toks[BENCH_MAX_SEQS], rows[BENCH_MAX_SEQS];
-    for (uint32_t i = 0; i < n; i++) {
+    fwd_step st;
+} bench_dstep;
+
+static void bench_dstep_make(bench_dstep *d, uint32_t first, uint32_t n)
+{
+    uint32_t nb = BENCH_CONTEXT / 128;
+    for (uint32_t j = 0; j < n; j++) {
+        uint32_t i = first + j;
         for (uint32_t k = 0; k < nb; k++)
-            tables[i][k] = k;
-        tables[i][nb] = nb + i;
-        toks[i] = (int32_t)(5 + 97 * i);
-        rows[i] = (int32_t)i;
-        seqs[i] = (fwd_seq){.n_rows = 1, .pos0 = BENCH_CONTEXT, .tokens = &toks[i],
-                            .blocks = tables[i], .n_blocks = nb + 1, .slot = i};
+            d->tables[j][k] = k;
+        d->tables[j][nb] = nb + i;
+        d->toks[j] = (int32_t)(5 + 97 * i);
+        d->rows[j] = (int32_t)j;
+        d->seqs[j] = (fwd_seq){.n_rows = 1, .pos0 = BENCH_CONTEXT, .tokens = &d->toks[j],
+                               .blocks = d->tables[j], .n_blocks = nb + 1, .slot = i};
     }
-    fwd_step st = {.n_seqs = n, .seqs = seqs, .n_logit_rows = n, .logit_rows = rows};
+    d->st = (fwd_step){.n_seqs = n, .seqs = d->seqs, .n_logit_rows = n, .logit_rows = d->rows};
+}
+
+/* Decode steps of n sequences and their report line; the step's median ms (-1 on failure)
+ * and the head's profiled ms in *head_ms. */
+static double bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, double copy_gbs,
+                           double *head_ms)
+{
+    const model_config *c = &bw->w.config;
+    static bench_dstep d;
+    bench_dstep_make(&d, 0, n);
+    fwd_step st = d.st;
     double ms = bench_step_ms(b, &st, BENCH_REPS);
+    *head_ms = 0;
     if (ms < 0)
-        return;
+        return -1;
     /* weights read: every layer's dense weights, the distinct experts the rows pick (expected
      * for uniform routing: E (1 - (1 - k/E)^n)), the head */
     double used = BENCH_EXPERTS * (1.0 - pow(1.0 - (double)BENCH_TOPK / BENCH_EXPERTS, n));
@@ -1152,7 +1174,174 @@ static void bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, doub
            bytes / 1e9, used, ideal, 100.0 * ideal / ms);
     char what[48];
     snprintf(what, sizeof what, "decode step of %u rows", n);
-    bench_profile(b, &st, what, c->n_layers);
+    *head_ms = bench_profile(b, &st, what, c->n_layers);
+    return ms;
+}
+
+/* A batch-invariance failure seen by the bench (the exit code reports it). */
+static int g_bench_failures;
+
+/* Sampling after a decode step of n rows, both ways: the logits copied to the host and the
+ * host sampler (one thread), or left on the device for the device sampler
+ * (fwd_step_run_keep + sampler_sample_backend); medians of BENCH_REPS, the tokens of the
+ * two compared. *dev_ms gets the device way's step. */
+static double bench_sampling(bench_ctx *b, uint32_t n, double *dev_ms)
+{
+    static bench_dstep d;
+    bench_dstep_make(&d, 0, n);
+    sampler_workspace *ws = NULL;
+    di_error e;
+    *dev_ms = -1;
+    if (sampler_workspace_new(b->vocab, &ws, &e) != DI_OK) {
+        printf("  sampling bench: %s\n", e.msg);
+        return -1;
+    }
+    sampling_params p[BENCH_MAX_SEQS];
+    sampler_row rows[BENCH_MAX_SEQS];
+    sampler_result host[BENCH_MAX_SEQS], dev[BENCH_MAX_SEQS];
+    for (uint32_t i = 0; i < n; i++) {
+        p[i] = sampling_params_default();
+        p[i].seed = 1000 + i;
+        rows[i] = (sampler_row){.logits = b->logits + (size_t)i * b->vocab, .n_vocab = b->vocab,
+                                .params = &p[i], .position = BENCH_CONTEXT + 1};
+    }
+    double th[16], td[16];
+    di_status st = DI_OK;
+    for (int r = 0; r <= BENCH_REPS && st == DI_OK; r++) {
+        uint64_t t0 = di_mono_ns();
+        st = fwd_step_run(b->run, b->kv, &d.st, b->logits, &e);
+        if (st == DI_OK)
+            st = sampler_sample_batch(rows, n, ws, host, NULL, &e);
+        uint64_t t1 = di_mono_ns();
+        const float *dl = NULL;
+        if (st == DI_OK)
+            st = fwd_step_run_keep(b->run, b->kv, &d.st, &dl, &e);
+        if (st == DI_OK)
+            st = sampler_sample_backend(b->be, dl, b->vocab, rows, n, ws, dev, NULL, &e);
+        uint64_t t2 = di_mono_ns();
+        if (r) {
+            th[r - 1] = (double)(t1 - t0) / 1e6;
+            td[r - 1] = (double)(t2 - t1) / 1e6;
+        }
+    }
+    sampler_workspace_free(ws);
+    if (st != DI_OK) {
+        printf("  sampling bench: %s\n", e.msg);
+        return -1;
+    }
+    uint32_t same = 0;
+    for (uint32_t i = 0; i < n; i++)
+        same += host[i].token == dev[i].token && host[i].logprob == dev[i].logprob;
+    qsort(th, BENCH_REPS, sizeof(double), cmp_double);
+    qsort(td, BENCH_REPS, sizeof(double), cmp_double);
+    printf("  decode %u rows and their sampling: logits to the host + host sampler %.2f ms; "
+           "logits kept on the device + device sampler %.2f ms (%.2f ms less); the same token "
+           "and logprob in %u of %u rows\n", n, th[BENCH_REPS / 2], td[BENCH_REPS / 2],
+           th[BENCH_REPS / 2] - td[BENCH_REPS / 2], same, n);
+    if (same != n) {
+        printf("FAIL the device sampler drew other tokens than the host sampler on the same "
+               "logits\n");
+        g_bench_failures++;
+    }
+    *dev_ms = td[BENCH_REPS / 2];
+    return th[BENCH_REPS / 2];
+}
+
+/* Batch invariance of the whole forward: the logits of sequences 0, 17, 42 and 63 alone
+ * against the same rows of a 64-row decode step, bit for bit, in batch-invariant mode
+ * (asserted) and without it (printed); a second 64-row step checks that steps repeat exactly.
+ * Then the mode's cost on the 1- and 64-row steps. */
+static void bench_invariance(bench_ctx *b, uint32_t n)
+{
+    static bench_dstep d;
+    static const uint32_t probe[] = {0, 17, 42, 63};
+    size_t V = b->vocab;
+    float *all = malloc((size_t)n * V * sizeof(float)), *again = malloc((size_t)n * V * 4);
+    if (!all || !again) {
+        printf("  batch invariance: out of memory\n");
+        free(all);
+        free(again);
+        return;
+    }
+    di_error e;
+    double ms[2][2] = {{-1, -1}, {-1, -1}};
+    for (int bi = 1; bi >= 0; bi--) {
+        kern_cuda_set_batch_invariant(b->be, bi);
+        bench_dstep_make(&d, 0, n);
+        di_status st = fwd_step_run(b->run, b->kv, &d.st, all, &e);
+        if (st == DI_OK)
+            st = fwd_step_run(b->run, b->kv, &d.st, again, &e);
+        int repeat = st == DI_OK && memcmp(all, again, (size_t)n * V * 4) == 0;
+        size_t differ = 0;
+        for (size_t pi = 0; pi < sizeof probe / sizeof probe[0] && st == DI_OK; pi++) {
+            uint32_t q = probe[pi];
+            if (q >= n)
+                continue;
+            bench_dstep_make(&d, q, 1);
+            st = fwd_step_run(b->run, b->kv, &d.st, again, &e);
+            if (st != DI_OK)
+                break;
+            size_t dq = 0;
+            double worst = 0;
+            for (size_t j = 0; j < V; j++) {
+                float x = all[(size_t)q * V + j], y = again[j];
+                dq += memcmp(&x, &y, 4) != 0;
+                worst = fabs((double)x - y) > worst ? fabs((double)x - y) : worst;
+            }
+            differ += dq;
+            printf("  batch invariance%s: sequence %u alone vs in %u rows: %zu of %zu logits "
+                   "differ (max |diff| %.3g)\n", bi ? " MODE" : " (default)", q, n, dq, V, worst);
+        }
+        if (st != DI_OK) {
+            printf("  batch invariance: %s\n", e.msg);
+            break;
+        }
+        printf("  batch invariance%s: a second %u-row step %s the first bit for bit\n",
+               bi ? " MODE" : " (default)", n, repeat ? "repeats" : "DOES NOT repeat");
+        if (bi && (differ || !repeat)) {
+            printf("FAIL batch-invariant mode: a request's logits depend on its batch\n");
+            g_bench_failures++;
+        }
+        bench_dstep_make(&d, 0, n);
+        fwd_step big = d.st;
+        ms[bi][1] = bench_step_ms(b, &big, BENCH_REPS);
+        bench_dstep_make(&d, 0, 1);
+        fwd_step one = d.st;
+        ms[bi][0] = bench_step_ms(b, &one, BENCH_REPS);
+    }
+    kern_cuda_set_batch_invariant(b->be, 0);
+    kern_cuda_stats cs;
+    kern_cuda_get_stats(b->be, &cs);
+    printf("  batch-invariant mode's cost: decode %u rows %.2f ms against %.2f (%+.1f%%), 1 row "
+           "%.2f ms against %.2f (%+.1f%%); %" PRIu64 " GEMM chunks in the mode so far\n", n,
+           ms[1][1], ms[0][1], 100.0 * (ms[1][1] / ms[0][1] - 1), ms[1][0], ms[0][0],
+           100.0 * (ms[1][0] / ms[0][0] - 1), cs.gemm_invariant);
+    free(all);
+    free(again);
+}
+
+/* The whole model from the per-layer figures: (step - head) / layers per layer, times the
+ * full model's layers, plus the head (and sampling) once, next to the explainer's figures. */
+static void bench_whole(uint32_t layers, uint32_t full_layers, double prefill_ms,
+                        double prefill_head, double dec_ms, double dec_head, double dev_step_ms,
+                        uint32_t n)
+{
+    if (prefill_ms <= 0 || dec_ms <= 0 || prefill_head < 0 || dec_head < 0)
+        return;
+    double lp = (prefill_ms - prefill_head) / layers, ld = (dec_ms - dec_head) / layers;
+    double wp = lp * full_layers + prefill_head, wd = ld * full_layers + dec_head;
+    printf("  whole model (%u layers from the %u measured, one H200, every expert on it): "
+           "prefill %.1f ms per %d-token chunk = %.0f tokens/s per GPU (explainer: ~87,000 "
+           "tokens/s per GPU at a 32K chunk); decode %u sequences %.1f ms per step = %.1f "
+           "steps/s, %.0f tokens/s (explainer: 13.2 ms per step at 64 sequences on EP64, 64 "
+           "GPUs sharing the experts)\n", full_layers, layers, wp, BENCH_CONTEXT,
+           BENCH_CONTEXT / (wp / 1e3), n, wd, 1e3 / wd, n * 1e3 / wd);
+    if (dev_step_ms > 0) {
+        double wdd = ld * full_layers + (dev_step_ms - ld * layers);
+        printf("  the same decode step with the device sampler (its logits never leave the "
+               "device; sampling included): %.1f ms = %.1f steps/s, %.0f tokens/s\n", wdd,
+               1e3 / wdd, n * 1e3 / wdd);
+    }
 }
 
 static void bench_forward(chk_env *env)
@@ -1162,7 +1351,7 @@ static void bench_forward(chk_env *env)
     double peak = chk_gemm_ceiling(env);
     printf("ceilings: device copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s\n", copy, peak);
     di_error e;
-    model_config full;
+    model_config full = {0};
     mkmodel_options mo;
     mkmodel_options_default(&mo);
     mo.max_bytes = 0;
@@ -1226,7 +1415,7 @@ static void bench_forward(chk_env *env)
                      .n_blocks = BENCH_CONTEXT / 128, .slot = 0};
         int32_t last = BENCH_CONTEXT - 1;
         fwd_step ps = {.n_seqs = 1, .seqs = &q, .n_logit_rows = 1, .logit_rows = &last};
-        double ms = bench_step_ms(&b, &ps, 3);
+        double ms = bench_step_ms(&b, &ps, 3), prefill_head = -1;
         if (ms > 0) {
             double fl = 0;
             for (int64_t p = 0; p < BENCH_CONTEXT; p++)
@@ -1235,7 +1424,7 @@ static void bench_forward(chk_env *env)
                    "%.1f TFLOP/s = %.1f%% of the BF16 GEMM ceiling\n", BENCH_CONTEXT, ms,
                    ms / c->n_layers, BENCH_CONTEXT / (ms / 1e3), fl / (ms / 1e3) / 1e12,
                    100.0 * fl / (ms / 1e3) / 1e12 / peak);
-            bench_profile(&b, &ps, "prefill chunk", c->n_layers);
+            prefill_head = bench_profile(&b, &ps, "prefill chunk", c->n_layers);
             /* every decode sequence starts from the prompt's rings and pending state */
             for (uint32_t i = 1; i < BENCH_MAX_SEQS && st == DI_OK; i++) {
                 kern_copy_rows cp = {.n_rows = 1, .row_bytes = b.kv->slot_bytes,
@@ -1244,8 +1433,15 @@ static void bench_forward(chk_env *env)
                 st = env->gpu.ops.copy_rows(env->gpu.ctx, &cp);
             }
             const uint32_t ns[] = {1, 8, 64};
+            double dec_ms = -1, dec_head = -1, dev_ms = -1;
             for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]) && st == DI_OK; i++)
-                bench_decode(&b, &bw, ns[i], copy);
+                dec_ms = bench_decode(&b, &bw, ns[i], copy, &dec_head);
+            if (st == DI_OK) {
+                bench_sampling(&b, BENCH_MAX_SEQS, &dev_ms);
+                bench_whole(c->n_layers, full.n_layers ? full.n_layers : 40, ms, prefill_head,
+                            dec_ms, dec_head, dev_ms, BENCH_MAX_SEQS);
+                bench_invariance(&b, BENCH_MAX_SEQS);
+            }
         }
         free(toks);
     }
@@ -1284,5 +1480,6 @@ int main(int argc, char **argv)
     check_refusals(&env, &rm, &trk, &gpu);
     check_executor(&env, &rm, &trk, &gpu);
     runner_model_free(&rm);
-    return chk_finish(&env, "check_forward", bench, bench_forward);
+    int rc = chk_finish(&env, "check_forward", bench, bench_forward);
+    return rc ? rc : (g_bench_failures ? 1 : 0);
 }

@@ -26,7 +26,8 @@
 
 static const char usage[] =
     "usage: check_linear [--bench] [--seed N]\n"
-    "  CUDA linear_fp8, linear_fp4, linear_bf16, head against the C twins; --bench adds timings\n";
+    "  CUDA linear_fp8, linear_fp4, linear_bf16, head against the C twins; --bench adds timings\n"
+    "  (CHECK_LINEAR_BENCH=NAME times only the bench shapes whose name contains NAME)\n";
 
 enum { OP_FP8, OP_FP4, OP_BF16, OP_HEAD, OP_COUNT };
 static const char *const op_name[OP_COUNT] = {"linear_fp8", "linear_fp4", "linear_bf16", "head"};
@@ -333,6 +334,23 @@ static void sweep(chk_env *env, const kern_backend *simple)
     for (int i = 0; i < OP_COUNT; i++)
         print_stats(op_name[i], &per_op[i]);
     print_stats("all ops on the plain GEMM", &plain);
+    /* batch-invariant mode: the fixed 64-row chunks, padded strides, groups and accumulation
+     * held to the same tolerance, on cases the default path passes above (a small shape's
+     * every output kind, a large shape's two cases: at k >= 4096, arange x against
+     * extreme-code weights cancels enough that another fp32 summation order can leave the
+     * tolerance, whatever the path) */
+    sweep_stats inv = {0, 0, 0.0, 1.0};
+    kern_cuda_set_batch_invariant(&env->gpu, 1);
+    for (size_t si = 0; si < N_SHAPES; si++) {
+        const shape *sh = &shapes[si];
+        for (size_t c = 0; c < (sh->full ? 3 : 2); c++) {
+            lin_case lc;
+            shape_cases(sh, sh->full ? c * (N_PAIRS + 1) : (c == 0 ? 3 : N_PAIRS + 5), &lc);
+            run_case(env, &env->gpu, &lc, &inv);
+        }
+    }
+    kern_cuda_set_batch_invariant(&env->gpu, 0);
+    print_stats("all ops, batch-invariant mode", &inv);
 }
 
 /* ---- refused inputs ---- */
@@ -381,53 +399,83 @@ static void check_refusals(chk_env *env)
     chk_dev_free(env, d);
 }
 
-/* ---- batch invariance (informational) ----
+/* ---- batch invariance ----
  * kernels.h asks that a row's output not depend on how many rows share the call; the CPU
- * backend guarantees it, and cuBLASLt picks its algorithm (tiles, split-K) per m, so the CUDA
- * linear ops may not. This reports what the device does for row 5 of a 64-row call against the
- * same row alone; it never fails (a batch-invariant mode is future work, docs/cuda.md). */
+ * backend guarantees it, and cuBLASLt picks its algorithm (tiles, split-K) per m (and up to 16
+ * rows take the weight-streaming kernel), so by default the CUDA linear ops may not: that is
+ * printed. In batch-invariant mode (kern_cuda_set_batch_invariant) rows 5 and 70 alone must
+ * equal, bit for bit, the same rows inside calls of 9, 64 and 100 rows (two 64-row chunks). */
 
-static void report_batch_invariance(chk_env *env, int op, uint32_t n, uint32_t k, int out_f32)
+static void batch_invariance(chk_env *env, int op, uint32_t n, uint32_t k, int out_f32, int bi)
 {
-    const uint32_t big = 64, row = 5;
+    enum { BIG = 100, N_M = 3, N_ROWS = 2 };
+    const uint32_t ms[N_M] = {9, 64, 100}, probe[N_ROWS] = {5, 70};
     di_rng rng;
     chk_case_rng(env, &rng);
-    lin_case lc = {.op = op, .m = big, .n = n, .k = k, .groups = 1, .out_f32 = out_f32,
+    lin_case lc = {.op = op, .m = BIG, .n = n, .k = k, .groups = 1, .out_f32 = out_f32,
                    .wmode = W_NORMAL};
     weights wt;
     make_weights(&lc, &rng, &wt);
     size_t ysz = out_f32 ? 4 : 2;
-    uint16_t *x = chk_malloc((size_t)big * k * 2);
-    chk_fill_bf16(x, (size_t)big * k, CHK_NORMAL, &rng);
-    uint8_t *yb = chk_malloc((size_t)big * n * ysz), *y1 = chk_malloc((size_t)n * ysz);
-    void *dx = chk_dev_alloc(env, (size_t)big * k * 2), *dw = chk_dev_alloc(env, wt.w_bytes);
+    uint16_t *x = chk_malloc((size_t)BIG * k * 2);
+    chk_fill_bf16(x, (size_t)BIG * k, CHK_NORMAL, &rng);
+    uint8_t *yb = chk_malloc((size_t)BIG * n * ysz), *y1 = chk_malloc((size_t)N_ROWS * n * ysz);
+    void *dx = chk_dev_alloc(env, (size_t)BIG * k * 2), *dw = chk_dev_alloc(env, wt.w_bytes);
     void *ds = wt.scale ? chk_dev_alloc(env, wt.s_bytes) : NULL;
-    void *dyb = chk_dev_alloc(env, (size_t)big * n * ysz), *dy1 = chk_dev_alloc(env, (size_t)n * ysz);
-    chk_put(env, dx, x, (size_t)big * k * 2);
+    void *dyb = chk_dev_alloc(env, (size_t)BIG * n * ysz);
+    void *dy1 = chk_dev_alloc(env, (size_t)N_ROWS * n * ysz);
+    chk_put(env, dx, x, (size_t)BIG * k * 2);
     chk_put(env, dw, wt.w, wt.w_bytes);
     if (ds)
         chk_put(env, ds, wt.scale, wt.s_bytes);
-    kern_linear pb = {big, n, k, 1, dx, k, dw, ds, out_f32, 0, dyb, n};
-    kern_linear p1 = {1, n, k, 1, (uint16_t *)dx + (size_t)row * k, k, dw, ds, out_f32, 0, dy1, n};
-    linear_fn fn = op_fn(&env->gpu, op);
-    if (fn(env->gpu.ctx, &pb) != DI_OK || fn(env->gpu.ctx, &p1) != DI_OK) {
-        fprintf(stderr, "batch invariance probe: %s\n", kern_cuda_last_error(&env->gpu));
+    if (kern_cuda_set_batch_invariant(&env->gpu, bi) != DI_OK) {
+        fprintf(stderr, "batch invariance: the mode cannot be set\n");
         exit(2);
     }
-    chk_get(env, yb, dyb, (size_t)big * n * ysz);
-    chk_get(env, y1, dy1, (size_t)n * ysz);
-    size_t differ = 0;
-    double worst = 0;
-    for (uint32_t j = 0; j < n; j++) {
-        size_t i = (size_t)row * n + j;
-        if (!same_bits(yb + (size_t)row * n * ysz, y1, out_f32, j))
-            differ++;
-        double d = fabs(y_at(yb, out_f32, i) - y_at(y1, out_f32, j));
-        worst = d > worst ? d : worst;
+    linear_fn fn = op_fn(&env->gpu, op);
+    for (int r = 0; r < N_ROWS; r++) {
+        kern_linear p1 = {1, n, k, 1, (uint16_t *)dx + (size_t)probe[r] * k, k, dw, ds, out_f32,
+                          0, (uint8_t *)dy1 + (size_t)r * n * ysz, n};
+        if (fn(env->gpu.ctx, &p1) != DI_OK) {
+            fprintf(stderr, "batch invariance probe: %s\n", kern_cuda_last_error(&env->gpu));
+            exit(2);
+        }
     }
-    printf("batch invariance %s %ux%u (%s out): row %u alone vs in %u rows: %zu of %u outputs "
-           "differ (max |diff| %.3g)\n",
-           op_name[op], n, k, out_f32 ? "f32" : "bf16", row, big, differ, n, worst);
+    chk_get(env, y1, dy1, (size_t)N_ROWS * n * ysz);
+    size_t differ_all = 0;
+    for (int mi = 0; mi < N_M; mi++) {
+        kern_linear pb = {ms[mi], n, k, 1, dx, k, dw, ds, out_f32, 0, dyb, n};
+        if (fn(env->gpu.ctx, &pb) != DI_OK) {
+            fprintf(stderr, "batch invariance probe: %s\n", kern_cuda_last_error(&env->gpu));
+            exit(2);
+        }
+        chk_get(env, yb, dyb, (size_t)ms[mi] * n * ysz);
+        for (int r = 0; r < N_ROWS; r++) {
+            if (probe[r] >= ms[mi])
+                continue;
+            size_t differ = 0;
+            double worst = 0;
+            const uint8_t *one = y1 + (size_t)r * n * ysz;
+            for (uint32_t j = 0; j < n; j++) {
+                size_t i = (size_t)probe[r] * n + j;
+                if (!same_bits(yb + (size_t)probe[r] * n * ysz, one, out_f32, j))
+                    differ++;
+                double d = fabs(y_at(yb, out_f32, i) - y_at(one, out_f32, j));
+                worst = d > worst ? d : worst;
+            }
+            differ_all += differ;
+            printf("batch invariance%s %s %ux%u (%s out): row %u alone vs in %u rows: %zu of %u "
+                   "outputs differ (max |diff| %.3g)\n", bi ? " MODE" : "", op_name[op], n, k,
+                   out_f32 ? "f32" : "bf16", probe[r], ms[mi], differ, n, worst);
+        }
+    }
+    if (bi) {
+        if (differ_all)
+            fprintf(stderr, "FAIL batch-invariant mode: %s rows differ alone and in a batch\n",
+                    op_name[op]);
+        chk_count(env, differ_all);
+    }
+    kern_cuda_set_batch_invariant(&env->gpu, 0);
     chk_dev_free(env, dx);
     chk_dev_free(env, dw);
     chk_dev_free(env, ds);
@@ -450,7 +498,8 @@ typedef struct bench_shape {
 static const bench_shape bench_shapes[] = {
     {"wq_a", OP_FP8, 1280, 5120},      {"wq_b", OP_FP8, 32768, 1280},
     {"wkv", OP_FP8, 512, 5120},        {"wo_b", OP_FP8, 5120, 8192},
-    {"expert w1", OP_FP4, 2304, 5120}, {"head", OP_HEAD, 129280, 5120},
+    {"expert w1", OP_FP4, 2304, 5120}, {"expert8 w1", OP_FP8, 2304, 5120},
+    {"head", OP_HEAD, 129280, 5120},
 };
 static const uint32_t bench_m[] = {1, 8, 64, 384, 4096};
 
@@ -557,8 +606,11 @@ static void bench(chk_env *env)
     size_t n_rows = sizeof(bench_shapes) / sizeof(bench_shapes[0]) * (sizeof(bench_m) / sizeof(bench_m[0]));
     bench_row *rows = chk_malloc(n_rows * sizeof(*rows));
     size_t r = 0;
+    const char *only = getenv("CHECK_LINEAR_BENCH"); /* names containing this, when set */
     for (size_t s = 0; s < sizeof(bench_shapes) / sizeof(bench_shapes[0]); s++)
         for (size_t i = 0; i < sizeof(bench_m) / sizeof(bench_m[0]); i++) {
+            if (only && *only && !strstr(bench_shapes[s].name, only))
+                continue;
             bench_shape_m(env, &bench_shapes[s], bench_m[i], &rows[r++]);
             fprintf(stderr, "bench %s m=%u done\n", bench_shapes[s].name, bench_m[i]);
         }
@@ -589,6 +641,16 @@ static void bench(chk_env *env)
     printf("GEMMs so far: %" PRIu64 " cuBLASLt, %" PRIu64 " plain kernel; %" PRIu64
            " cuBLASLt plans built\n",
            st.gemm_cublaslt, st.gemm_simple, st.plans_built);
+    /* the routed expert's matrix in FP4 against the same matrix in FP8, on the same path */
+    for (size_t i = 0; i < r; i++)
+        for (size_t j = 0; j < r; j++)
+            if (!strcmp(rows[i].name, "expert w1") && !strcmp(rows[j].name, "expert8 w1") &&
+                rows[i].m == rows[j].m && rows[i].op_ms > 0 && rows[j].op_ms > 0)
+                printf("expert w1 2304x5120, m = %u: FP4 %.1f us, FP8 %.1f us: FP4 takes %.2fx "
+                       "the FP8 time (%s)\n", rows[i].m, rows[i].op_ms * 1e3, rows[j].op_ms * 1e3,
+                       rows[i].op_ms / rows[j].op_ms,
+                       rows[i].m <= 16 ? "both on the weight-streaming kernel"
+                                       : "both dequantised, then cuBLASLt");
     free(rows);
 }
 
@@ -605,8 +667,11 @@ int main(int argc, char **argv)
     }
     sweep(&env, &simple);
     check_refusals(&env);
-    report_batch_invariance(&env, OP_FP8, 512, 5120, 0);
-    report_batch_invariance(&env, OP_BF16, 1000, 5120, 1);
+    for (int bi = 0; bi < 2; bi++) {
+        batch_invariance(&env, OP_FP8, 512, 5120, 0, bi);
+        batch_invariance(&env, OP_FP4, 2304, 5120, 0, bi);
+        batch_invariance(&env, OP_BF16, 1000, 5120, 1, bi);
+    }
     kern_cuda_stats st;
     kern_cuda_get_stats(&env.gpu, &st);
     printf("check_linear: %d CUDA-vs-C cases, %d with mismatches; GEMMs: %" PRIu64
