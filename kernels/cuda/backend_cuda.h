@@ -54,9 +54,10 @@ typedef struct kern_cuda_config {
     int simple_gemm;            /* 1: every GEMM runs the plain CUDA-core kernel instead of
                                  * cuBLASLt (how the checks exercise that path) */
     int moe_grouped_rows;       /* moe_experts' grouped path (docs/cuda.md) runs when the
-                                 * largest expert group of a call has at most this many rows:
+                                 * call has at most this many rows (its pairs then bucketed on
+                                 * the device, no read-back) or its largest expert group has:
                                  * 0 = the default (64), negative = never (cuBLASLt path
-                                 * only); above 16, groups are split into chunks of 16 rows */
+                                 * only); groups of at most 8 (device) or 16 (host) rows */
     int moe_cuda_cores;         /* 1: the grouped path runs its CUDA-core kernel instead of the
                                  * tensor-core one (the previous version, for comparison) */
     int moe_unstaged;           /* 1: the tensor-core kernel reads the weights straight from

@@ -10,8 +10,10 @@
  *    differing by an ulp at an fp32 rounding tie (tolerance: ids exact except at near-ties,
  *    weights abs 1e-6).
  *  - swiglu: element-wise, the twin's double expressions: bit-identical.
- *  - moe_experts: the (row, slot) pairs are bucketed by expert on the host (the ids are read
- *    back: one synchronisation per call). When the largest bucket has at most
+ *  - moe_experts: up to cuda_ctx.moe_grouped_rows rows the (row, slot) pairs are bucketed by
+ *    expert on the device (moe_bucket.cu: no read-back) and the routed experts take the
+ *    grouped path, with the most groups there can be as the grid. Above, they are bucketed on
+ *    the host (the ids are read back: one synchronisation per call). When the largest bucket has at most
  *    cuda_ctx.moe_grouped_rows pairs (default 64; groups of at most 16 per launch) and fits a
  *    block's shared memory, the routed experts take the grouped path (moe_grouped.cu: one
  *    launch for W1 and W3 with SwiGLU and the routing weight over every bucket, one for W2;

@@ -671,7 +671,7 @@ typedef struct bench_arg {
 } bench_arg;
 
 /* The timed ops: moe_experts forced onto each path, then moe_gate. */
-enum { OP_MMA, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
+enum { OP_MMA, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
@@ -723,8 +723,9 @@ static void bench(chk_env *env)
            "weights of the experts used, read once\n", (double)(per * B_E + 3 * (sh8 + shs)) / 1e9,
            copy, peak);
     printf("moe_experts grouped / cublaslt: the routed experts forced onto one path (the "
-           "default takes the grouped one when the largest group has at most %d rows)\n",
-           THR_DEFAULT);
+           "default takes the grouped one when the largest group has at most %d rows); grouped: "
+           "the pairs bucketed on the device (no read-back), host plan: read back and bucketed "
+           "on the host\n", THR_DEFAULT);
     printf("%-22s %5s %7s %9s %10s %9s %7s %7s %7s\n", "op", "rows", "experts", "max group", "us",
            "TFLOP/s", "GB/s", "of GEMM", "of copy");
     static const uint32_t rows_list[] = {1, 8, 64, 384};
@@ -767,7 +768,8 @@ static void bench(chk_env *env)
                               .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
                               .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
                               .weights = chk_dev_alloc(env, nk * 4)};
-        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped unstaged",
+        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped, host plan",
+                                                     "grouped unstaged",
                                                      "grouped cuda-core",
                                                      "moe_experts cublaslt", "moe_gate"};
         for (int op = 0; op < BENCH_OPS; op++) {
@@ -777,6 +779,7 @@ static void bench(chk_env *env)
             const int ex_op = op != OP_GATE;
             if (ex_op)
                 env->gpu = op == OP_MMA        ? g_be.grouped
+                           : op == OP_HOST     ? g_be.host
                            : op == OP_UNSTAGED ? g_be.unstaged
                            : op == OP_CORES    ? g_be.cores
                                                : g_be.gemm;
