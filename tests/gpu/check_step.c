@@ -1,4 +1,7 @@
-/* check_step: the one-step-ahead fix-up (kern_cuda_step_ahead) against its C twin
+/* check_step: the graph machinery of the CUDA backend (kern_cuda_graphs) on small segments: a
+ * segment instantiated, the next of its key updated in place, one whose kernels changed
+ * instantiated afresh, an op failing inside a segment (what was captured before it runs), each
+ * result against the same op run eagerly; then the one-step-ahead fix-up (kern_cuda_step_ahead) against its C twin
  * (kernels/cpu/step_ahead.h), bit for bit: random steps of 1 to 64 sequences with 0 to 3
  * drafts, accepted counts from 0 (a finished sequence: placeholder rows) to all, rows in
  * shuffled order with gaps; the same calls captured into a CUDA graph and replayed with new
@@ -159,6 +162,86 @@ static void check_bad_count(chk_env *env)
     free_case(env, &b);
 }
 
+/* copy_rows of 4 rows of 64 bytes, checked against the host copy; in place (overlap: staged,
+ * a second kernel) when inplace. Returns mismatches. */
+static size_t graph_copy(chk_env *env, uint8_t *src, uint8_t *dst, int inplace, const char *what)
+{
+    uint8_t h[256], g[256];
+    for (int i = 0; i < 256; i++)
+        h[i] = (uint8_t)(i * 7 + (inplace ? 3 : 1) + (uintptr_t)dst);
+    chk_put(env, src, h, sizeof(h));
+    static const int32_t rows[4] = {0, 1, 2, 3};
+    kern_copy_rows c = {.n_rows = 4, .row_bytes = 64, .src = src, .src_stride = 64,
+                        .rows = rows, .dst = inplace ? src : dst, .dst_stride = 64};
+    di_error e;
+    di_status st = env->gpu.ops.copy_rows(env->gpu.ctx, &c);
+    if (st == DI_OK)
+        st = kern_cuda_sync(&env->gpu, &e);
+    if (st != DI_OK) {
+        fprintf(stderr, "FAIL %s: %s\n", what, kern_cuda_last_error(&env->gpu));
+        return 1;
+    }
+    chk_get(env, g, inplace ? src : dst, sizeof(g));
+    if (memcmp(g, h, sizeof(g)) != 0) {
+        fprintf(stderr, "MISMATCH %s: rows copied wrong\n", what);
+        return 1;
+    }
+    return 0;
+}
+
+static size_t graph_expect(const kern_cuda_stats *a, const kern_cuda_stats *b, uint64_t inst,
+                           uint64_t upd, const char *what)
+{
+    uint64_t i = b->graph_instantiations - a->graph_instantiations;
+    uint64_t u = b->graph_updates - a->graph_updates;
+    if (i == inst && u == upd)
+        return 0;
+    fprintf(stderr, "MISMATCH %s: %" PRIu64 " instantiated and %" PRIu64 " updated, expected %"
+            PRIu64 " and %" PRIu64 "\n", what, i, u, inst, upd);
+    return 1;
+}
+
+static void check_graph_paths(chk_env *env)
+{
+    uint8_t *a = chk_dev_alloc(env, 1024), *b = chk_dev_alloc(env, 1024);
+    di_error e;
+    kern_cuda_stats s0, s1;
+    size_t bad = chk_expect(env, kern_cuda_graphs(&env->gpu, 1, &e), DI_OK, "graphs on");
+    kern_cuda_get_stats(&env->gpu, &s0);
+    bad += graph_copy(env, a, b, 0, "graph: first segment");
+    kern_cuda_get_stats(&env->gpu, &s1);
+    bad += graph_expect(&s0, &s1, 1, 0, "graph: first segment");
+    s0 = s1;
+    bad += graph_copy(env, a + 512, b + 512, 0, "graph: same key, other buffers");
+    kern_cuda_get_stats(&env->gpu, &s1);
+    bad += graph_expect(&s0, &s1, 0, 1, "graph: same key, other buffers (updated in place)");
+    s0 = s1;
+    bad += graph_copy(env, a, b, 1, "graph: same key, in place");
+    kern_cuda_get_stats(&env->gpu, &s1);
+    bad += graph_expect(&s0, &s1, 1, 0, "graph: same key, a staged copy (update refused)");
+    /* an op failing inside a segment: the copy captured before it still runs */
+    uint8_t h[64], g[64];
+    for (int i = 0; i < 64; i++)
+        h[i] = (uint8_t)(200 - i);
+    chk_put(env, a + 768, h, sizeof(h));
+    kern_copy_rows c = {.n_rows = 1, .row_bytes = 64, .src = a + 768, .src_stride = 64,
+                        .dst = b + 768, .dst_stride = 64};
+    kern_rmsnorm r = {.n_rows = 1, .dim = 64, .x = NULL, .x_stride = 64, .y = (uint16_t *)b,
+                      .y_stride = 64, .eps = 1e-6f};
+    bad += chk_expect(env, env->gpu.ops.copy_rows(env->gpu.ctx, &c), DI_OK, "graph: copy");
+    bad += chk_expect(env, env->gpu.ops.rmsnorm(env->gpu.ctx, &r), DI_EINVAL,
+                      "graph: rmsnorm with x NULL inside the segment");
+    bad += chk_expect(env, kern_cuda_sync(&env->gpu, &e), DI_OK, "graph: sync after it");
+    chk_get(env, g, b + 768, sizeof(g));
+    if (memcmp(g, h, sizeof(g)) != 0 && bad++ < 4)
+        fprintf(stderr, "MISMATCH graph: the copy before the failed op did not run\n");
+    kern_cuda_graphs(&env->gpu, 0, &e);
+    chk_count(env, bad);
+    printf("graphs: instantiated, updated in place, re-instantiated when the kernels changed, "
+           "a failed op inside a segment: %s\n", bad ? "MISMATCHES" : "as eager");
+    chk_dev_free(env, a), chk_dev_free(env, b);
+}
+
 static void bench(chk_env *env)
 {
     di_rng rng;
@@ -193,6 +276,7 @@ int main(int argc, char **argv)
     chk_env env;
     int want_bench = chk_init(&env, argc, argv, usage);
     static const uint32_t seqs[] = {1, 3, 8, 64};
+    check_graph_paths(&env);
     int c0 = env.checks;
     for (size_t i = 0; i < 4; i++)
         for (uint32_t nextn = 0; nextn <= 3; nextn++)
