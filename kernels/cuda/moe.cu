@@ -13,10 +13,11 @@
  *  - moe_experts: up to cuda_ctx.moe_grouped_rows rows the (row, slot) pairs are bucketed by
  *    expert on the device (moe_bucket.cu: no read-back) and the routed experts take the
  *    grouped path, with the most groups there can be as the grid. Above, they are bucketed on
- *    the host (the ids are read back: one synchronisation per call). When the largest bucket has at most
- *    cuda_ctx.moe_grouped_rows pairs (default 64; groups of at most 16 per launch) and fits a
- *    block's shared memory, the routed experts take the grouped path (moe_grouped.cu: one
- *    launch for W1 and W3 with SwiGLU and the routing weight over every bucket, one for W2;
+ *    the host (the ids are read back: one synchronisation per call); when the largest bucket
+ *    has at most cuda_ctx.moe_grouped_rows pairs (default 64; groups of at most 16 per
+ *    launch) and fits a block's shared memory, the routed experts take the grouped path
+ *    (moe_grouped.cu: one launch for W1 and W3 with SwiGLU and the routing weight over every
+ *    bucket, one for W2;
  *    on the tensor cores, moe_mma.cu, or on the CUDA cores with the FP4 weights dequantised in
  *    registers). Otherwise the rows are gathered into the work buffer in the twin's order,
  *    each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8 activations by

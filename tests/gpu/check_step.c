@@ -1,9 +1,9 @@
 /* check_step: the graph machinery of the CUDA backend (kern_cuda_graphs) on small segments: a
  * segment instantiated, the next of its key updated in place, one whose kernels changed
  * instantiated afresh, an op failing inside a segment (what was captured before it runs), each
- * result against the same op run eagerly; then the one-step-ahead fix-up (kern_cuda_step_ahead) against its C twin
- * (kernels/cpu/step_ahead.h), bit for bit: random steps of 1 to 64 sequences with 0 to 3
- * drafts, accepted counts from 0 (a finished sequence: placeholder rows) to all, rows in
+ * result against the host's copy; then the one-step-ahead fix-up (kern_cuda_step_ahead)
+ * against its C twin (kernels/cpu/step_ahead.h), bit for bit: random steps of 1 to 64
+ * sequences with 0 to 3 drafts, accepted counts from 0 (a finished sequence: placeholder rows) to all, rows in
  * shuffled order with gaps; the same calls captured into a CUDA graph and replayed with new
  * inputs in the same buffers; a bad accepted count reported at the next synchronisation.
  * --bench: device time of one fix-up of 64 sequences, eager and as a graph node.
