@@ -66,6 +66,7 @@ typedef struct kern_cuda_config {
     int moe_host_plan;          /* 1: moe_experts buckets its pairs on the host (reading the ids
                                  * back) at every row count, as before the device bucketing */
     int graphs;                 /* 1: start with graph capture on (kern_cuda_graphs) */
+    uint32_t graph_split;       /* kern_cuda_graph_split's ops per segment (0: whole) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
@@ -129,12 +130,17 @@ di_status kern_cuda_sync(kern_backend *be, di_error *err);
  * launched as a graph. Each segment has a key (its ops and their row counts): the first of a
  * key is instantiated, later ones update that instantiation in place
  * (cudaGraphExecUpdate) and are instantiated afresh when the update is refused (the shapes
- * changed); CUDA_GRAPH_SLOTS keys are kept, least recently used replaced. The uploads of a
+ * changed); CUDA_GRAPH_SLOTS (64) keys are kept, least recently used replaced. The uploads of a
  * captured segment go through a pinned host arena. The numbers are the eager path's, bit for
  * bit (the same kernels with the same arguments in the same order). A failed op ends the
  * segment: what was captured before it runs. on = 0 launches the segment being captured and
  * stops capturing. DI_OK; DI_EINVAL (not a CUDA backend); a CUDA failure. */
 di_status kern_cuda_graphs(kern_backend *be, int on, di_error *err);
+
+/* With graphs on, a segment also ends before its ops-th op (0: only at synchronisation
+ * points), so that the device runs a step's first segments while the host captures the
+ * following ones. DI_OK; DI_EINVAL (not a CUDA backend). */
+di_status kern_cuda_graph_split(kern_backend *be, uint32_t ops, di_error *err);
 
 /* Launches again the segment launched last (the same arguments and uploads): a step replayed
  * without any host work, for timing. DI_EINVAL when there is none. */

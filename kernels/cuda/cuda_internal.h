@@ -70,7 +70,8 @@ typedef struct cuda_expert_table {
 } cuda_expert_table;
 
 /* graph.cu: stream capture of the ops between two synchronisation points (kern_cuda_graphs). */
-#define CUDA_GRAPH_SLOTS 16
+#define CUDA_GRAPH_SLOTS 64
+#define CUDA_GRAPH_ARENAS 4 /* segments in flight before the host waits */
 typedef struct cuda_graph_slot {
     uint64_t key;               /* hash of the segment's ops and their row counts (0: unused) */
     cudaGraphExec_t exec;       /* instantiated graph, updated in place by later captures */
@@ -83,18 +84,20 @@ typedef struct cuda_graph_state {
     int in_op;                  /* an op entry is running (a break inside it resumes capture) */
     uint64_t key;               /* running hash of the segment being captured */
     uint32_t ops;               /* ops in it */
+    uint32_t split;             /* > 0: a segment ends before its split-th op, so the device
+                                 * runs it while the host captures the next (kern_cuda_graph_split) */
     cuda_graph_slot slots[CUDA_GRAPH_SLOTS];
     uint64_t tick;
     cudaGraphExec_t last;       /* exec launched last (kern_cuda_graph_relaunch) */
     int last_arena;             /* the arena its copies read */
-    uint8_t *pin[2];            /* pinned host arenas of the uploads of captured segments: the
-                                 * graph's copies read them when it runs, so a segment's arena
-                                 * is reused only after the event says its graph is done */
-    size_t pin_cap[2];
+    uint8_t *pin[CUDA_GRAPH_ARENAS]; /* pinned host arenas of the uploads of captured segments,
+                                 * in turn: the graph's copies read them when it runs, so an
+                                 * arena is reused only after the event says its graph is done */
+    size_t pin_cap[CUDA_GRAPH_ARENAS];
     size_t pin_len;             /* bytes used in the current arena */
     int cur;                    /* arena of the segment being captured */
-    cudaEvent_t done[2];        /* recorded after the last graph reading each arena */
-    int done_set[2];
+    cudaEvent_t done[CUDA_GRAPH_ARENAS]; /* recorded after the last graph reading each arena */
+    int done_set[CUDA_GRAPH_ARENAS];
 } cuda_graph_state;
 
 typedef struct cuda_ctx {

@@ -5,8 +5,9 @@
  * first segment of a key is instantiated, later ones update that instantiation in place, and
  * one whose update is refused (a kernel or a cuBLASLt algorithm changed with the shapes) is
  * instantiated afresh. The uploads of a captured segment are copied from a pinned host arena
- * (a graph's copy node reads its source when the graph runs): two arenas alternate by segment,
- * and one is written again only after the event recorded behind the last graph reading it. */
+ * (a graph's copy node reads its source when the graph runs): CUDA_GRAPH_ARENAS arenas taken in
+ * turn by segment, one written again only after the event recorded behind the last graph
+ * reading it. */
 #include <cuda_runtime.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -66,7 +67,11 @@ di_status cuda_graph_op_enter(cuda_ctx *c, const char *op, uint64_t rows)
     g->in_op++;
     if (!g->on)
         return DI_OK;
-    di_status st = graph_begin(c);
+    di_status st = DI_OK;
+    if (g->capturing && g->split && g->ops >= g->split)
+        st = cuda_graph_break(c); /* launched: the device starts on it */
+    if (st == DI_OK)
+        st = graph_begin(c);
     if (st == DI_OK && g->capturing) {
         g->key = mix(mix_str(g->key, op), rows);
         g->ops++;
@@ -174,7 +179,7 @@ di_status cuda_graph_break(cuda_ctx *c)
         g->done_set[g->cur] = 1;
         g->last = exec;
         g->last_arena = g->cur;
-        g->cur ^= 1;
+        g->cur = (g->cur + 1) % CUDA_GRAPH_ARENAS;
         c->stats.graph_launches++;
         c->stats.graph_nodes = nodes;
     }
@@ -259,7 +264,7 @@ void cuda_sync_check(cuda_ctx *c)
 di_status cuda_graph_init(cuda_ctx *c)
 {
     cuda_graph_state *g = &c->graph;
-    for (int a = 0; a < 2; a++) {
+    for (int a = 0; a < CUDA_GRAPH_ARENAS; a++) {
         di_status st = cuda_check(c, cudaEventCreateWithFlags(&g->done[a], cudaEventDisableTiming),
                                   "graph: cudaEventCreate");
         if (st != DI_OK)
@@ -283,7 +288,7 @@ void cuda_graph_release(cuda_ctx *c)
     for (int i = 0; i < CUDA_GRAPH_SLOTS; i++)
         if (g->slots[i].exec)
             cudaGraphExecDestroy(g->slots[i].exec);
-    for (int a = 0; a < 2; a++) {
+    for (int a = 0; a < CUDA_GRAPH_ARENAS; a++) {
         if (g->pin[a])
             cudaFreeHost(g->pin[a]);
         if (g->done[a])
@@ -304,6 +309,14 @@ extern "C" di_status kern_cuda_graphs(kern_backend *be, int on, di_error *err)
     if (st != DI_OK && err)
         *err = c->last;
     return st;
+}
+
+extern "C" di_status kern_cuda_graph_split(kern_backend *be, uint32_t ops, di_error *err)
+{
+    if (!be || !be->ctx || !be->name || strcmp(be->name, "cuda") != 0)
+        return di_fail(err, DI_EINVAL, "graph split: not a CUDA backend");
+    ((cuda_ctx *)be->ctx)->graph.split = ops;
+    return DI_OK;
 }
 
 extern "C" di_status kern_cuda_graph_relaunch(kern_backend *be, di_error *err)

@@ -748,19 +748,25 @@ static size_t same_bytes(const char *what, const char *name, const void *a, cons
 }
 
 static size_t check_graphs(chk_env *env, const runner_model *rm, const kern_backend *gpu,
-                           const scn_params *p, const scn_out *eager, const char *what)
+                           const scn_params *p, const scn_out *eager, const char *case_name,
+                           uint32_t split)
 {
     scn_out g;
     di_error e;
+    char what[96];
+    snprintf(what, sizeof what, "%s, segments %s", case_name, split ? "of 7 ops" : "whole");
     kern_cuda_stats s0, s1;
     kern_cuda_get_stats(&env->gpu, &s0);
-    di_status st = kern_cuda_graphs(&env->gpu, 1, &e);
+    di_status st = kern_cuda_graph_split(&env->gpu, split, &e);
+    if (st == DI_OK)
+        st = kern_cuda_graphs(&env->gpu, 1, &e);
     if (st == DI_OK)
         st = run_scn(rm, gpu, p, NULL, &g, &e);
     if (st == DI_OK)
         st = kern_cuda_sync(&env->gpu, &e);
     di_error e2;
     kern_cuda_graphs(&env->gpu, 0, &e2);
+    kern_cuda_graph_split(&env->gpu, 0, &e2);
     kern_cuda_get_stats(&env->gpu, &s1);
     if (st != DI_OK) {
         printf("FAIL %s: run with graphs: %s\n", what, e.msg);
@@ -838,7 +844,8 @@ static void check_case(chk_env *env, const runner_model *rm, const fwd_case *k,
         }
         mism = cmp_layers(what, &cc, cq, &cg) + cmp_case(what, m, &c, q, &g);
         fwd_model_free(m);
-        mism += check_graphs(env, rm, gpu, &p, &g, what);
+        mism += check_graphs(env, rm, gpu, &p, &g, what, 0);
+        mism += check_graphs(env, rm, gpu, &p, &g, what, 7); /* cut every 7 ops */
     }
     if (trk->live != live0) {
         printf("FAIL %s: %lld device allocations left after the run\n", what,
@@ -976,6 +983,7 @@ static void check_executor(chk_env *env, const runner_model *rm, trk_state *trk,
 #define BENCH_CONTEXT 4096       /* prefill chunk, then decode at this position */
 #define BENCH_MAX_SEQS 64
 #define BENCH_REPS 5
+#define BENCH_SPLIT 24 /* ops per graph segment in the split timing: about a layer */
 
 static const uint32_t bench_ratios[BENCH_LAYERS] = {0, 2, 2, 1};
 
@@ -1187,6 +1195,16 @@ static void bench_graphs(bench_ctx *b, const fwd_step *st, uint32_t n, double ea
     }
     qsort(rp, BENCH_REPS, sizeof(double), cmp_double);
     double replay = rp[BENCH_REPS / 2], down = dl[BENCH_REPS / 2];
+    /* segments of about a layer's ops: the device starts while the host captures the rest */
+    kern_cuda_get_stats(b->be, &s0);
+    double sms = -1;
+    if (kern_cuda_graph_split(b->be, BENCH_SPLIT, &e) == DI_OK &&
+        kern_cuda_graphs(b->be, 1, &e) == DI_OK)
+        sms = bench_step_ms(b, st, BENCH_REPS);
+    kern_cuda_graphs(b->be, 0, &e);
+    kern_cuda_graph_split(b->be, 0, &e);
+    kern_cuda_stats s2;
+    kern_cuda_get_stats(b->be, &s2);
     printf("    launch overhead, %u rows: eager step %.3f ms (host issuing %.3f ms, %" PRIu64
            " host waits); with graphs %.3f ms (host issuing %.3f ms + %.3f ms ending the capture, "
            "updating and launching; %.1f segments per step, %" PRIu64 " nodes in the last, %.0f "
@@ -1196,6 +1214,14 @@ static void bench_graphs(bench_ctx *b, const fwd_step *st, uint32_t n, double ea
            n, eager_ms, eager_host, eager_syncs, gms, ghost, gend, segs, s1.graph_nodes, inst,
            BENCH_REPS + 1, replay, down, eager_ms - replay - down, gms - replay - down, floor_ms,
            100.0 * floor_ms / replay);
+    printf("    with graphs cut every %d ops: %.3f ms a step (%.1f segments a step, %.0f "
+           "instantiations and %.0f updates in %d steps, host %.3f ms issuing + %.3f ms ending, "
+           "updating and launching a step)\n", BENCH_SPLIT, sms,
+           (double)(s2.graph_launches - s0.graph_launches) / reps,
+           (double)(s2.graph_instantiations - s0.graph_instantiations),
+           (double)(s2.graph_updates - s0.graph_updates), BENCH_REPS + 1,
+           (double)(s2.op_host_ns - s0.op_host_ns) / 1e6 / reps,
+           (double)(s2.graph_host_ns - s0.graph_host_ns) / 1e6 / reps);
 }
 
 /* The widened weights (see above): views, not copies, of the generated checkpoint. */
