@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/cuda_check.h"
@@ -105,9 +106,12 @@ static di_status grow(cuda_ctx *c, uint8_t **buf, size_t *have, size_t bytes, co
         return DI_OK;
     size_t want = (bytes + SCRATCH_ROUND - 1) / SCRATCH_ROUND * SCRATCH_ROUND;
     /* queued ops may still use the old buffer */
-    di_status st = cuda_check(c, cudaStreamSynchronize(c->stream), "device buffer: cudaStreamSynchronize");
+    di_status st = cuda_graph_break(c);
+    if (st == DI_OK)
+        st = cuda_check(c, cudaStreamSynchronize(c->stream), "device buffer: cudaStreamSynchronize");
     if (st != DI_OK)
         return st;
+    cuda_sync_check(c);
     if (*buf)
         cudaFree(*buf);
     *buf = NULL;
@@ -121,7 +125,7 @@ static di_status grow(cuda_ctx *c, uint8_t **buf, size_t *have, size_t bytes, co
     }
     *buf = (uint8_t *)p;
     *have = want;
-    return DI_OK;
+    return cuda_graph_resume(c);
 }
 
 di_status cuda_scratch(cuda_ctx *c, size_t bytes, uint8_t **out)
@@ -145,10 +149,16 @@ di_status cuda_download(cuda_ctx *c, void *dst, const void *src, size_t bytes)
 {
     if (bytes == 0)
         return DI_OK;
-    di_status st = cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream),
-                              "download: cudaMemcpyAsync");
+    di_status st = cuda_graph_break(c);
+    if (st == DI_OK)
+        st = cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream),
+                        "download: cudaMemcpyAsync");
     if (st == DI_OK)
         st = cuda_check(c, cudaStreamSynchronize(c->stream), "download: cudaStreamSynchronize");
+    if (st == DI_OK)
+        cuda_sync_check(c);
+    if (st == DI_OK)
+        st = cuda_graph_resume(c);
     return st;
 }
 
@@ -195,9 +205,18 @@ di_status cuda_meta_upload(cuda_ctx *c, int to_work, size_t extra, uint8_t **dev
     di_status st = to_work ? cuda_work(c, len + extra, &base) : cuda_scratch(c, len + extra, &base);
     if (st != DI_OK)
         return st;
-    /* the host buffer is pageable: the copy has taken the bytes when the call returns */
-    if (c->meta_len)
-        st = cuda_check(c, cudaMemcpyAsync(base, c->meta, c->meta_len, cudaMemcpyHostToDevice,
+    /* the host buffer is pageable: the copy has taken the bytes when the call returns; while
+     * capturing, the bytes go through the segment's pinned arena */
+    const uint8_t *src = c->meta;
+    if (c->meta_len && c->graph.capturing) {
+        uint8_t *h = NULL;
+        st = cuda_graph_host(c, c->meta_len, &h);
+        if (st == DI_OK)
+            memcpy(h, c->meta, c->meta_len);
+        src = h;
+    }
+    if (st == DI_OK && c->meta_len)
+        st = cuda_check(c, cudaMemcpyAsync(base, src, c->meta_len, cudaMemcpyHostToDevice,
                                            c->stream),
                         "metadata upload: cudaMemcpyAsync");
     if (st != DI_OK)
@@ -276,17 +295,15 @@ di_status cuda_upload(cuda_ctx *c, void *dst, const void *src, size_t bytes)
 {
     if (bytes == 0)
         return DI_OK;
-    if (bytes > c->stage_bytes) {
-        uint8_t *s = (uint8_t *)realloc(c->stage, bytes);
-        if (!s)
-            return cuda_fail(c, DI_ENOMEM, "host staging of %zu bytes", bytes);
-        c->stage = s;
-        c->stage_bytes = bytes;
-    }
     /* The staging buffer is pageable: the copy has taken the bytes when the call returns, so
-     * the caller's array (pinned or not) and the staging buffer are free again at once. */
-    memcpy(c->stage, src, bytes);
-    return cuda_check(c, cudaMemcpyAsync(dst, c->stage, bytes, cudaMemcpyHostToDevice, c->stream),
+     * the caller's array (pinned or not) and the staging buffer are free again at once. While
+     * a segment is captured it is the segment's pinned arena instead (graph.cu). */
+    uint8_t *h = NULL;
+    di_status st = cuda_graph_host(c, bytes, &h);
+    if (st != DI_OK)
+        return st;
+    memcpy(h, src, bytes);
+    return cuda_check(c, cudaMemcpyAsync(dst, h, bytes, cudaMemcpyHostToDevice, c->stream),
                       "upload: cudaMemcpyAsync");
 }
 
@@ -295,6 +312,11 @@ static void *cuda_alloc(void *ctx, size_t bytes)
     cuda_ctx *c = (cuda_ctx *)ctx;
     if (cuda_check(c, cudaSetDevice(c->device), "alloc: cudaSetDevice") != DI_OK)
         return NULL;
+    di_status gs = cuda_graph_break(c);
+    if (gs != DI_OK) {
+        c->pending = gs;
+        return NULL;
+    }
     size_t b = bytes ? bytes : 64;
     void *p = NULL;
     cudaError_t e = cudaMalloc(&p, b);
@@ -317,6 +339,8 @@ static void cuda_free_mem(void *ctx, void *p)
         return;
     di_status st = cuda_check(c, cudaSetDevice(c->device), "free: cudaSetDevice");
     if (st == DI_OK)
+        st = cuda_graph_break(c);
+    if (st == DI_OK)
         st = cuda_check(c, cudaFree(p), "free: cudaFree");
     if (st != DI_OK)
         c->pending = st;
@@ -330,11 +354,15 @@ static void cuda_copy(cuda_ctx *c, void *dst, const void *src, size_t bytes, con
         return;
     di_status st = cuda_check(c, cudaSetDevice(c->device), what);
     if (st == DI_OK)
+        st = cuda_graph_break(c);
+    if (st == DI_OK)
         st = cuda_check(c, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, c->stream), what);
     if (st == DI_OK)
         st = cuda_check(c, cudaStreamSynchronize(c->stream), what);
     if (st != DI_OK)
         c->pending = st;
+    else
+        cuda_sync_check(c);
 }
 
 static void cuda_to_host(void *ctx, void *dst, const void *src, size_t bytes)
@@ -346,6 +374,56 @@ static void cuda_from_host(void *ctx, void *dst, const void *src, size_t bytes)
 {
     cuda_copy((cuda_ctx *)ctx, dst, src, bytes, "from_host");
 }
+
+/* ---- the table's op entries: each op between the graph hooks (graph.cu), its host time
+ * counted ---- */
+
+static uint64_t host_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+#define OP_ENTRY(op, type, rows)                                                     \
+    static di_status entry_##op(void *ctx, const type *p)                            \
+    {                                                                                \
+        cuda_ctx *c = (cuda_ctx *)ctx;                                               \
+        uint64_t t0 = host_ns();                                                     \
+        di_status st = cuda_graph_op_enter(c, #op, p ? (uint64_t)p->rows : 0);       \
+        if (st == DI_OK)                                                             \
+            st = cuda_op_##op(ctx, p);                                               \
+        cuda_graph_op_leave(c, st);                                                  \
+        c->stats.op_host_ns += host_ns() - t0;                                       \
+        return st;                                                                   \
+    }
+OP_ENTRY(embed, kern_embed, n_rows)
+OP_ENTRY(rmsnorm, kern_rmsnorm, n_rows)
+OP_ENTRY(rope, kern_rope, n_rows)
+OP_ENTRY(fakequant, kern_fakequant, n_rows)
+OP_ENTRY(linear_fp8, kern_linear, m)
+OP_ENTRY(linear_fp4, kern_linear, m)
+OP_ENTRY(linear_bf16, kern_linear, m)
+OP_ENTRY(head, kern_linear, m)
+OP_ENTRY(hc_mixes, kern_hc_mixes, n_rows)
+OP_ENTRY(hc_collapse, kern_hc_collapse, n_rows)
+OP_ENTRY(hc_expand, kern_hc_expand, n_rows)
+OP_ENTRY(copy_rows, kern_copy_rows, n_rows)
+OP_ENTRY(sample, kern_sample, n_rows)
+OP_ENTRY(ring_store, kern_ring_store, n_rows)
+OP_ENTRY(compress_pool, kern_compress_pool, n_rows)
+OP_ENTRY(compressed_store, kern_compressed_store, n_entries)
+OP_ENTRY(sparse_attn, kern_sparse_attn, n_rows)
+OP_ENTRY(index_scores, kern_index_scores, n_rows)
+OP_ENTRY(index_candidates, kern_index_candidates, n_rows)
+OP_ENTRY(index_topk, kern_index_topk, n_rows)
+OP_ENTRY(moe_gate, kern_moe_gate, n_rows)
+OP_ENTRY(swiglu, kern_swiglu, n_rows)
+OP_ENTRY(moe_experts, kern_moe_experts, n_rows)
+OP_ENTRY(engram_hash, kern_engram_hash, n_rows)
+OP_ENTRY(engram_lookup, kern_engram_lookup, n_rows)
+OP_ENTRY(engram_gate, kern_engram_gate, n_rows)
+#undef OP_ENTRY
 
 /* ---- construction ---- */
 
@@ -360,8 +438,16 @@ static void ctx_release(cuda_ctx *c)
     if (!c)
         return;
     cudaSetDevice(c->device);
+    cuda_graph_release(c);
     if (c->stream)
         cudaStreamSynchronize(c->stream);
+    for (int i = 0; i < CUDA_EXPERT_TABLES; i++) {
+        if (c->experts[i].dev)
+            cudaFree(c->experts[i].dev);
+        free(c->experts[i].copy);
+    }
+    if (c->err_flag)
+        cudaFreeHost(c->err_flag);
     cuda_prof_free(c);
     cuda_gemm_release(c);
     if (c->scratch)
@@ -418,6 +504,16 @@ static di_status ctx_init(cuda_ctx *c, di_error *err)
                          c->workspace_bytes, cudaGetErrorString(e));
         }
     }
+    if (st == DI_OK) {
+        cudaError_t e = cudaHostAlloc((void **)&c->err_flag, sizeof(int), cudaHostAllocMapped);
+        if (e == cudaSuccess)
+            e = cudaHostGetDevicePointer((void **)&c->err_flag_dev, c->err_flag, 0);
+        if (e == cudaSuccess)
+            *c->err_flag = 0;
+        st = di_cuda_status(e, "device error flag", err);
+    }
+    if (st == DI_OK && cuda_graph_init(c) != DI_OK)
+        st = di_fail(err, DI_EINTERNAL, "%s", c->last.msg);
     return st;
 }
 
@@ -453,6 +549,9 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     c->moe_cuda_cores = cfg->moe_cuda_cores != 0;
     c->moe_unstaged = cfg->moe_unstaged != 0;
     c->batch_invariant = cfg->batch_invariant != 0;
+    c->moe_host_plan = cfg->moe_host_plan != 0;
+    c->graph.on = cfg->graphs != 0;
+    c->graph.split = cfg->graph_split;
     c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;
     di_status st = ctx_init(c, err);
     if (st != DI_OK) {
@@ -468,32 +567,32 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.free = cuda_free_mem;
     be.ops.to_host = cuda_to_host;
     be.ops.from_host = cuda_from_host;
-    be.ops.embed = cuda_op_embed;
-    be.ops.rmsnorm = cuda_op_rmsnorm;
-    be.ops.rope = cuda_op_rope;
-    be.ops.fakequant = cuda_op_fakequant;
-    be.ops.linear_fp8 = cuda_op_linear_fp8;
-    be.ops.linear_fp4 = cuda_op_linear_fp4;
-    be.ops.linear_bf16 = cuda_op_linear_bf16;
-    be.ops.head = cuda_op_head;
-    be.ops.hc_mixes = cuda_op_hc_mixes;
-    be.ops.hc_collapse = cuda_op_hc_collapse;
-    be.ops.hc_expand = cuda_op_hc_expand;
-    be.ops.copy_rows = cuda_op_copy_rows;
-    be.ops.sample = cuda_op_sample;
-    be.ops.ring_store = cuda_op_ring_store;
-    be.ops.compress_pool = cuda_op_compress_pool;
-    be.ops.compressed_store = cuda_op_compressed_store;
-    be.ops.sparse_attn = cuda_op_sparse_attn;
-    be.ops.index_scores = cuda_op_index_scores;
-    be.ops.index_candidates = cuda_op_index_candidates;
-    be.ops.index_topk = cuda_op_index_topk;
-    be.ops.moe_gate = cuda_op_moe_gate;
-    be.ops.swiglu = cuda_op_swiglu;
-    be.ops.moe_experts = cuda_op_moe_experts;
-    be.ops.engram_hash = cuda_op_engram_hash;
-    be.ops.engram_lookup = cuda_op_engram_lookup;
-    be.ops.engram_gate = cuda_op_engram_gate;
+    be.ops.embed = entry_embed;
+    be.ops.rmsnorm = entry_rmsnorm;
+    be.ops.rope = entry_rope;
+    be.ops.fakequant = entry_fakequant;
+    be.ops.linear_fp8 = entry_linear_fp8;
+    be.ops.linear_fp4 = entry_linear_fp4;
+    be.ops.linear_bf16 = entry_linear_bf16;
+    be.ops.head = entry_head;
+    be.ops.hc_mixes = entry_hc_mixes;
+    be.ops.hc_collapse = entry_hc_collapse;
+    be.ops.hc_expand = entry_hc_expand;
+    be.ops.copy_rows = entry_copy_rows;
+    be.ops.sample = entry_sample;
+    be.ops.ring_store = entry_ring_store;
+    be.ops.compress_pool = entry_compress_pool;
+    be.ops.compressed_store = entry_compressed_store;
+    be.ops.sparse_attn = entry_sparse_attn;
+    be.ops.index_scores = entry_index_scores;
+    be.ops.index_candidates = entry_index_candidates;
+    be.ops.index_topk = entry_index_topk;
+    be.ops.moe_gate = entry_moe_gate;
+    be.ops.swiglu = entry_swiglu;
+    be.ops.moe_experts = entry_moe_experts;
+    be.ops.engram_hash = entry_engram_hash;
+    be.ops.engram_lookup = entry_engram_lookup;
+    be.ops.engram_gate = entry_engram_gate;
     *out = be;
     return DI_OK;
 }
@@ -551,10 +650,14 @@ extern "C" di_status kern_cuda_sync(kern_backend *be, di_error *err)
     if (!be || !be->ctx)
         return di_fail(err, DI_EINVAL, "backend is NULL");
     cuda_ctx *c = (cuda_ctx *)be->ctx;
-    di_status st = c->pending;
-    c->pending = DI_OK;
+    di_status st = cuda_graph_break(c);
     if (st == DI_OK)
         st = cuda_check(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize");
+    if (st == DI_OK)
+        cuda_sync_check(c);
+    if (st == DI_OK)
+        st = c->pending;
+    c->pending = DI_OK;
     if (st != DI_OK && err)
         *err = c->last;
     return st;
@@ -567,4 +670,27 @@ extern "C" void kern_cuda_get_stats(const kern_backend *be, kern_cuda_stats *out
     memset(out, 0, sizeof(*out));
     if (be && be->ctx)
         *out = ((const cuda_ctx *)be->ctx)->stats;
+}
+
+extern "C" di_status kern_cuda_moe_bucket(kern_backend *be, const int32_t *ids, uint32_t n_rows,
+                                          uint32_t top_k, uint32_t n_experts, uint32_t cap,
+                                          const kern_cuda_buckets *out, di_error *err)
+{
+    if (!be || !be->ctx || !ids || !out || !out->pair || !out->pos || !out->n_groups)
+        return di_fail(err, DI_EINVAL, "moe bucket: backend, ids, pair, pos or n_groups is NULL");
+    cuda_ctx *c = (cuda_ctx *)be->ctx;
+    cuda_moe_bucket b;
+    memset(&b, 0, sizeof(b));
+    b.ids = ids, b.n_rows = n_rows, b.top_k = top_k, b.n_experts = n_experts, b.cap = cap;
+    b.count = out->count, b.start = out->start, b.pair = out->pair, b.pos = out->pos;
+    b.group_expert = out->group_expert, b.group_start = out->group_start;
+    b.group_rows = out->group_rows, b.n_groups = out->n_groups, b.error = c->err_flag_dev;
+    di_status st = cuda_check(c, cudaSetDevice(c->device), "cudaSetDevice");
+    if (st == DI_OK && (uint64_t)n_rows * top_k > 0x7fffffffu)
+        st = cuda_fail(c, DI_EINVAL, "moe bucket: %u rows x top-%u", n_rows, top_k);
+    if (st == DI_OK)
+        st = cuda_moe_bucket_run(c, &b);
+    if (st != DI_OK && err)
+        *err = c->last;
+    return st;
 }

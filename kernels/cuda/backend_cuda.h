@@ -13,9 +13,10 @@
  * op by op and check_forward.c the whole model.
  *
  * Step metadata the ops read on the host (sequence tables, row lists, positions, Engram ids and
- * constants) is copied into device memory with each op; two ops also read a device result
- * back and wait for it: moe_experts (the expert ids, to group rows by expert) and
- * engram_lookup with a generated table (the hash ids, to generate the rows on the host).
+ * constants) is copied into device memory with each op. moe_experts buckets its pairs by
+ * expert on the device up to the grouped path's row threshold (64 by default), so a decode
+ * step has no host wait; above it, and engram_lookup with a generated table (the hash ids, to
+ * generate the rows on the host), read a device result back and wait for it.
  *
  * Linear layers: the input rows are fake-quantised by procedure (A) into a bf16 scratch (FP8
  * and FP4 weights), the weight is dequantised into a bf16 scratch (E4M3 x UE8M0 and E2M1 x UE8M0
@@ -53,15 +54,20 @@ typedef struct kern_cuda_config {
     int simple_gemm;            /* 1: every GEMM runs the plain CUDA-core kernel instead of
                                  * cuBLASLt (how the checks exercise that path) */
     int moe_grouped_rows;       /* moe_experts' grouped path (docs/cuda.md) runs when the
-                                 * largest expert group of a call has at most this many rows:
+                                 * call has at most this many rows (its pairs then bucketed on
+                                 * the device, no read-back) or its largest expert group has:
                                  * 0 = the default (64), negative = never (cuBLASLt path
-                                 * only); above 16, groups are split into chunks of 16 rows */
+                                 * only); groups of at most 8 (device) or 16 (host) rows */
     int moe_cuda_cores;         /* 1: the grouped path runs its CUDA-core kernel instead of the
                                  * tensor-core one (the previous version, for comparison) */
     int moe_unstaged;           /* 1: the tensor-core kernel reads the weights straight from
                                  * global memory instead of staging them through shared memory
                                  * (the previous version, for comparison) */
     int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
+    int moe_host_plan;          /* 1: moe_experts buckets its pairs on the host (reading the ids
+                                 * back) at every row count, as before the device bucketing */
+    int graphs;                 /* 1: start with graph capture on (kern_cuda_graphs) */
+    uint32_t graph_split;       /* kern_cuda_graph_split's ops per segment (0: whole) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
@@ -78,6 +84,16 @@ typedef struct kern_cuda_stats {
                                  * weight-streaming tensor-core kernel (not cuBLASLt) */
     size_t scratch_bytes;       /* current size of the device scratch */
     uint64_t gemm_invariant;    /* GEMM chunks run in batch-invariant mode (fixed 64-row plan) */
+    uint64_t moe_device_plan;   /* moe_experts calls bucketed on the device (no read-back) */
+    uint64_t syncs;             /* host waits on the stream (transfers, read-backs, buffer
+                                 * growth, kern_cuda_sync) */
+    uint64_t graph_launches;    /* captured segments launched (kern_cuda_graphs) */
+    uint64_t graph_instantiations; /* of them, instantiated afresh (new key, or the update of
+                                 * the key's graph refused: the shapes changed) */
+    uint64_t graph_updates;     /* of them, run by updating the key's graph in place */
+    uint64_t graph_nodes;       /* nodes of the segment launched last */
+    uint64_t op_host_ns;        /* host time spent inside op entries (issuing work) */
+    uint64_t graph_host_ns;     /* host time spent ending captures, updating and launching */
 } kern_cuda_stats;
 
 /* Fills *out with the CUDA backend on cfg->device: a stream, a cuBLASLt handle with its
@@ -121,6 +137,47 @@ di_status kern_cuda_sync(kern_backend *be, di_error *err);
  * off) and the shared expert always on the linear path. Off (0) restores the defaults. DI_OK;
  * DI_EINVAL when be is not a CUDA backend. Takes effect at the next op. */
 di_status kern_cuda_set_batch_invariant(kern_backend *be, int on);
+/* CUDA graphs (graph.cu). With graphs on, the ops between two synchronisation points (a
+ * transfer, a read-back, buffer growth, alloc, free, kern_cuda_sync) are captured from the
+ * stream as one segment instead of being launched; at the next such point the segment is
+ * launched as a graph. Each segment has a key (its ops and their row counts): the first of a
+ * key is instantiated, later ones update that instantiation in place
+ * (cudaGraphExecUpdate) and are instantiated afresh when the update is refused (the shapes
+ * changed); CUDA_GRAPH_SLOTS (64) keys are kept, least recently used replaced. The uploads of a
+ * captured segment go through a pinned host arena. The numbers are the eager path's, bit for
+ * bit (the same kernels with the same arguments in the same order). A failed op ends the
+ * segment: what was captured before it runs. on = 0 launches the segment being captured and
+ * stops capturing. DI_OK; DI_EINVAL (not a CUDA backend); a CUDA failure. */
+di_status kern_cuda_graphs(kern_backend *be, int on, di_error *err);
+
+/* With graphs on, a segment also ends before its ops-th op (0: only at synchronisation
+ * points), so that the device runs a step's first segments while the host captures the
+ * following ones. DI_OK; DI_EINVAL (not a CUDA backend). */
+di_status kern_cuda_graph_split(kern_backend *be, uint32_t ops, di_error *err);
+
+/* Launches again the segment launched last (the same arguments and uploads): a step replayed
+ * without any host work, for timing. DI_EINVAL when there is none. */
+di_status kern_cuda_graph_relaunch(kern_backend *be, di_error *err);
+
+/* The device bucketing of moe_experts on its own (kernels/cpu/moe_bucket.h's arrays in device
+ * memory, written as the twin writes them; NULL arrays are skipped), for its check. A bad id
+ * surfaces as the pending failure after the next synchronisation. DI_OK; DI_EINVAL. */
+typedef struct kern_cuda_buckets {
+    uint32_t *count, *start;    /* [n_experts], [n_experts + 1] */
+    int32_t *pair, *pos;        /* [n_rows * top_k] */
+    uint32_t *group_expert, *group_start, *group_rows; /* [kern_moe_max_groups()] */
+    uint32_t *n_groups;         /* [1] */
+} kern_cuda_buckets;
+di_status kern_cuda_moe_bucket(kern_backend *be, const int32_t *ids, uint32_t n_rows,
+                               uint32_t top_k, uint32_t n_experts, uint32_t cap,
+                               const kern_cuda_buckets *out, di_error *err);
+
+/* The one-step-ahead fix-up of kernels/cpu/step_ahead.h on the device, queued on the stream
+ * (captured with the step when graphs are on): every array device memory. A bad accepted
+ * count writes nothing for its sequence and surfaces as the pending failure after the next
+ * synchronisation. DI_OK; DI_EINVAL (params). */
+struct kern_step_ahead;
+di_status kern_cuda_step_ahead(kern_backend *be, const struct kern_step_ahead *p, di_error *err);
 
 /* Copies the counters into *out. */
 void kern_cuda_get_stats(const kern_backend *be, kern_cuda_stats *out);

@@ -57,6 +57,49 @@ typedef struct cuda_prof {
     uint32_t n_ops;
 } cuda_prof;
 
+/* A routed-expert table (kern_moe_experts.experts) copied to the device once: the device
+ * bucketing writes each group's weight pointers from it (moe.cu). */
+#define CUDA_EXPERT_TABLES 64
+typedef struct cuda_expert_table {
+    const kern_expert *host;    /* the caller's array it was copied from (NULL: slot unused) */
+    uint32_t n;                 /* experts */
+    kern_expert *copy;          /* [n] host copy, compared with the caller's on every call */
+    kern_expert *dev;           /* [n] device copy */
+    int complete;               /* every expert has all six weight pointers */
+    int aligned, aligned16;     /* every w1, w3, w2 is 4-byte / 16-byte aligned */
+} cuda_expert_table;
+
+/* graph.cu: stream capture of the ops between two synchronisation points (kern_cuda_graphs). */
+#define CUDA_GRAPH_SLOTS 64
+#define CUDA_GRAPH_ARENAS 4 /* segments in flight before the host waits */
+typedef struct cuda_graph_slot {
+    uint64_t key;               /* hash of the segment's ops and their row counts (0: unused) */
+    cudaGraphExec_t exec;       /* instantiated graph, updated in place by later captures */
+    uint64_t used;              /* tick of its last launch (LRU) */
+} cuda_graph_slot;
+
+typedef struct cuda_graph_state {
+    int on;                     /* capture segments (kern_cuda_graphs) */
+    int capturing;              /* the stream is capturing a segment */
+    int in_op;                  /* an op entry is running (a break inside it resumes capture) */
+    uint64_t key;               /* running hash of the segment being captured */
+    uint32_t ops;               /* ops in it */
+    uint32_t split;             /* > 0: a segment ends before its split-th op, so the device
+                                 * runs it while the host captures the next (kern_cuda_graph_split) */
+    cuda_graph_slot slots[CUDA_GRAPH_SLOTS];
+    uint64_t tick;
+    cudaGraphExec_t last;       /* exec launched last (kern_cuda_graph_relaunch) */
+    int last_arena;             /* the arena its copies read */
+    uint8_t *pin[CUDA_GRAPH_ARENAS]; /* pinned host arenas of the uploads of captured segments,
+                                 * in turn: the graph's copies read them when it runs, so an
+                                 * arena is reused only after the event says its graph is done */
+    size_t pin_cap[CUDA_GRAPH_ARENAS];
+    size_t pin_len;             /* bytes used in the current arena */
+    int cur;                    /* arena of the segment being captured */
+    cudaEvent_t done[CUDA_GRAPH_ARENAS]; /* recorded after the last graph reading each arena */
+    int done_set[CUDA_GRAPH_ARENAS];
+} cuda_graph_state;
+
 typedef struct cuda_ctx {
     int device;                 /* CUDA device ordinal */
     cudaStream_t stream;        /* every op and transfer runs on it */
@@ -89,6 +132,14 @@ typedef struct cuda_ctx {
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
     uint32_t plan_next;         /* slot the next new plan replaces */
     kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */
+    int moe_host_plan;          /* 1: moe_experts always buckets on the host (kern_cuda_config) */
+    cuda_expert_table experts[CUDA_EXPERT_TABLES]; /* written by moe.cu */
+    uint32_t experts_next;      /* slot the next new table replaces */
+    int *err_flag;              /* mapped pinned word the kernels set on a bad input found on
+                                 * the device (an expert id out of range); read after each
+                                 * synchronisation (cuda_sync_check) */
+    int *err_flag_dev;          /* its device address */
+    cuda_graph_state graph;     /* written by graph.cu */
     di_error last;              /* message of the last failure */
     di_status pending;          /* failure of a transfer, returned by the next op */
 } cuda_ctx;
@@ -113,6 +164,29 @@ di_status cuda_launched(cuda_ctx *c, const char *kernel);
 /* Start of every op: returns (and clears) a pending transfer failure; DI_EINVAL when the op's
  * params are NULL. */
 di_status cuda_op_begin(cuda_ctx *c, const void *params, const char *op);
+
+/* ---- graphs (graph.cu) ---- */
+
+/* Before an op: starts capturing a segment when graphs are on (and no profile runs); mixes
+ * the op and its row count into the segment's key. */
+di_status cuda_graph_op_enter(cuda_ctx *c, const char *op, uint64_t rows);
+/* After an op: a failed op ends the segment (what was captured runs, as it would have). */
+void cuda_graph_op_leave(cuda_ctx *c, di_status st);
+/* Ends the segment being captured, if any, and launches it (instantiated, or an earlier
+ * instantiation of the same key updated); called before anything that synchronises or
+ * allocates. Inside an op, capture resumes after it (cuda_graph_resume). */
+di_status cuda_graph_break(cuda_ctx *c);
+di_status cuda_graph_resume(cuda_ctx *c);
+/* Host memory for an upload of `bytes`: the pageable staging when not capturing, else the
+ * segment's pinned arena (the graph's copy reads it each time the graph runs). */
+di_status cuda_graph_host(cuda_ctx *c, size_t bytes, uint8_t **out);
+di_status cuda_graph_init(cuda_ctx *c);
+void cuda_graph_release(cuda_ctx *c);
+/* Bits of cuda_ctx.err_flag: the bad input a kernel met. */
+#define CUDA_ERR_MOE_ID 1       /* moe_experts: an expert id outside [0, n_experts) */
+#define CUDA_ERR_STEP_AHEAD 2   /* kern_cuda_step_ahead: an accepted count out of range */
+/* After a synchronisation: a device-side input error becomes the pending failure. */
+void cuda_sync_check(cuda_ctx *c);
 
 /* ---- memory (backend_cuda.cu) ---- */
 
@@ -258,7 +332,9 @@ typedef struct cuda_moe_group {
 
 /* One call of the grouped path; every pointer is device memory. */
 typedef struct cuda_moe_grouped {
-    uint32_t n_groups;
+    uint32_t n_groups;          /* groups (with n_groups_dev: the most there can be, the grid) */
+    const uint32_t *n_groups_dev; /* NULL, or the groups written on the device: the blocks of
+                                 * groups past it return at once */
     const cuda_moe_group *groups; /* [n_groups]; NULL: the one group `one` */
     cuda_moe_group one;         /* the group when groups is NULL (a linear layer's rows) */
     uint32_t max_rows;          /* largest n of the groups */
@@ -290,6 +366,26 @@ int cuda_moe_grouped_fits(cuda_ctx *c, uint32_t rows, uint32_t dim, uint32_t int
 /* Queues the up launch, the (A) quantisation of h and the down launch. DI_OK; DI_EINVAL (a
  * launch too large); a CUDA failure. */
 di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g);
+
+/* moe_bucket.cu: the pairs bucketed on the device (kernels/cpu/moe_bucket.h's arrays, device
+ * memory; NULL count, start or group_* arrays are not written). */
+#define CUDA_BUCKET_SMEM (96 * 1024) /* 4,096 experts and 12,000 pairs */
+typedef struct cuda_moe_bucket {
+    const int32_t *ids;         /* [n_rows, top_k] */
+    uint32_t n_rows, top_k, n_experts;
+    uint32_t cap;               /* most pairs of a group */
+    uint32_t *count;            /* [n_experts] */
+    uint32_t *start;            /* [n_experts + 1] */
+    int32_t *pair, *pos;        /* [n_rows * top_k] each */
+    uint32_t *group_expert, *group_start, *group_rows; /* [kern_moe_max_groups()] */
+    uint32_t *n_groups;         /* [1] */
+    const kern_expert *experts; /* [n_experts] device copy, with groups */
+    cuda_moe_group *groups;     /* [kern_moe_max_groups()] or NULL */
+    int *error;                 /* CUDA_ERR_MOE_ID set on an id out of range; may be NULL */
+} cuda_moe_bucket;
+/* Shared memory the kernel needs (bytes); the call is refused past CUDA_BUCKET_SMEM. */
+size_t cuda_moe_bucket_smem(uint32_t n_experts, uint32_t n_pairs);
+di_status cuda_moe_bucket_run(cuda_ctx *c, const cuda_moe_bucket *a);
 
 /* moe_mma.cu: the same on the tensor cores (FP16 mma.sync), which cuda_moe_grouped_run calls
  * unless cuda_ctx.moe_cuda_cores: x's and h's codes, the up launch, the down launch. */

@@ -256,8 +256,8 @@ static di_status lookup_generated(cuda_ctx *c, const kern_engram_lookup *p)
     if (st == DI_OK)
         st = cuda_work(c, n * (hd + hd / 32), &w);
     if (st == DI_OK)
-        st = cuda_check(c, cudaMemcpyAsync(w, stage, n * (hd + hd / 32), cudaMemcpyHostToDevice,
-                                           c->stream), "engram_lookup: cudaMemcpyAsync");
+        st = cuda_upload(c, w, stage, n * (hd + hd / 32)); /* a captured segment's copy reads
+                                                             * the pinned arena, not stage */
     free(hash);
     free(stage);
     if (st == DI_OK)

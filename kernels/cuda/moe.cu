@@ -10,11 +10,14 @@
  *    differing by an ulp at an fp32 rounding tie (tolerance: ids exact except at near-ties,
  *    weights abs 1e-6).
  *  - swiglu: element-wise, the twin's double expressions: bit-identical.
- *  - moe_experts: the (row, slot) pairs are bucketed by expert on the host (the ids are read
- *    back: one synchronisation per call). When the largest bucket has at most
- *    cuda_ctx.moe_grouped_rows pairs (default 64; groups of at most 16 per launch) and fits a
- *    block's shared memory, the routed experts take the grouped path (moe_grouped.cu: one
- *    launch for W1 and W3 with SwiGLU and the routing weight over every bucket, one for W2;
+ *  - moe_experts: up to cuda_ctx.moe_grouped_rows rows the (row, slot) pairs are bucketed by
+ *    expert on the device (moe_bucket.cu: no read-back) and the routed experts take the
+ *    grouped path, with the most groups there can be as the grid. Above, they are bucketed on
+ *    the host (the ids are read back: one synchronisation per call); when the largest bucket
+ *    has at most cuda_ctx.moe_grouped_rows pairs (default 64; groups of at most 16 per
+ *    launch) and fits a block's shared memory, the routed experts take the grouped path
+ *    (moe_grouped.cu: one launch for W1 and W3 with SwiGLU and the routing weight over every
+ *    bucket, one for W2;
  *    on the tensor cores, moe_mma.cu, or on the CUDA cores with the FP4 weights dequantised in
  *    registers). Otherwise the rows are gathered into the work buffer in the twin's order,
  *    each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8 activations by
@@ -33,6 +36,7 @@
 #include <string.h>
 
 #include "kernels/cuda/cuda_check.h"
+#include "kernels/cpu/moe_bucket.h"
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/moe_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
@@ -320,6 +324,36 @@ static int plan_use_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_pl
            cuda_moe_grouped_fits(c, rows, p->dim, p->inter);
 }
 
+/* The work buffer of a call: x's and h's codes, the experts' outputs and what each path keeps
+ * (pl->grouped, pl->n_pairs set). */
+static void plan_layout(const kern_moe_experts *p, moe_plan *pl)
+{
+    const size_t T = p->n_rows;
+    /* the grouped path reads x quantised once per row; the cuBLASLt path gathers the rows and
+     * keeps g and u */
+    size_t D = p->dim, I = p->inter, S = p->shared_inter, P = pl->n_pairs, at = 0;
+    size_t G = pl->grouped ? 1 : 0, L = 1 - G;
+#define MOE_BUF(field, bytes) (pl->field = at, at += cuda_align_up(bytes))
+    MOE_BUF(xq, G * T * D * 2);
+    MOE_BUF(xg, L * P * D * 2);
+    MOE_BUF(wg, L * P * 4);
+    MOE_BUF(g, L * P * I * 2);
+    MOE_BUF(u, L * P * I * 2);
+    MOE_BUF(h, P * I * 2);
+    MOE_BUF(og, P * D * 2);
+    MOE_BUF(gs, (size_t)T * S * 2);
+    MOE_BUF(us, (size_t)T * S * 2);
+    MOE_BUF(hs, (size_t)T * S * 2);
+    MOE_BUF(os, (size_t)T * D * 2);
+    size_t HC = P * I > T * S ? P * I : T * S; /* h's codes: routed, then shared */
+    MOE_BUF(xc, G * T * D * 2);
+    MOE_BUF(xcs, G * T * (D / 32) * 4);
+    MOE_BUF(hc, G * HC * 2);
+    MOE_BUF(hcs, G * (HC / 32) * 4);
+#undef MOE_BUF
+    pl->total = at;
+}
+
 /* Buckets the pairs by expert exactly as the twin (pairs ascending inside a bucket) and lays
  * out the work buffer. ids: the host copy. */
 static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t *ids,
@@ -385,29 +419,7 @@ static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t
                             0, T};
         pl->shared = g;
     }
-    /* the grouped path reads x quantised once per row; the cuBLASLt path gathers the rows and
-     * keeps g and u */
-    size_t D = p->dim, I = p->inter, S = p->shared_inter, P = pl->n_pairs, at = 0;
-    size_t G = pl->grouped ? 1 : 0, L = 1 - G;
-#define MOE_BUF(field, bytes) (pl->field = at, at += cuda_align_up(bytes))
-    MOE_BUF(xq, G * T * D * 2);
-    MOE_BUF(xg, L * P * D * 2);
-    MOE_BUF(wg, L * P * 4);
-    MOE_BUF(g, L * P * I * 2);
-    MOE_BUF(u, L * P * I * 2);
-    MOE_BUF(h, P * I * 2);
-    MOE_BUF(og, P * D * 2);
-    MOE_BUF(gs, (size_t)T * S * 2);
-    MOE_BUF(us, (size_t)T * S * 2);
-    MOE_BUF(hs, (size_t)T * S * 2);
-    MOE_BUF(os, (size_t)T * D * 2);
-    size_t HC = P * I > T * S ? P * I : T * S; /* h's codes: routed, then shared */
-    MOE_BUF(xc, G * T * D * 2);
-    MOE_BUF(xcs, G * T * (D / 32) * 4);
-    MOE_BUF(hc, G * HC * 2);
-    MOE_BUF(hcs, G * (HC / 32) * 4);
-#undef MOE_BUF
-    pl->total = at;
+    plan_layout(p, pl);
     return DI_OK;
 }
 
@@ -496,7 +508,8 @@ static void grouped_codes(const moe_plan *pl, uint8_t *w, cuda_moe_grouped *g)
 /* The routed experts on the grouped path: x quantised by (A) once per row, then
  * cuda_moe_grouped_run over the plan's groups. groups: their device copy. */
 static di_status run_routed_grouped(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
-                                    const cuda_moe_group *groups, const int32_t *pair, uint8_t *w)
+                                    const cuda_moe_group *groups, const int32_t *pair,
+                                    const uint32_t *n_groups_dev, uint8_t *w)
 {
     uint16_t *xq = (uint16_t *)(w + pl->xq);
     di_status st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, p->x, p->dim, xq, p->dim, p->n_rows,
@@ -505,7 +518,8 @@ static di_status run_routed_grouped(cuda_ctx *c, const kern_moe_experts *p, cons
         return st;
     cuda_moe_grouped g;
     memset(&g, 0, sizeof(g));
-    g.n_groups = pl->n_groups, g.groups = groups, g.aligned = pl->aligned;
+    g.n_groups = pl->n_groups, g.n_groups_dev = n_groups_dev, g.groups = groups;
+    g.aligned = pl->aligned;
     g.aligned16 = pl->aligned16 && !c->moe_unstaged;
     g.max_rows = pl->max_count < CUDA_MOE_GROUP_ROWS ? pl->max_count : CUDA_MOE_GROUP_ROWS;
     g.dim = p->dim, g.inter = p->inter, g.top_k = p->top_k, g.n_pairs = pl->n_pairs;
@@ -552,6 +566,147 @@ static di_status run_shared(cuda_ctx *c, const kern_moe_experts *p, const moe_pl
     return st;
 }
 
+/* ---- moe_experts without a synchronisation: the pairs bucketed on the device ---- */
+
+/* Most pairs of a group on the device-planned path: 8 keeps the groups of a decode step on the
+ * n8 tile (buckets of 9 to 16 pairs, rare at decode sizes, read the weight twice). */
+#define MOE_DEVICE_CAP 8
+
+static uint32_t device_cap(const kern_moe_experts *p)
+{
+    return p->n_rows < MOE_DEVICE_CAP ? p->n_rows : MOE_DEVICE_CAP;
+}
+
+/* The device-planned path: no more rows than the grouped path's threshold (with the ids of
+ * kern_moe_gate, distinct per row, no bucket is larger), its bucketing within one block's
+ * shared memory, its groups within a block's. */
+static int device_plan_ok(cuda_ctx *c, const kern_moe_experts *p)
+{
+    return !c->moe_host_plan && c->moe_grouped_rows > 0 &&
+           p->n_rows <= (uint32_t)c->moe_grouped_rows &&
+           cuda_moe_bucket_smem(p->n_experts, p->n_rows * p->top_k) <= CUDA_BUCKET_SMEM &&
+           cuda_moe_grouped_fits(c, device_cap(p), p->dim, p->inter);
+}
+
+/* Replaces t's device copy by one of n experts; queued work may read the old one. */
+static di_status table_resize(cuda_ctx *c, cuda_expert_table *t, uint32_t n)
+{
+    di_status st = cuda_graph_break(c);
+    if (st == DI_OK)
+        st = cuda_check(c, cudaStreamSynchronize(c->stream), "expert table: cudaStreamSynchronize");
+    if (st != DI_OK)
+        return st;
+    if (t->dev)
+        cudaFree(t->dev);
+    free(t->copy);
+    memset(t, 0, sizeof(*t));
+    size_t bytes = (size_t)n * sizeof(kern_expert);
+    t->copy = (kern_expert *)malloc(bytes);
+    cudaError_t e = cudaMalloc((void **)&t->dev, bytes);
+    if (!t->copy || e != cudaSuccess) {
+        cudaGetLastError();
+        free(t->copy);
+        if (e == cudaSuccess)
+            cudaFree(t->dev);
+        memset(t, 0, sizeof(*t));
+        return cuda_fail(c, DI_ENOMEM, "expert table of %u experts", n);
+    }
+    t->n = n;
+    return cuda_graph_resume(c);
+}
+
+/* The device copy of the call's expert table: kept per caller array and compared with it on
+ * every call (the forward's tables never change, so after the first step nothing is copied). */
+static di_status expert_table(cuda_ctx *c, const kern_moe_experts *p,
+                              const cuda_expert_table **out)
+{
+    const uint32_t E = p->n_experts;
+    const size_t bytes = (size_t)E * sizeof(kern_expert);
+    cuda_expert_table *t = NULL;
+    for (uint32_t i = 0; i < CUDA_EXPERT_TABLES && !t; i++)
+        if (c->experts[i].host == p->experts && c->experts[i].n == E)
+            t = &c->experts[i];
+    if (t && memcmp(t->copy, p->experts, bytes) == 0) {
+        *out = t;
+        return DI_OK;
+    }
+    if (!t) {
+        t = &c->experts[c->experts_next];
+        c->experts_next = (c->experts_next + 1) % CUDA_EXPERT_TABLES;
+        di_status st = table_resize(c, t, E);
+        if (st != DI_OK)
+            return st;
+    }
+    memcpy(t->copy, p->experts, bytes);
+    t->host = p->experts;
+    t->complete = 1, t->aligned = 1, t->aligned16 = 1;
+    for (uint32_t e = 0; e < E; e++) {
+        const kern_expert *x = &t->copy[e];
+        if (!x->w1 || !x->w2 || !x->w3 || !x->w1_scale || !x->w2_scale || !x->w3_scale)
+            t->complete = 0;
+        if ((uintptr_t)x->w1 % 4 || (uintptr_t)x->w3 % 4 || (uintptr_t)x->w2 % 4)
+            t->aligned = 0;
+        if ((uintptr_t)x->w1 % 16 || (uintptr_t)x->w3 % 16 || (uintptr_t)x->w2 % 16)
+            t->aligned16 = 0;
+    }
+    *out = t;
+    return cuda_upload(c, t->dev, t->copy, bytes);
+}
+
+/* The grouped path with the bucketing on the device: the grouped launches take the most groups
+ * there can be as their grid and the blocks past the written ones return. The same groups'
+ * numbers as the host plan's path (a row's result depends on nothing else in the call). */
+static di_status run_device_planned(cuda_ctx *c, const kern_moe_experts *p,
+                                    const cuda_expert_table *tab)
+{
+    const uint32_t T = p->n_rows, K = p->top_k, E = p->n_experts, P = T * K, cap = device_cap(p);
+    moe_plan pl;
+    memset(&pl, 0, sizeof(pl));
+    pl.n_pairs = P, pl.grouped = 1, pl.max_count = cap;
+    pl.n_groups = kern_moe_max_groups(P, E, cap);
+    pl.aligned = tab->aligned, pl.aligned16 = tab->aligned16;
+    pl.shared_grouped = p->shared_inter && T <= CUDA_MOE_GROUP_ROWS &&
+                        cuda_moe_grouped_fits(c, T, p->dim, p->shared_inter);
+    if (pl.shared_grouped) {
+        const kern_expert *sh = &p->shared;
+        cuda_moe_group g = {sh->w1, sh->w1_scale, sh->w3, sh->w3_scale, sh->w2, sh->w2_scale,
+                            0, T};
+        pl.shared = g;
+    }
+    plan_layout(p, &pl);
+    size_t at = pl.total, off_pair, off_pos, off_groups, off_n, off_shared;
+#define MOE_META(var, bytes) (var = at, at += cuda_align_up(bytes))
+    MOE_META(off_pair, (size_t)P * 4);
+    MOE_META(off_pos, (size_t)P * 4);
+    MOE_META(off_groups, (size_t)pl.n_groups * sizeof(cuda_moe_group));
+    MOE_META(off_n, 4);
+    MOE_META(off_shared, sizeof(cuda_moe_group));
+#undef MOE_META
+    uint8_t *w = NULL;
+    di_status st = cuda_work(c, at, &w);
+    if (st == DI_OK && pl.shared_grouped)
+        st = cuda_upload(c, w + off_shared, &pl.shared, sizeof(pl.shared));
+    cuda_moe_bucket b;
+    memset(&b, 0, sizeof(b));
+    b.ids = p->ids, b.n_rows = T, b.top_k = K, b.n_experts = E, b.cap = cap;
+    b.pair = (int32_t *)(w + off_pair), b.pos = (int32_t *)(w + off_pos);
+    b.n_groups = (uint32_t *)(w + off_n);
+    b.experts = tab->dev, b.groups = (cuda_moe_group *)(w + off_groups);
+    b.error = c->err_flag_dev;
+    if (st == DI_OK)
+        st = cuda_moe_bucket_run(c, &b);
+    if (st == DI_OK)
+        st = run_routed_grouped(c, p, &pl, b.groups, b.pair, b.n_groups, w);
+    if (st == DI_OK && pl.shared_grouped)
+        st = run_shared_grouped(c, p, &pl, (const cuda_moe_group *)(w + off_shared), w);
+    else if (st == DI_OK && p->shared_inter)
+        st = run_shared(c, p, &pl, w);
+    if (st == DI_OK)
+        st = launch_combine(c, p, (const uint16_t *)(w + pl.og), b.pos,
+                            p->shared_inter ? (const uint16_t *)(w + pl.os) : NULL, c->stream);
+    return st;
+}
+
 di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
 {
     cuda_ctx *c = (cuda_ctx *)ctx;
@@ -562,6 +717,17 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
         return DI_OK;
     if ((st = experts_check(c, p)) != DI_OK)
         return st;
+    const cuda_expert_table *tab = NULL;
+    if (device_plan_ok(c, p) && (st = expert_table(c, p, &tab)) != DI_OK)
+        return st;
+    if (tab && tab->complete) {
+        st = run_device_planned(c, p, tab);
+        if (st == DI_OK)
+            c->stats.moe_grouped++, c->stats.moe_device_plan++;
+        else
+            di_error_prefix(&c->last, "moe_experts: ");
+        return st;
+    }
     size_t n_pairs = (size_t)p->n_rows * p->top_k;
     int32_t *ids = (int32_t *)malloc(n_pairs * sizeof(int32_t));
     if (!ids)
@@ -588,7 +754,7 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
     if (st == DI_OK)
         st = pl.grouped ? run_routed_grouped(c, p, &pl,
                                              (const cuda_moe_group *)(dev + pl.off_groups),
-                                             (const int32_t *)(dev + pl.off_pair), w)
+                                             (const int32_t *)(dev + pl.off_pair), NULL, w)
                         : run_routed(c, p, &pl, dev, w);
     if (st == DI_OK && pl.grouped)
         c->stats.moe_grouped++;

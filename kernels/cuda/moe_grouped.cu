@@ -142,6 +142,8 @@ __global__ void __launch_bounds__(GRP_WARPS * 32) moe_grouped_kernel(cuda_moe_gr
     extern __shared__ __align__(16) uint16_t grp_xs[]; /* [n, K] the group's input rows */
     const uint32_t K = UP ? a.dim : a.inter, N = UP ? a.inter : a.dim;
     const uint32_t tile_rows = GRP_WARPS * warp_rows, tiles = (N + tile_rows - 1) / tile_rows;
+    if (a.n_groups_dev && blockIdx.x / tiles >= *a.n_groups_dev)
+        return; /* past the groups the device bucketing wrote */
     const cuda_moe_group gr = a.groups[blockIdx.x / tiles];
     const uint32_t tile = blockIdx.x % tiles, n = gr.n;
     const uint32_t vecs = K / 8; /* 16-byte pieces of a row */

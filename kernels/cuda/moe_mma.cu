@@ -262,6 +262,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_mma_kernel(cuda_moe_gro
     __shared__ float red[MMA_WARPS][ACC][32];
     const uint32_t K = UP ? a.dim : a.inter, N = UP ? a.inter : a.dim, nb = K / 32;
     const uint32_t tiles = (N + MMA_TILE - 1) / MMA_TILE;
+    if (a.n_groups_dev && blockIdx.x / tiles >= *a.n_groups_dev)
+        return; /* past the groups the device bucketing wrote */
     const cuda_moe_group gr = a.groups ? a.groups[blockIdx.x / tiles] : a.one;
     const uint32_t j0 = (blockIdx.x % tiles) * MMA_TILE;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
@@ -380,6 +382,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_stg_kernel(cuda_moe_gro
     const uint32_t K = UP ? a.dim : a.inter, N = UP ? a.inter : a.dim, nb = K / 32;
     const size_t rowb = (size_t)K * BB / 32;
     const uint32_t tiles = (N + MMA_TILE - 1) / MMA_TILE;
+    if (a.n_groups_dev && blockIdx.x / tiles >= *a.n_groups_dev)
+        return; /* past the groups the device bucketing wrote */
     const cuda_moe_group gr = a.groups ? a.groups[blockIdx.x / tiles] : a.one;
     const uint32_t j0 = (blockIdx.x % tiles) * MMA_TILE;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;

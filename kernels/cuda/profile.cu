@@ -84,6 +84,11 @@ di_status kern_cuda_profile(kern_backend *be, int on, di_error *err)
     cuda_prof_free(c);
     if (!on)
         return DI_OK;
+    if (cuda_graph_break(c) != DI_OK) { /* profiled ops run eagerly */
+        if (err)
+            *err = c->last;
+        return DI_EINTERNAL;
+    }
     c->prof = (cuda_prof *)calloc(1, sizeof(cuda_prof));
     if (!c->prof)
         return di_fail(err, DI_ENOMEM, "kern_cuda_profile: state");

@@ -732,6 +732,77 @@ static void load_model(chk_env *env, const char *config, runner_model *rm)
     }
 }
 
+/* The same scenario with graph capture on (kern_cuda_graphs): logits, draft logits,
+ * confidences, KV blocks and state slots identical to the eager run's, bit for bit. */
+static size_t same_bytes(const char *what, const char *name, const void *a, const void *b,
+                         size_t n)
+{
+    if (n == 0 || memcmp(a, b, n) == 0)
+        return 0;
+    const uint8_t *x = a, *y = b;
+    size_t i = 0;
+    while (x[i] == y[i])
+        i++;
+    printf("FAIL %s: graph replay differs from eager in %s at byte %zu of %zu\n", what, name, i,
+           n);
+    return 1;
+}
+
+static size_t check_graphs(chk_env *env, const runner_model *rm, const kern_backend *gpu,
+                           const scn_params *p, const scn_out *eager, const char *case_name,
+                           uint32_t split)
+{
+    scn_out g;
+    di_error e;
+    char what[96];
+    snprintf(what, sizeof what, "%s, segments %s", case_name, split ? "of 7 ops" : "whole");
+    kern_cuda_stats s0, s1;
+    kern_cuda_get_stats(&env->gpu, &s0);
+    di_status st = kern_cuda_graph_split(&env->gpu, split, &e);
+    if (st == DI_OK)
+        st = kern_cuda_graphs(&env->gpu, 1, &e);
+    if (st == DI_OK)
+        st = run_scn(rm, gpu, p, NULL, &g, &e);
+    if (st == DI_OK)
+        st = kern_cuda_sync(&env->gpu, &e);
+    di_error e2;
+    kern_cuda_graphs(&env->gpu, 0, &e2);
+    kern_cuda_graph_split(&env->gpu, 0, &e2);
+    kern_cuda_get_stats(&env->gpu, &s1);
+    if (st != DI_OK) {
+        printf("FAIL %s: run with graphs: %s\n", what, e.msg);
+        return 1;
+    }
+    size_t bad = 0;
+    if (g.n_rows != eager->n_rows || g.n_drafts != eager->n_drafts) {
+        printf("FAIL %s: graphs gave %u logits rows and %u drafts, eager %u and %u\n", what,
+               g.n_rows, g.n_drafts, eager->n_rows, eager->n_drafts);
+        bad++;
+    } else {
+        size_t V = eager->vocab;
+        bad += same_bytes(what, "logits", g.logits, eager->logits, (size_t)g.n_rows * V * 4);
+        bad += same_bytes(what, "draft logits", g.draft_logits, eager->draft_logits,
+                          (size_t)g.n_drafts * V * 4);
+        bad += same_bytes(what, "draft confidences", g.draft_conf, eager->draft_conf,
+                          (size_t)g.n_drafts * 4);
+        bad += same_bytes(what, "KV blocks", g.blocks, eager->blocks,
+                          g.blocks_bytes < eager->blocks_bytes ? g.blocks_bytes : eager->blocks_bytes);
+        bad += same_bytes(what, "state slots", g.slots, eager->slots,
+                          g.slots_bytes < eager->slots_bytes ? g.slots_bytes : eager->slots_bytes);
+    }
+    uint64_t launched = s1.graph_launches - s0.graph_launches;
+    if (launched == 0) {
+        printf("FAIL %s: graphs on, but no segment was launched as a graph\n", what);
+        bad++;
+    }
+    printf("%s: with graphs %" PRIu64 " segments launched (%" PRIu64 " instantiated, %" PRIu64
+           " updated in place): logits, drafts and KV %s the eager run's\n", what, launched,
+           s1.graph_instantiations - s0.graph_instantiations, s1.graph_updates - s0.graph_updates,
+           bad ? "DIFFER from" : "bit-identical to");
+    scn_out_free(&g);
+    return bad;
+}
+
 static void check_case(chk_env *env, const runner_model *rm, const fwd_case *k,
                        const kern_backend *gpu, trk_state *trk)
 {
@@ -774,6 +845,8 @@ static void check_case(chk_env *env, const runner_model *rm, const fwd_case *k,
         }
         mism = cmp_layers(what, &cc, cq, &cg) + cmp_case(what, m, &c, q, &g);
         fwd_model_free(m);
+        mism += check_graphs(env, rm, gpu, &p, &g, what, 0);
+        mism += check_graphs(env, rm, gpu, &p, &g, what, 7); /* cut every 7 ops */
     }
     if (trk->live != live0) {
         printf("FAIL %s: %lld device allocations left after the run\n", what,
@@ -911,6 +984,7 @@ static void check_executor(chk_env *env, const runner_model *rm, trk_state *trk,
 #define BENCH_CONTEXT 4096       /* prefill chunk, then decode at this position */
 #define BENCH_MAX_SEQS 64
 #define BENCH_REPS 5
+#define BENCH_SPLIT 24 /* ops per graph segment in the split timing: about a layer */
 
 static const uint32_t bench_ratios[BENCH_LAYERS] = {0, 2, 2, 1};
 
@@ -1069,6 +1143,93 @@ static double bench_profile(bench_ctx *b, const fwd_step *st, const char *what, 
     return head;
 }
 
+/* Launch overhead of a step: the eager step, the same step with graph capture (captured,
+ * updated in place and launched as a graph), and the graph launched again with no host work
+ * (the step's device time), with the host time spent issuing each and the logits download
+ * alone, next to the step's floor at the copy bandwidth. */
+static void bench_graphs(bench_ctx *b, const fwd_step *st, uint32_t n, double eager_ms,
+                         double floor_ms)
+{
+    di_error e;
+    kern_cuda_stats s0, s1;
+    double dl[16], rp[16];
+    size_t bytes = (size_t)n * b->vocab * sizeof(float);
+    /* host issue time of the eager step */
+    kern_cuda_get_stats(b->be, &s0);
+    if (fwd_step_run(b->run, b->kv, st, b->logits, &e) != DI_OK) {
+        printf("    graphs: eager step failed: %s\n", e.msg);
+        return;
+    }
+    kern_cuda_get_stats(b->be, &s1);
+    double eager_host = (double)(s1.op_host_ns - s0.op_host_ns) / 1e6;
+    uint64_t eager_syncs = s1.syncs - s0.syncs;
+    /* the logits download alone (from a buffer of the same size) */
+    void *dev = b->be->ops.alloc(b->be->ctx, bytes);
+    if (!dev) {
+        printf("    graphs: no device buffer of %zu bytes\n", bytes);
+        return;
+    }
+    for (int i = 0; i < BENCH_REPS; i++) {
+        uint64_t t0 = di_mono_ns();
+        b->be->ops.to_host(b->be->ctx, b->logits, dev, bytes);
+        dl[i] = (double)(di_mono_ns() - t0) / 1e6;
+    }
+    b->be->ops.free(b->be->ctx, dev);
+    qsort(dl, BENCH_REPS, sizeof(double), cmp_double);
+    if (kern_cuda_graphs(b->be, 1, &e) != DI_OK) {
+        printf("    graphs: %s\n", e.msg);
+        return;
+    }
+    kern_cuda_get_stats(b->be, &s0);
+    double gms = bench_step_ms(b, st, BENCH_REPS);
+    kern_cuda_get_stats(b->be, &s1);
+    kern_cuda_graphs(b->be, 0, &e);
+    if (gms < 0)
+        return;
+    double reps = BENCH_REPS + 1;
+    double ghost = (double)(s1.op_host_ns - s0.op_host_ns) / 1e6 / reps;
+    double gend = (double)(s1.graph_host_ns - s0.graph_host_ns) / 1e6 / reps;
+    double segs = (double)(s1.graph_launches - s0.graph_launches) / reps;
+    double inst = (double)(s1.graph_instantiations - s0.graph_instantiations);
+    for (int i = 0; i < BENCH_REPS; i++) {
+        uint64_t t0 = di_mono_ns();
+        if (kern_cuda_graph_relaunch(b->be, &e) != DI_OK || kern_cuda_sync(b->be, &e) != DI_OK) {
+            printf("    graphs: relaunch: %s\n", e.msg);
+            return;
+        }
+        rp[i] = (double)(di_mono_ns() - t0) / 1e6;
+    }
+    qsort(rp, BENCH_REPS, sizeof(double), cmp_double);
+    double replay = rp[BENCH_REPS / 2], down = dl[BENCH_REPS / 2];
+    /* segments of about a layer's ops: the device starts while the host captures the rest */
+    kern_cuda_get_stats(b->be, &s0);
+    double sms = -1;
+    if (kern_cuda_graph_split(b->be, BENCH_SPLIT, &e) == DI_OK &&
+        kern_cuda_graphs(b->be, 1, &e) == DI_OK)
+        sms = bench_step_ms(b, st, BENCH_REPS);
+    kern_cuda_graphs(b->be, 0, &e);
+    kern_cuda_graph_split(b->be, 0, &e);
+    kern_cuda_stats s2;
+    kern_cuda_get_stats(b->be, &s2);
+    printf("    launch overhead, %u rows: eager step %.3f ms (host issuing %.3f ms, %" PRIu64
+           " host waits); with graphs %.3f ms (host issuing %.3f ms + %.3f ms ending the capture, "
+           "updating and launching; %.1f segments per step, %" PRIu64 " nodes in the last, %.0f "
+           "instantiations in %d steps); the graph relaunched alone %.3f ms; logits download "
+           "%.3f ms; step minus replay minus download: eager %.3f ms, graphs %.3f ms; floor at "
+           "the copy bandwidth %.3f ms: replay %.1f%% of copy\n",
+           n, eager_ms, eager_host, eager_syncs, gms, ghost, gend, segs, s1.graph_nodes, inst,
+           BENCH_REPS + 1, replay, down, eager_ms - replay - down, gms - replay - down, floor_ms,
+           100.0 * floor_ms / replay);
+    printf("    with graphs cut every %d ops: %.3f ms a step (%.1f segments a step, %.0f "
+           "instantiations and %.0f updates in %d steps, host %.3f ms issuing + %.3f ms ending, "
+           "updating and launching a step)\n", BENCH_SPLIT, sms,
+           (double)(s2.graph_launches - s0.graph_launches) / reps,
+           (double)(s2.graph_instantiations - s0.graph_instantiations),
+           (double)(s2.graph_updates - s0.graph_updates), BENCH_REPS + 1,
+           (double)(s2.op_host_ns - s0.op_host_ns) / 1e6 / reps,
+           (double)(s2.graph_host_ns - s0.graph_host_ns) / 1e6 / reps);
+}
+
 /* The widened weights (see above): views, not copies, of the generated checkpoint. */
 typedef struct bench_weights {
     model_weights w;
@@ -1172,6 +1333,7 @@ static double bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, do
            "tokens/s; weights read %.2f GB (%.0f experts per layer expected) in %.2f ms at the "
            "copy bandwidth: %.1f%% of it\n", n, ms, ms / c->n_layers, n / (ms / 1e3),
            bytes / 1e9, used, ideal, 100.0 * ideal / ms);
+    bench_graphs(b, &st, n, ms, ideal);
     char what[48];
     snprintf(what, sizeof what, "decode step of %u rows", n);
     *head_ms = bench_profile(b, &st, what, c->n_layers);

@@ -15,7 +15,11 @@
  * kernel's tiles, weights off alignment), a backend that always takes the grouped path (groups
  * past 16 rows split; its tensor-core kernel, the default), one that does so on the CUDA-core
  * kernel, and one that never does; each case checks the path taken (the backend's
- * counters) as well as the result.
+ * counters) as well as the result. Up to the threshold's row count the pairs are bucketed on
+ * the device (no read-back): those cases are also run on a backend that buckets on the host
+ * (kern_cuda_config.moe_host_plan) and must give the same bits; the device bucketing alone is
+ * compared with its C twin (kernels/cpu/moe_bucket.h) array by array, and an id out of range on
+ * that path must surface at the next synchronisation.
  * With --bench: moe_experts at V4.1-Flash shapes (384 experts top-6, 5120 x 2304, the shared
  * expert; all 384 experts of one layer fit one H200: 7.2 GB) for 1, 8, 64 and 384 rows on
  * each path (the grouped one on both kernels), and the gate, next to the copy bandwidth and the BF16 GEMM ceiling of the same
@@ -27,6 +31,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/cpu/moe_bucket.h"
 #include "kernels/cpu/numfmt.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "tests/gpu/check_util.h"
@@ -240,13 +245,19 @@ typedef struct moe_backends {
     kern_backend cores;         /* grouped path only, on its CUDA-core kernel */
     kern_backend unstaged;      /* grouped path only, tensor cores without the weight staging */
     kern_backend gemm;
+    kern_backend host;          /* grouped path only, the pairs always bucketed on the host */
 } moe_backends;
 
 static moe_backends g_be;
+static uint64_t g_device_vs_host; /* moe_experts cases whose device and host plans matched */
 
-/* The path a backend must take: grouped when the largest group is within its threshold. */
-static int expect_grouped(const int32_t *ids, size_t n, uint32_t experts, int threshold)
+/* The path a backend must take: grouped when the call's rows (bucketed on the device) or its
+ * largest group (bucketed on the host) are within its threshold. */
+static int expect_grouped(const int32_t *ids, size_t n, uint32_t experts, int threshold,
+                          uint32_t rows)
 {
+    if (threshold > 0 && rows <= (uint32_t)threshold)
+        return 1;
     uint32_t *count = calloc(experts, sizeof(uint32_t)), max = 0;
     if (!count)
         return -1;
@@ -329,13 +340,14 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
             ids[t * ec->top_k + k] = e;
             w[t * ec->top_k + k] = (float)(0.2 + di_rng_uniform(&rng));
         }
-    int want_grouped = expect_grouped(ids, nk, ec->n_experts, threshold);
+    int want_grouped = expect_grouped(ids, nk, ec->n_experts, threshold, ec->rows);
+    int want_device = be != &g_be.host && threshold > 0 && ec->rows <= (uint32_t)threshold;
     char what[320];
     snprintf(what, sizeof(what), "moe_experts rows=%u experts=%u top_k=%u dim=%u inter=%u "
              "shared_inter=%u used=%u repeat=%d hot=%u skew=%u x=%s path=%s seed=%" PRIu64,
              ec->rows, ec->n_experts, ec->top_k, ec->dim, ec->inter, ec->shared_inter, pool,
              ec->repeat, ec->hot, ec->skew, chk_mode_name[ec->xmode],
-             want_grouped ? "grouped" : "cublaslt", seed);
+             want_grouped ? (want_device ? "grouped, device plan" : "grouped") : "cublaslt", seed);
     uint16_t *dx = chk_dev_copy(env, x, xn * 2), *dy = chk_dev_copy(env, y, xn * 2);
     int32_t *dids = chk_dev_copy(env, ids, nk * 4);
     float *dw = chk_dev_copy(env, w, nk * 4);
@@ -355,13 +367,34 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
         fprintf(stderr, "MISMATCH %s: %s\n", what, err.msg);
     kern_cuda_get_stats(be, &s1);
     uint64_t got_grouped = s1.moe_grouped - s0.moe_grouped, got_gemm = s1.moe_gemm - s0.moe_gemm;
+    uint64_t got_device = s1.moe_device_plan - s0.moe_device_plan;
     if (!bad && (got_grouped != (uint64_t)(want_grouped == 1) ||
-                 got_gemm != (uint64_t)(want_grouped == 0))) {
-        fprintf(stderr, "MISMATCH %s: took %" PRIu64 " grouped, %" PRIu64 " cuBLASLt calls\n", what,
-                got_grouped, got_gemm);
+                 got_gemm != (uint64_t)(want_grouped == 0) ||
+                 got_device != (uint64_t)want_device)) {
+        fprintf(stderr, "MISMATCH %s: took %" PRIu64 " grouped (%" PRIu64 " planned on the device), "
+                "%" PRIu64 " cuBLASLt calls\n", what, got_grouped, got_device, got_gemm);
         bad++;
     }
     chk_get(env, gy, dy, xn * 2);
+    /* the device plan against the host plan on the same kernel: the same bits */
+    if (!bad && want_device && (be == &env->gpu || be == &g_be.grouped)) {
+        uint16_t *hy = chk_malloc(xn * 2);
+        chk_put(env, dy, y, xn * 2); /* poisoned again */
+        di_status hs = g_be.host.ops.moe_experts(g_be.host.ctx, &p);
+        if (hs != DI_OK || kern_cuda_sync(&g_be.host, &err) != DI_OK) {
+            fprintf(stderr, "FAIL %s: host-planned op: %s\n", what, kern_cuda_last_error(&g_be.host));
+            bad++;
+        }
+        chk_get(env, hy, dy, xn * 2);
+        for (size_t i = 0; !bad && i < xn; i++)
+            if (hy[i] != gy[i]) {
+                fprintf(stderr, "MISMATCH %s: y[%zu] device plan 0x%04x, host plan 0x%04x\n", what,
+                        i, gy[i], hy[i]);
+                bad++;
+            }
+        g_device_vs_host += !bad;
+        free(hy);
+    }
     p.x = x, p.ids = ids, p.weights = w, p.experts = es.h, p.shared = es.sh, p.y = y;
     chk_cpu_status(env->cpu.ops.moe_experts(env->cpu.ctx, &p), what);
     if (!bad)
@@ -370,6 +403,141 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
     chk_dev_free(env, dx), chk_dev_free(env, dy), chk_dev_free(env, dids), chk_dev_free(env, dw);
     experts_free(env, &es);
     free(x), free(y), free(gy), free(ids), free(w);
+}
+
+/* ---- the device bucketing against its twin ---- */
+
+
+typedef struct bucket_case {
+    uint32_t rows, top_k, experts, cap;
+    uint32_t used;              /* ids drawn from the first `used` experts (0: all) */
+    int repeat;                 /* a row may name an expert twice */
+} bucket_case;
+
+static size_t cmp_u32(const char *what, const char *name, const void *a, const void *b, size_t n)
+{
+    const uint32_t *x = a, *y = b;
+    for (size_t i = 0; i < n; i++)
+        if (x[i] != y[i]) {
+            fprintf(stderr, "MISMATCH %s: %s[%zu] twin %u device %u\n", what, name, i, x[i], y[i]);
+            return 1;
+        }
+    return 0;
+}
+
+static void check_bucket(chk_env *env, const bucket_case *bc)
+{
+    di_rng rng;
+    uint64_t seed = chk_case_rng(env, &rng);
+    const uint32_t P = bc->rows * bc->top_k, E = bc->experts, pool = bc->used ? bc->used : E;
+    const uint32_t G = kern_moe_max_groups(P, E, bc->cap);
+    int32_t *ids = chk_malloc((size_t)P * 4);
+    for (uint32_t t = 0; t < bc->rows; t++)
+        for (uint32_t k = 0; k < bc->top_k; k++) {
+            int32_t e;
+            int again;
+            do {
+                e = (int32_t)di_rng_below(&rng, pool);
+                again = 0;
+                for (uint32_t j = 0; j < k && !bc->repeat; j++)
+                    again |= ids[t * bc->top_k + j] == e;
+            } while (again);
+            ids[t * bc->top_k + k] = e;
+        }
+    char what[200];
+    snprintf(what, sizeof(what), "moe bucket rows=%u top_k=%u experts=%u used=%u cap=%u "
+             "repeat=%d seed=%" PRIu64, bc->rows, bc->top_k, E, pool, bc->cap, bc->repeat, seed);
+    /* the twin */
+    size_t sizes[8] = {E * 4u, (E + 1) * 4u, P * 4u, P * 4u, G * 4u, G * 4u, G * 4u, 4};
+    void *h[8], *d[8], *g[8];
+    for (int i = 0; i < 8; i++) {
+        h[i] = chk_malloc(sizes[i] ? sizes[i] : 4), g[i] = chk_malloc(sizes[i] ? sizes[i] : 4);
+        d[i] = chk_dev_alloc(env, sizes[i] ? sizes[i] : 4);
+        chk_poison(g[i], sizes[i]);
+        chk_put(env, d[i], g[i], sizes[i]);
+    }
+    kern_moe_buckets tw = {h[0], h[1], h[2], h[3], h[4], h[5], h[6], 0};
+    di_error err;
+    size_t bad = 0;
+    if (kern_moe_bucket(ids, bc->rows, bc->top_k, E, bc->cap, &tw, &err) != DI_OK) {
+        fprintf(stderr, "FAIL %s: twin: %s\n", what, err.msg);
+        bad++;
+    }
+    int32_t *dids = chk_dev_copy(env, ids, (size_t)P * 4);
+    kern_cuda_buckets out = {d[0], d[1], d[2], d[3], d[4], d[5], d[6], d[7]};
+    if (kern_cuda_moe_bucket(&env->gpu, dids, bc->rows, bc->top_k, E, bc->cap, &out, &err) != DI_OK ||
+        kern_cuda_sync(&env->gpu, &err) != DI_OK) {
+        fprintf(stderr, "FAIL %s: device: %s\n", what, err.msg);
+        bad++;
+    }
+    for (int i = 0; i < 8; i++)
+        chk_get(env, g[i], d[i], sizes[i]);
+    uint32_t n_groups = *(uint32_t *)g[7];
+    if (!bad && n_groups != tw.n_groups) {
+        fprintf(stderr, "MISMATCH %s: %u groups on the device, %u by the twin\n", what, n_groups,
+                tw.n_groups);
+        bad++;
+    }
+    static const char *names[] = {"count", "start", "pair", "pos", "group_expert", "group_start",
+                                  "group_rows"};
+    for (int i = 0; i < 7 && !bad; i++) {
+        size_t n = i < 4 ? sizes[i] / 4 : tw.n_groups;
+        bad += cmp_u32(what, names[i], h[i], g[i], n);
+    }
+    if (!bad && tw.n_groups > G) {
+        fprintf(stderr, "MISMATCH %s: %u groups past the bound %u\n", what, tw.n_groups, G);
+        bad++;
+    }
+    chk_count(env, bad);
+    for (int i = 0; i < 8; i++)
+        free(h[i]), free(g[i]), chk_dev_free(env, d[i]);
+    chk_dev_free(env, dids);
+    free(ids);
+}
+
+/* An id out of range on the device-planned path: the op cannot refuse it (it never reads the
+ * ids), so the next synchronisation reports it, once. */
+static size_t check_bucket_bad_id(chk_env *env)
+{
+    di_rng rng;
+    chk_case_rng(env, &rng);
+    expert_set es;
+    experts_make(env, &es, 8, 64, 64, 0, 0, &rng);
+    size_t bad = 0;
+    int32_t ids[4] = {0, 1, 2, 8};
+    float w[4] = {1, 1, 1, 1};
+    uint16_t *dx = chk_dev_alloc(env, 2 * 64 * 2), *dy = chk_dev_alloc(env, 2 * 64 * 2);
+    int32_t *dids = chk_dev_copy(env, ids, sizeof(ids));
+    float *dw = chk_dev_copy(env, w, sizeof(w));
+    kern_moe_experts p = {.n_rows = 2, .dim = 64, .inter = 64, .n_experts = 8, .top_k = 2,
+                          .x = dx, .ids = dids, .weights = dw, .experts = es.d,
+                          .swiglu_limit = 10.0f, .y = dy};
+    di_error err;
+    bad += chk_expect(env, env->gpu.ops.moe_experts(env->gpu.ctx, &p), DI_OK,
+                      "moe_experts id 8 of 8 on the device plan (queued)");
+    bad += chk_expect(env, kern_cuda_sync(&env->gpu, &err), DI_EINVAL,
+                      "the sync after it reports the id");
+    bad += chk_expect(env, kern_cuda_sync(&env->gpu, &err), DI_OK, "and only once");
+    chk_dev_free(env, dx), chk_dev_free(env, dy), chk_dev_free(env, dids), chk_dev_free(env, dw);
+    experts_free(env, &es);
+    return bad;
+}
+
+static void check_buckets(chk_env *env)
+{
+    static const bucket_case bcs[] = {
+        {1, 6, 384, 1, 0, 0},   {8, 6, 384, 8, 0, 0},   {64, 6, 384, 8, 0, 0},
+        {64, 6, 384, 16, 8, 0}, {3, 4, 16, 2, 0, 1},    {127, 2, 8, 16, 0, 0},
+        {5, 5, 5, 3, 1, 1},     {33, 8, 4096, 8, 0, 0}, {1, 1, 1, 1, 0, 0},
+        {40, 3, 7, 1, 0, 1},
+    };
+    int c0 = env->checks;
+    for (size_t i = 0; i < sizeof(bcs) / sizeof(bcs[0]); i++)
+        check_bucket(env, &bcs[i]);
+    size_t bad = check_bucket_bad_id(env);
+    chk_count(env, bad);
+    printf("moe bucketing on the device: %d cases against the twin, a bad id %s\n",
+           env->checks - c0, bad ? "NOT REPORTED" : "reported at the next synchronisation");
 }
 
 /* ---- refused inputs ---- */
@@ -478,13 +646,17 @@ static void sweep(chk_env *env)
         check_experts(env, &g_be.grouped, THR_ALWAYS, &grouped[i], worst);
         check_experts(env, &g_be.cores, THR_ALWAYS, &grouped[i], worst);
         check_experts(env, &g_be.unstaged, THR_ALWAYS, &grouped[i], worst);
+        check_experts(env, &g_be.host, THR_ALWAYS, &grouped[i], worst);
     }
     for (size_t i = 0; i < sizeof(gemm) / sizeof(gemm[0]); i++)
         check_experts(env, &g_be.gemm, THR_NEVER, &gemm[i], worst);
     printf("moe_experts: %d cases (both paths, the grouped one on tensor cores staged and not, and on CUDA cores); worst |err|/tolerance %.3g, worst row cosine "
            "%.7f, worst row |y - y_cpu| / |y_cpu| %.3g\n", env->checks - c0, worst[0], worst[1],
            worst[2]);
+    printf("moe_experts: %" PRIu64 " cases planned on the device gave the host plan's bits\n",
+           g_device_vs_host);
     check_refusals(env);
+    check_buckets(env);
 }
 
 /* ---- benchmark: V4.1-Flash ---- */
@@ -499,7 +671,7 @@ typedef struct bench_arg {
 } bench_arg;
 
 /* The timed ops: moe_experts forced onto each path, then moe_gate. */
-enum { OP_MMA, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
+enum { OP_MMA, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
@@ -551,8 +723,9 @@ static void bench(chk_env *env)
            "weights of the experts used, read once\n", (double)(per * B_E + 3 * (sh8 + shs)) / 1e9,
            copy, peak);
     printf("moe_experts grouped / cublaslt: the routed experts forced onto one path (the "
-           "default takes the grouped one when the largest group has at most %d rows)\n",
-           THR_DEFAULT);
+           "default takes the grouped one when the largest group has at most %d rows); grouped: "
+           "the pairs bucketed on the device (no read-back), host plan: read back and bucketed "
+           "on the host\n", THR_DEFAULT);
     printf("%-22s %5s %7s %9s %10s %9s %7s %7s %7s\n", "op", "rows", "experts", "max group", "us",
            "TFLOP/s", "GB/s", "of GEMM", "of copy");
     static const uint32_t rows_list[] = {1, 8, 64, 384};
@@ -595,7 +768,8 @@ static void bench(chk_env *env)
                               .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
                               .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
                               .weights = chk_dev_alloc(env, nk * 4)};
-        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped unstaged",
+        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped, host plan",
+                                                     "grouped unstaged",
                                                      "grouped cuda-core",
                                                      "moe_experts cublaslt", "moe_gate"};
         for (int op = 0; op < BENCH_OPS; op++) {
@@ -605,6 +779,7 @@ static void bench(chk_env *env)
             const int ex_op = op != OP_GATE;
             if (ex_op)
                 env->gpu = op == OP_MMA        ? g_be.grouped
+                           : op == OP_HOST     ? g_be.host
                            : op == OP_UNSTAGED ? g_be.unstaged
                            : op == OP_CORES    ? g_be.cores
                                                : g_be.gemm;
@@ -637,11 +812,13 @@ int main(int argc, char **argv)
     kern_cuda_config always = {.moe_grouped_rows = THR_ALWAYS}, never = {.moe_grouped_rows = -1};
     kern_cuda_config cores = {.moe_grouped_rows = THR_ALWAYS, .moe_cuda_cores = 1};
     kern_cuda_config unstaged = {.moe_grouped_rows = THR_ALWAYS, .moe_unstaged = 1};
+    kern_cuda_config host = {.moe_grouped_rows = THR_ALWAYS, .moe_host_plan = 1};
     di_error e;
     if (kern_cuda_create(&always, &g_be.grouped, &e) != DI_OK ||
         kern_cuda_create(&cores, &g_be.cores, &e) != DI_OK ||
         kern_cuda_create(&unstaged, &g_be.unstaged, &e) != DI_OK ||
-        kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK) {
+        kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK ||
+        kern_cuda_create(&host, &g_be.host, &e) != DI_OK) {
         fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
         return 2;
     }
@@ -651,5 +828,6 @@ int main(int argc, char **argv)
     kern_cuda_destroy(&g_be.cores);
     kern_cuda_destroy(&g_be.unstaged);
     kern_cuda_destroy(&g_be.gemm);
+    kern_cuda_destroy(&g_be.host);
     return rc;
 }
