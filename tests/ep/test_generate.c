@@ -205,3 +205,33 @@ Test(ep_generate, a_rank_with_a_wrong_token_is_refused_and_rank_0_gives_up, .tim
     cr_expect(strstr(out, "rank0=1") != NULL, "%s", out);
     cr_expect(strstr(out, "1 of 2 ranks joined") != NULL, "%s", out);
 }
+
+/* A rank killed mid-run: the launcher stops the other ranks, waits for them and reports the
+ * dead rank at once (not at the group's deadline), leaving no rank process behind. */
+Test(ep_generate, a_killed_rank_ends_the_group_at_once, .timeout = 120)
+{
+    const char *root = getenv("DI_BUILD_ROOT");
+    char cmd[2048];
+    snprintf(cmd, sizeof cmd,
+             "G=%s/tools/generate/di-generate; "
+             "$G --config tiny --threads 1 --ids 1,2,3 --ids 4,5 --max-tokens 100000 "
+             "--ignore-eos --quiet --ep-ranks 2 --ep-timeout 60000 >/dev/null 2>/tmp/di-ep-k.$$ & "
+             "L=$!; sleep 3; R=$(pgrep -P $L -f -- '--rank 1 '); [ -n \"$R\" ] || { echo norank; kill $L; }; "
+             "t0=$(date +%%s%%N); kill -9 $R; wait $L; rc=$?; t1=$(date +%%s%%N); "
+             "echo \"rc=$rc ms=$(( (t1 - t0) / 1000000 ))\"; "
+             "echo \"left=$(pgrep -P $L | wc -l)\"; cat /tmp/di-ep-k.$$; rm -f /tmp/di-ep-k.$$",
+             root);
+    FILE *f = popen(cmd, "r");
+    cr_assert_not_null(f);
+    char out[8192];
+    size_t n = fread(out, 1, sizeof out - 1, f);
+    out[n] = 0;
+    pclose(f);
+    cr_expect(strstr(out, "norank") == NULL, "rank 1 was not found: %s", out);
+    cr_expect(strstr(out, "rc=1 ") != NULL, "%s", out);
+    cr_expect(strstr(out, "rank 1 of 2 failed (exit status 137") != NULL, "%s", out);
+    cr_expect(strstr(out, "left=0") != NULL, "%s", out);
+    const char *ms = strstr(out, "ms=");
+    cr_assert_not_null(ms, "%s", out);
+    cr_expect_lt(atoi(ms + 3), 20000, "the group took too long to end: %s", out);
+}
