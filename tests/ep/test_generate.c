@@ -214,12 +214,16 @@ Test(ep_generate, a_killed_rank_ends_the_group_at_once, .timeout = 120)
     char cmd[2048];
     snprintf(cmd, sizeof cmd,
              "G=%s/tools/generate/di-generate; "
+             /* the children of $1 whose command line has $2 (from /proc: no procps needed) */
+             "kids() { for d in /proc/[0-9]*; do [ \"$(cut -d' ' -f4 $d/stat 2>/dev/null)\" = "
+             "\"$1\" ] && tr '\\0' ' ' < $d/cmdline 2>/dev/null | grep -q -- \"$2\" && "
+             "echo ${d#/proc/}; done; }; "
              "$G --config tiny --threads 1 --ids 1,2,3 --ids 4,5 --max-tokens 100000 "
              "--ignore-eos --quiet --ep-ranks 2 --ep-timeout 60000 >/dev/null 2>/tmp/di-ep-k.$$ & "
-             "L=$!; sleep 3; R=$(pgrep -P $L -f -- '--rank 1 '); [ -n \"$R\" ] || { echo norank; kill $L; }; "
+             "L=$!; sleep 3; R=$(kids $L '--rank 1 '); R0=$(kids $L '--rank 0 '); [ -n \"$R0\" ] || echo norank; [ -n \"$R\" ] || { echo norank; kill $L; }; "
              "t0=$(date +%%s%%N); kill -9 $R; wait $L; rc=$?; t1=$(date +%%s%%N); "
              "echo \"rc=$rc ms=$(( (t1 - t0) / 1000000 ))\"; "
-             "echo \"left=$(pgrep -P $L | wc -l)\"; cat /tmp/di-ep-k.$$; rm -f /tmp/di-ep-k.$$",
+             "echo \"left=$( [ -n \"$R0\" ] && [ -e /proc/$R0 ] && echo 1 || echo 0)\"; cat /tmp/di-ep-k.$$; rm -f /tmp/di-ep-k.$$",
              root);
     FILE *f = popen(cmd, "r");
     cr_assert_not_null(f);
