@@ -180,6 +180,21 @@ di_status ep_group_listen(const char *addr, bool allow_remote, int *fd, uint16_t
     return DI_OK;
 }
 
+di_status ep_rank_from_hostname(const char *host, uint32_t *rank, di_error *err)
+{
+    size_t n = host ? strlen(host) : 0, i = n;
+    while (i > 0 && host[i - 1] >= '0' && host[i - 1] <= '9')
+        i--;
+    uint64_t v = 0;
+    for (size_t k = i; k < n && v < EP_MAX_WORLD; k++)
+        v = v * 10 + (uint64_t)(host[k] - '0');
+    if (i == n || n - i > 3 || v >= EP_MAX_WORLD)
+        return di_fail(err, DI_EINVAL, "host name '%.64s' does not end in a rank below %u (a "
+                       "StatefulSet pod's ordinal)", host ? host : "", EP_MAX_WORLD);
+    *rank = (uint32_t)v;
+    return DI_OK;
+}
+
 /* ---- the handshake ---- */
 
 /* HMAC-SHA256(token, nonce || rank || world). */

@@ -69,6 +69,12 @@ typedef struct ep_group_stats {
 di_status ep_group_listen(const char *addr, bool allow_remote, int *fd, uint16_t *port,
                           di_error *err);
 
+/* A rank from a host name that ends in its ordinal, as the pods of a StatefulSet behind a
+ * headless Service are named ("ep-decode-3" -> 3; rank 0's address is then
+ * "ep-decode-0.SERVICE:PORT"). DI_EINVAL when the name does not end in a number below
+ * EP_MAX_WORLD; *rank written only on success. */
+di_status ep_rank_from_hostname(const char *host, uint32_t *rank, di_error *err);
+
 /* Joins (rank > 0) or gathers (rank 0) the group. DI_OK with *out; DI_EINVAL (options);
  * DI_EAUTH (this rank was refused: token, rank or world size, with the reason);
  * DI_ETIMEDOUT (group not complete by the deadline); DI_EIO; DI_ENOMEM. Rank 0 takes

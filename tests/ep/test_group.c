@@ -313,3 +313,22 @@ Test(ep_group, frames_above_the_bound_are_refused)
     cr_expect_eq(ep_group_allreduce(g, EP_REDUCE_SUM, vals, 16, &e), DI_EINVAL);
     ep_group_close(g);
 }
+
+Test(ep_group, rank_from_a_statefulset_host_name)
+{
+    uint32_t r = 99;
+    di_error e;
+    cr_expect_eq(ep_rank_from_hostname("ep-decode-3", &r, &e), DI_OK);
+    cr_expect_eq(r, 3);
+    cr_expect_eq(ep_rank_from_hostname("prefill-0", &r, &e), DI_OK);
+    cr_expect_eq(r, 0);
+    cr_expect_eq(ep_rank_from_hostname("node255", &r, &e), DI_OK);
+    cr_expect_eq(r, 255);
+    r = 7;
+    cr_expect_eq(ep_rank_from_hostname("ep-decode", &r, &e), DI_EINVAL);
+    cr_expect(strstr(e.msg, "ep-decode") != NULL, "%s", e.msg);
+    cr_expect_eq(ep_rank_from_hostname("ep-256", &r, &e), DI_EINVAL);
+    cr_expect_eq(ep_rank_from_hostname("ep-99999999999999999999", &r, &e), DI_EINVAL);
+    cr_expect_eq(ep_rank_from_hostname("", &r, &e), DI_EINVAL);
+    cr_expect_eq(r, 7, "untouched on failure");
+}

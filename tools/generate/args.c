@@ -5,7 +5,9 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/ep/group.h"
 #include "common/serve/backend.h"
 #include "common/util/hostport.h"
 #include "tools/generate/gen.h"
@@ -347,7 +349,14 @@ static di_status o_ep_ranks(gen_args *a, const char *v, di_error *err)
 
 static di_status o_rank(gen_args *a, const char *v, di_error *err)
 {
-    return set_u32("--rank", v, 0, 255, &a->rank, err);
+    if (strcmp(v, "hostname"))
+        return set_u32("--rank", v, 0, 255, &a->rank, err);
+    char host[256] = "";
+    gethostname(host, sizeof host - 1);
+    di_status st = ep_rank_from_hostname(host, &a->rank, err);
+    if (st != DI_OK)
+        di_error_prefix(err, "--rank hostname: ");
+    return st;
 }
 
 static di_status o_world(gen_args *a, const char *v, di_error *err)
@@ -459,7 +468,9 @@ static const gen_opt options[] = {
      "(default 0)"},
     {"--ep-ranks", "N", o_ep_ranks, "expert parallelism: N rank processes on this machine, "
      "prompts spread over them, experts placed across them; prints what one rank prints"},
-    {"--rank", "R", o_rank, "run as rank R of a group of --world (rank 0 listens on --ep-addr)"},
+    {"--rank", "R", o_rank, "run as rank R of a group of --world (rank 0 listens on --ep-addr); "
+     "'hostname': the number the host name ends in (a StatefulSet pod behind a headless "
+     "Service, whose rank 0 is NAME-0.SERVICE)"},
     {"--world", "N", o_world, "ranks of the group this process joins"},
     {"--ep-addr", "HOST:PORT", o_ep_addr, "where rank 0 of the group listens (loopback unless "
      "--ep-allow-remote)"},
