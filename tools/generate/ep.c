@@ -76,6 +76,8 @@ static char *ids_text(const gen_ids *p)
 di_status gen_ep_launch(const gen_args *a, di_error *err)
 {
     uint32_t N = a->ep_ranks;
+    if (a->n_prompts == 0)
+        return di_fail(err, DI_EINVAL, "no prompt: give --ids, --ids-file or ids on stdin");
     int lfd;
     uint16_t port;
     di_status st = ep_group_listen("127.0.0.1:0", false, &lfd, &port, err);
