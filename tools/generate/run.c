@@ -423,7 +423,11 @@ static void take_output(void *ud, const engine_output *o)
 
 static di_status step_once(run_state *rs, di_error *err)
 {
-    di_status st = engine_step(rs->e, NULL, err);
+    bool ran = false;
+    di_status st = engine_step(rs->e, &ran, err);
+    /* a rank of a group ends every step, also one that ran no plan (the others wait for it) */
+    if (st == DI_OK && rs->ep && !ran)
+        st = gen_ep_step_end(rs->ep, err);
     if (st == DI_OK && rs->out_st != DI_OK) {
         *err = rs->out_err;
         st = rs->out_st;
