@@ -381,6 +381,8 @@ di_status fwd_moe(fwd_run *r, const fwd_layer_w *L, di_error *err)
                           .n_experts = L->n_experts, .top_k = L->top_k, .x = r->x,
                           .ids = r->eids, .weights = r->ew, .experts = L->experts,
                           .shared = L->shared, .swiglu_limit = (float)c->swiglu_limit, .y = r->y};
+    if (m->opt.moe_fn && L->id < c->n_layers) /* experts on the ranks that hold them */
+        return m->opt.moe_fn(m->opt.moe_userdata, L->id, &e, err); /* y [T, D] */
     FWD_TRY(err, l, be->ops.moe_experts(be->ctx, &e)); /* y [T, D] */
     return DI_OK;
 }

@@ -5,7 +5,9 @@
 #include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/ep/group.h"
 #include "common/serve/backend.h"
 #include "common/util/hostport.h"
 #include "tools/generate/gen.h"
@@ -329,6 +331,83 @@ static di_status o_quiet(gen_args *a, const char *v, di_error *err)
     return DI_OK;
 }
 
+/* parse_u64 into a uint32_t field, written only on success. */
+static di_status set_u32(const char *flag, const char *v, uint64_t lo, uint64_t hi, uint32_t *out,
+                         di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64(flag, v, lo, hi, &x, err);
+    if (st == DI_OK)
+        *out = (uint32_t)x;
+    return st;
+}
+
+static di_status o_ep_ranks(gen_args *a, const char *v, di_error *err)
+{
+    return set_u32("--ep-ranks", v, 1, 64, &a->ep_ranks, err);
+}
+
+static di_status o_rank(gen_args *a, const char *v, di_error *err)
+{
+    if (strcmp(v, "hostname"))
+        return set_u32("--rank", v, 0, 255, &a->rank, err);
+    char host[256] = "";
+    gethostname(host, sizeof host - 1);
+    di_status st = ep_rank_from_hostname(host, &a->rank, err);
+    if (st != DI_OK)
+        di_error_prefix(err, "--rank hostname: ");
+    return st;
+}
+
+static di_status o_world(gen_args *a, const char *v, di_error *err)
+{
+    return set_u32("--world", v, 1, 256, &a->world, err);
+}
+
+static di_status o_ep_addr(gen_args *a, const char *v, di_error *err)
+{
+    di_status st = di_hostport_parse(v, false, NULL, err);
+    if (st != DI_OK)
+        di_error_prefix(err, "--ep-addr: ");
+    a->ep_addr = v;
+    return st;
+}
+
+static di_status o_ep_fd(gen_args *a, const char *v, di_error *err)
+{
+    uint64_t x;
+    di_status st = parse_u64("--ep-listen-fd", v, 3, 65535, &x, err);
+    a->ep_listen_fd = (int)x;
+    return st;
+}
+
+static di_status o_ep_remote(gen_args *a, const char *v, di_error *err)
+{
+    a->ep_remote = true;
+    return DI_OK;
+}
+
+static di_status o_ep_token(gen_args *a, const char *v, di_error *err)
+{
+    a->ep_token_file = v;
+    return DI_OK;
+}
+
+static di_status o_ep_timeout(gen_args *a, const char *v, di_error *err)
+{
+    return set_u32("--ep-timeout", v, 1, 3600000, &a->ep_timeout_ms, err);
+}
+
+static di_status o_ep_redundant(gen_args *a, const char *v, di_error *err)
+{
+    return set_u32("--ep-redundant", v, 0, 65536, &a->ep_redundant, err);
+}
+
+static di_status o_eplb_interval(gen_args *a, const char *v, di_error *err)
+{
+    return set_u32("--eplb-interval", v, 1, 1u << 20, &a->eplb_interval, err);
+}
+
 static const gen_opt options[] = {
     {"--model", "DIR", o_model, "checkpoint directory (config.json, index, shards)"},
     {"--trust-weights", NULL, o_trust, "do not verify the checkpoint's checksum manifest "
@@ -387,6 +466,25 @@ static const gen_opt options[] = {
      "most 64); default: measured at start-up on the run's backend"},
     {"--sampler-ms", "X", o_sampler_ms, "varlen: sampler time per step added to every size "
      "(default 0)"},
+    {"--ep-ranks", "N", o_ep_ranks, "expert parallelism: N rank processes on this machine, "
+     "prompts spread over them, experts placed across them; prints what one rank prints"},
+    {"--rank", "R", o_rank, "run as rank R of a group of --world (rank 0 listens on --ep-addr); "
+     "'hostname': the number the host name ends in (a StatefulSet pod behind a headless "
+     "Service, whose rank 0 is NAME-0.SERVICE)"},
+    {"--world", "N", o_world, "ranks of the group this process joins"},
+    {"--ep-addr", "HOST:PORT", o_ep_addr, "where rank 0 of the group listens (loopback unless "
+     "--ep-allow-remote)"},
+    {"--ep-listen-fd", "FD", o_ep_fd, "rank 0: an inherited socket already listening on "
+     "--ep-addr (--ep-ranks passes it)"},
+    {"--ep-allow-remote", NULL, o_ep_remote, "let the group meet on a non-loopback address"},
+    {"--ep-token-file", "FILE", o_ep_token, "the group token, 16..512 bytes (default "
+     "$DI_EP_TOKEN; --ep-ranks makes one)"},
+    {"--ep-timeout", "MS", o_ep_timeout, "deadline of the rendezvous and of every exchange "
+     "(default 60000)"},
+    {"--ep-redundant", "N", o_ep_redundant, "redundant expert slots at least (rounded up so "
+     "every rank has as many slots; default 0)"},
+    {"--eplb-interval", "N", o_eplb_interval, "re-plan expert placement every N steps from the "
+     "measured per-slot counts; a plan that is not better is not applied (default: never)"},
     {"--json", NULL, o_json, "print the results as one JSON object"},
     {"--quiet", NULL, o_quiet, "no progress on stderr"},
 };
@@ -460,6 +558,8 @@ void gen_args_default(gen_args *a)
     a->keep_tokens = 140;
     a->yoco = FWD_YOCO_DEFAULT;
     a->kvstore_deadline_ms = 2000;
+    a->ep_listen_fd = -1;
+    a->ep_timeout_ms = 60000;
 }
 
 void gen_args_free(gen_args *a)
@@ -472,6 +572,8 @@ void gen_args_free(gen_args *a)
     a->kvstore_token = NULL;
     free(a->engine_token);
     a->engine_token = NULL;
+    free(a->ep_token);
+    a->ep_token = NULL;
     free(a->step_ms);
     a->prompts = NULL;
     a->n_prompts = 0;
@@ -546,8 +648,39 @@ static di_status remote_args(gen_args *a, di_error *err)
     return env && *env && !a->engine_token ? di_fail(err, DI_ENOMEM, "token") : DI_OK;
 }
 
+/* --ep-ranks launches, --rank/--world joins; what the ranks cannot do yet is refused. */
+static di_status ep_args(gen_args *a, di_error *err)
+{
+    if (a->ep_ranks && a->world)
+        return di_fail(err, DI_EINVAL, "--ep-ranks starts the ranks itself: give it without "
+                       "--rank/--world");
+    if (a->world && a->rank >= a->world)
+        return di_fail(err, DI_EINVAL, "--rank %u is not below --world %u", a->rank, a->world);
+    if (a->world > 1 && !a->ep_addr)
+        return di_fail(err, DI_EINVAL, "--world %u needs --ep-addr HOST:PORT of rank 0",
+                       a->world);
+    if (a->ep_listen_fd >= 0 && (a->rank != 0 || !a->world))
+        return di_fail(err, DI_EINVAL, "--ep-listen-fd is rank 0's");
+    if (a->kvstore || a->prefill || a->dump_logits || a->varlen || a->params.n_logprobs ||
+        strcmp(a->backend, "cpu"))
+        return di_fail(err, DI_EINVAL, "expert parallelism runs on --backend cpu without "
+                       "--kvstore, --prefill, --dump-logits, --varlen and --logprobs");
+    if (a->world <= 1)
+        return DI_OK;
+    if (a->ep_token_file)
+        return read_token_file("--ep-token-file", a->ep_token_file, &a->ep_token, err);
+    const char *env = getenv("DI_EP_TOKEN");
+    if (!env || !*env)
+        return di_fail(err, DI_EINVAL, "a rank of a group needs the group token: "
+                       "--ep-token-file FILE or $DI_EP_TOKEN");
+    a->ep_token = strdup(env);
+    return a->ep_token ? DI_OK : di_fail(err, DI_ENOMEM, "token");
+}
+
 di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
 {
+    a->argc = argc;
+    a->argv = argv;
     for (int i = 1; i < argc; i++) {
         const char *arg = argv[i];
         if (!strcmp(arg, "--help") || !strcmp(arg, "-h")) {
@@ -585,6 +718,11 @@ di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
         return di_fail(err, DI_EINVAL, "--step-ms and --sampler-ms need --varlen");
     if (a->prefill || a->decode) {
         di_status st = remote_args(a, err);
+        if (st != DI_OK)
+            return st;
+    }
+    if (a->ep_ranks || a->world) {
+        di_status st = ep_args(a, err);
         if (st != DI_OK)
             return st;
     }

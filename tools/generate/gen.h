@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "common/engine/scheduler.h"
 #include "common/engine/varlen.h"
 #include "common/model/forward.h"
 #include "common/model/runner_exec.h"
@@ -63,6 +64,19 @@ typedef struct gen_args {
     const char *decode;          /* --decode HOST:PORT of di-decode */
     const char *engine_token_file; /* --engine-token-file */
     char *engine_token;          /* the services' client token (file or $DI_ENGINE_TOKEN); owned */
+    uint32_t ep_ranks;           /* --ep-ranks: start this many rank processes here; 0 = none */
+    uint32_t rank;               /* --rank: this process's rank in a group of --world */
+    uint32_t world;              /* --world: ranks of the group; 0 = not a rank of a group */
+    const char *ep_addr;         /* --ep-addr HOST:PORT of rank 0 */
+    int ep_listen_fd;            /* --ep-listen-fd: rank 0's inherited listening socket; -1 */
+    bool ep_remote;              /* --ep-allow-remote: the group may meet off loopback */
+    const char *ep_token_file;   /* --ep-token-file */
+    char *ep_token;              /* the group token (file or $DI_EP_TOKEN); owned */
+    uint32_t ep_timeout_ms;      /* --ep-timeout: deadline of the rendezvous and each exchange */
+    uint32_t ep_redundant;       /* --ep-redundant: redundant expert slots at least */
+    uint32_t eplb_interval;      /* --eplb-interval: steps between re-plans; 0 = never */
+    int argc;                    /* the command line, for the rank processes (borrowed) */
+    char **argv;
 } gen_args;
 
 void gen_args_default(gen_args *a);
@@ -94,6 +108,48 @@ di_status gen_step_table(const gen_args *a, runner_exec *ex, uint32_t seqs, uint
 /* --prefill/--decode: sends each prompt through di-prefill -> store -> di-decode and prints
  * what gen_run prints, with remote timings in stats (remote.c). */
 di_status gen_remote_run(const gen_args *a, di_error *err);
+
+/* One request's outputs. */
+typedef struct gen_out {
+    int32_t *tokens;
+    float *logprobs;
+    void *tops;                  /* json_t array of {token: logprob} objects, or NULL */
+    uint32_t n, cap;
+    sched_finish finish;
+    char error[320];
+} gen_out;
+
+/* Appends one token and its logprob (NAN when unknown). DI_ENOMEM. */
+di_status gen_out_push(gen_out *o, int32_t tok, float logprob, di_error *err);
+
+/* ---- expert parallelism (ep.c) ---- */
+
+/* --ep-ranks N: starts N rank processes of this command on this machine (rank 0's socket is
+ * bound here, the group token is made here and passed in the environment); rank 0 prints what
+ * a one-rank run prints. DI_OK when every rank succeeded; otherwise the first failed rank's
+ * exit is reported and the other ranks are stopped. */
+di_status gen_ep_launch(const gen_args *a, di_error *err);
+
+typedef struct gen_ep gen_ep;
+
+/* Joins the group of --rank/--world (or a group of one for --ep-ranks 1) and places this
+ * rank's experts. DI_OK; the group's and the MoE's codes. */
+di_status gen_ep_open(const gen_args *a, const kern_backend *be, const model_weights *w,
+                      gen_ep **out, di_error *err);
+void gen_ep_close(gen_ep *ep); /* NULL-safe */
+/* The scheduler's vote over the group and the forward's MoE hook. */
+void gen_ep_wire(gen_ep *ep, sched_config *sc, fwd_options *fo);
+/* Whether prompt i (0-based) runs on this rank. */
+bool gen_ep_mine(const gen_ep *ep, uint32_t i);
+/* After every step of this rank (placeholders included). */
+di_status gen_ep_step_end(gen_ep *ep, di_error *err);
+/* Whether any rank has work left (every rank calls it in lockstep). */
+di_status gen_ep_any_work(gen_ep *ep, sched *s, bool *out, di_error *err);
+/* Brings every rank's outputs to rank 0 (outs has n entries on every rank, filled for this
+ * rank's prompts) and sums the group's counters into *stats (a JSON object "ep" on rank 0).
+ * *print is set on rank 0 only. */
+di_status gen_ep_gather(gen_ep *ep, gen_out *outs, uint32_t n, const sched_stats *ss,
+                        void *stats, bool *print, di_error *err);
 
 /* Runs the engine over every prompt and prints the outputs (text prompts are encoded into
  * their ids here, so a is written). */

@@ -101,15 +101,6 @@ di_status gen_read_prompts(const char *path, gen_args *a, di_error *err)
 
 /* ---- outputs ---- */
 
-typedef struct gen_out {
-    int32_t *tokens;
-    float *logprobs;
-    json_t *tops;                /* array of {token: logprob} objects, or NULL */
-    uint32_t n, cap;
-    sched_finish finish;
-    char error[320];
-} gen_out;
-
 typedef struct gen_ctx {
     const gen_args *a;
     di_logger log;               /* store warnings and lines */
@@ -137,8 +128,7 @@ static void dump_row(void *ud, uint64_t id, int64_t position, const float *logit
     g->dumped++;
 }
 
-static di_status out_append(gen_out *o, int32_t tok, const sampler_result *res,
-                            uint32_t n_logprobs, di_error *err)
+di_status gen_out_push(gen_out *o, int32_t tok, float logprob, di_error *err)
 {
     if (o->n == o->cap) {
         uint32_t cap = o->cap ? 2 * o->cap : 32;
@@ -153,8 +143,17 @@ static di_status out_append(gen_out *o, int32_t tok, const sampler_result *res,
         o->cap = cap;
     }
     o->tokens[o->n] = tok;
-    o->logprobs[o->n] = res ? res->logprob : NAN;
+    o->logprobs[o->n] = logprob;
     o->n++;
+    return DI_OK;
+}
+
+static di_status out_append(gen_out *o, int32_t tok, const sampler_result *res,
+                            uint32_t n_logprobs, di_error *err)
+{
+    di_status st = gen_out_push(o, tok, res ? res->logprob : NAN, err);
+    if (st != DI_OK)
+        return st;
     if (n_logprobs && res) {
         if (!o->tops)
             o->tops = json_array();
@@ -356,6 +355,7 @@ typedef struct run_state {
     runner_exec *ex;             /* the model runner */
     engine_executor rx;          /* ex as an executor (run_step wraps its step) */
     gen_kv *kv;                  /* --kvstore client, or NULL */
+    gen_ep *ep;                  /* this rank of an expert-parallel group, or NULL */
     gen_ctx *g;                  /* where outputs go */
     di_status out_st;            /* the first failure while taking outputs */
     di_error out_err;
@@ -371,8 +371,11 @@ static di_status run_step(void *ctx, const sched_plan *plan, sched_seq_result *r
     uint64_t t0 = di_mono_ns();
     di_status st;
     if ((st = runner_exec_step(rs->ex, plan, results, err)) != DI_OK ||
-        (st = gen_kv_after_step(rs->kv, runner_exec_kv(rs->ex), plan, results, err)) != DI_OK)
+        (st = gen_kv_after_step(rs->kv, runner_exec_kv(rs->ex), plan, results, err)) != DI_OK ||
+        (rs->ep && (st = gen_ep_step_end(rs->ep, err)) != DI_OK))
         return st;
+    if (plan->placeholder)
+        return DI_OK; /* a rank with nothing to do that joined the group's exchanges */
     double dt = (double)(di_mono_ns() - t0) / 1e9;
     if (plan->prompt_run) {
         rs->prefill_tokens += plan->n_rows;
@@ -420,7 +423,11 @@ static void take_output(void *ud, const engine_output *o)
 
 static di_status step_once(run_state *rs, di_error *err)
 {
-    di_status st = engine_step(rs->e, NULL, err);
+    bool ran = false;
+    di_status st = engine_step(rs->e, &ran, err);
+    /* a rank of a group ends every step, also one that ran no plan (the others wait for it) */
+    if (st == DI_OK && rs->ep && !ran)
+        st = gen_ep_step_end(rs->ep, err);
     if (st == DI_OK && rs->out_st != DI_OK) {
         *err = rs->out_err;
         st = rs->out_st;
@@ -522,6 +529,8 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
                               .on_logits = dump_row, .logits_userdata = g,
                               .on_load = gen_kv_load, .load_userdata = rs->kv};
+    if (rs->ep)
+        gen_ep_wire(rs->ep, &sc, &eo.fwd);
     if ((st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK ||
         (st = setup_varlen(a, rs->ex, seqs, &sc, err)) != DI_OK)
         return st;
@@ -538,6 +547,8 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
         return st;
     }
     for (uint32_t i = 0; i < a->n_prompts; i++) {
+        if (rs->ep && !gen_ep_mine(rs->ep, i))
+            continue; /* another rank's */
         runner_request rq = {.id = i + 1, .prompt = a->prompts[i].ids,
                              .prompt_len = a->prompts[i].n, .max_tokens = max_tokens,
                              .params = a->params, .forced = a->forced.ids,
@@ -562,6 +573,8 @@ di_status gen_run(gen_args *a, di_error *err)
     di_status st = sampling_params_validate(&check, UINT32_MAX, err);
     if (st == DI_OK && a->prefill)
         return gen_remote_run(a, err);
+    if (st == DI_OK && a->ep_ranks > 1)
+        return gen_ep_launch(a, err);
     if (st == DI_OK && a->kvstore && !gen_kv_supported())
         st = gen_kv_open(NULL, NULL, NULL, err); /* says why */
     if (st != DI_OK)
@@ -595,10 +608,19 @@ di_status gen_run(gen_args *a, di_error *err)
         st = di_fail(err, DI_EIO, "%s: %s", a->dump_logits, strerror(errno));
         goto done;
     }
+    if ((a->world || a->ep_ranks) && (st = gen_ep_open(a, &be, rm->w, &rs.ep, err)) != DI_OK)
+        goto done;
     if ((st = setup(a, rm, &be, &g, &rs, err)) != DI_OK)
         goto done;
-    while (engine_has_work(rs.e) && st == DI_OK)
+    for (bool more = true; st == DI_OK;) {
+        if (rs.ep)
+            st = gen_ep_any_work(rs.ep, engine_sched(rs.e), &more, err);
+        else
+            more = engine_has_work(rs.e);
+        if (st != DI_OK || !more)
+            break;
         st = step_once(&rs, err);
+    }
     if (st != DI_OK)
         goto done;
     stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:I}", "load_s", load_s,
@@ -621,9 +643,14 @@ di_status gen_run(gen_args *a, di_error *err)
                     "blocks, %llu window states\n", (unsigned long long)ks.hit_tokens,
                     (unsigned long long)ks.blocks_stored, (unsigned long long)ks.windows_stored);
     }
-    if (a->json)
+    bool print = true;
+    if (rs.ep && (st = gen_ep_gather(rs.ep, g.outs, a->n_prompts,
+                                     sched_get_stats(engine_sched(rs.e)), stats, &print, err)) !=
+                     DI_OK)
+        goto done;
+    if (print && a->json)
         print_json(&g, stats, stdout);
-    else
+    else if (print)
         print_plain(&g, stdout);
     if (!a->quiet)
         fprintf(stderr, "di-generate: prefill %llu tokens in %.2f s (%.0f tokens/s), decode %llu "
@@ -645,6 +672,7 @@ done:
     engine_destroy(rs.e);
     runner_exec_free(rs.ex);
     gen_kv_close(rs.kv);
+    gen_ep_close(rs.ep);
     serve_model_close(&sm);
     serve_backend_close(&be);
     return st;

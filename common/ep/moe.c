@@ -1,0 +1,634 @@
+/* moe.c: dispatch, serve, combine and EPLB of one rank's MoE layers (moe.h). */
+#include "common/ep/moe.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cpu/numfmt.h"
+
+/* A dispatch segment: seg_hdr, then n_pairs pair_rec, then n_pairs rows [n_pairs, dim] bf16.
+ * A combine segment: the served pairs' outputs [n_pairs, dim] bf16, in dispatch order. */
+typedef struct seg_hdr {
+    uint32_t layer;          /* backbone layer of the pairs; UINT32_MAX when there are none */
+    uint32_t n_pairs;
+    uint32_t done;           /* 1: the sender's step has ended */
+    uint32_t pad;
+} seg_hdr;
+
+typedef struct pair_rec {
+    uint32_t slot;           /* local slot on the receiving rank */
+    float weight;            /* routing weight */
+} pair_rec;
+
+/* One part of an expert's weights inside its slot's buffer. */
+enum { PART_W1, PART_W1S, PART_W3, PART_W3S, PART_W2, PART_W2S, PARTS };
+
+/* Growable byte buffer. */
+typedef struct ebuf {
+    uint8_t *p;
+    size_t len, cap;
+} ebuf;
+
+struct ep_moe {
+    ep_group *g;
+    const kern_backend *be;
+    const model_weights *w;
+    uint32_t rank, world;
+    uint32_t E, K, D, inter, L, S;  /* experts, top-k, dim, expert width, layers, slots/rank */
+    float swiglu_limit;
+    size_t part_off[PARTS], part_len[PARTS];
+    size_t blob;                    /* bytes of one expert's weights in a slot */
+    ep_placement *place;            /* [L] */
+    uint8_t **slot_mem;             /* [L * S] this rank's slot buffers */
+    kern_expert *views;             /* [L * S] views into them */
+    uint32_t interval;              /* eplb_interval */
+    uint32_t win_steps;             /* steps in the window so far */
+    uint64_t *window;               /* [interval][L][world * S] pairs served per slot */
+    uint64_t *step_counts;          /* [L][S] pairs this rank's slots served this step */
+    ep_moe_stats stats;
+    /* scratch */
+    ebuf *seg;                      /* [world] dispatch segments being built */
+    ebuf *out;                      /* [world] combine segments being built */
+    ep_buf *send, *recv;            /* [world] */
+    uint32_t *nth, *cnt;            /* [E], [world] */
+    ebuf pairs;                     /* per pair: destination, index there */
+    ebuf served;                    /* ids and weights of a served segment */
+    ebuf shared;                    /* shared expert scratch */
+    ebuf acc;                       /* [dim] double */
+};
+
+static int ebuf_reserve(ebuf *b, size_t need)
+{
+    if (need <= b->cap)
+        return 0;
+    size_t c = b->cap ? b->cap : 4096;
+    while (c < need)
+        c *= 2;
+    uint8_t *n = realloc(b->p, c);
+    if (!n)
+        return -1;
+    b->p = n;
+    b->cap = c;
+    return 0;
+}
+
+static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+/* ---- slot weights ---- */
+
+static const model_tensor *part_tensor(const model_expert_weights *x, int part)
+{
+    return part < PART_W3 ? &x->w1 : part < PART_W2 ? &x->w3 : &x->w2;
+}
+
+static size_t part_bytes(const model_tensor *t, int part)
+{
+    return part % 2 ? model_tensor_scale_bytes(t) : model_tensor_data_bytes(t);
+}
+
+static void set_view(ep_moe *m, uint32_t layer, uint32_t s)
+{
+    uint8_t *b = m->slot_mem[(size_t)layer * m->S + s];
+    kern_expert *v = &m->views[(size_t)layer * m->S + s];
+    v->w1 = b + m->part_off[PART_W1];
+    v->w1_scale = b + m->part_off[PART_W1S];
+    v->w3 = b + m->part_off[PART_W3];
+    v->w3_scale = b + m->part_off[PART_W3S];
+    v->w2 = b + m->part_off[PART_W2];
+    v->w2_scale = b + m->part_off[PART_W2S];
+}
+
+/* Copies expert e of the checkpoint into a new slot buffer. */
+static di_status load_slot(ep_moe *m, uint32_t layer, uint32_t e, uint8_t **out, di_error *err)
+{
+    const model_expert_weights *x = &m->w->layers[layer].ffn.experts[e];
+    uint8_t *b = aligned_alloc(64, m->blob);
+    if (!b)
+        return di_fail(err, DI_ENOMEM, "expert slot of %zu bytes", m->blob);
+    for (int p = 0; p < PARTS; p++) {
+        const model_tensor *t = part_tensor(x, p);
+        const void *src = p % 2 ? (const void *)t->scale : t->data;
+        if (part_bytes(t, p) != m->part_len[p] || !src) {
+            free(b);
+            return di_fail(err, DI_EINVAL, "layer %u expert %u: weights of another shape than "
+                           "expert 0's", layer, e);
+        }
+        memcpy(b + m->part_off[p], src, m->part_len[p]);
+    }
+    *out = b;
+    return DI_OK;
+}
+
+/* ---- create ---- */
+
+di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
+{
+    if (!o || !o->group || !o->be || !o->w || !out)
+        return di_fail(err, DI_EINVAL, "expert parallelism: group, backend and weights are "
+                       "required");
+    if (o->be->device_memory)
+        return di_fail(err, DI_EUNSUPPORTED, "expert parallelism over the CPU exchange needs a "
+                       "host-memory backend; backend %s keeps tensors on the device",
+                       o->be->name);
+    const model_config *c = &o->w->config;
+    if (c->n_routed_experts == 0 || c->n_layers == 0 || !o->w->layers[0].ffn.experts)
+        return di_fail(err, DI_EINVAL, "expert parallelism: the model has no routed experts");
+    if (c->n_activated_experts == 0 || c->n_activated_experts > 64)
+        return di_fail(err, DI_EINVAL, "expert parallelism: top-%u routing (1..64)",
+                       c->n_activated_experts);
+    ep_moe *m = calloc(1, sizeof *m);
+    if (!m)
+        return di_fail(err, DI_ENOMEM, "expert parallelism");
+    m->g = o->group;
+    m->be = o->be;
+    m->w = o->w;
+    m->rank = ep_group_rank(o->group);
+    m->world = ep_group_world(o->group);
+    m->E = c->n_routed_experts;
+    m->K = c->n_activated_experts;
+    m->D = c->dim;
+    m->inter = c->moe_inter_dim;
+    m->L = c->n_layers;
+    m->swiglu_limit = (float)c->swiglu_limit;
+    m->interval = o->eplb_interval;
+    uint32_t R;
+    di_status st = eplb_redundant_count(m->E, o->min_redundant, m->world, &R, err);
+    if (st != DI_OK) {
+        free(m);
+        return st;
+    }
+    m->S = (m->E + R) / m->world;
+    m->stats.slots_per_rank = m->S;
+    m->stats.redundant = R;
+    const model_expert_weights *x0 = &o->w->layers[0].ffn.experts[0];
+    for (int p = 0; p < PARTS; p++) {
+        m->part_off[p] = m->blob;
+        m->part_len[p] = part_bytes(part_tensor(x0, p), p);
+        m->blob += align64(m->part_len[p]);
+    }
+    size_t LS = (size_t)m->L * m->S, W = m->world;
+    m->place = calloc(m->L, sizeof(ep_placement));
+    m->slot_mem = calloc(LS, sizeof(uint8_t *));
+    m->views = calloc(LS, sizeof(kern_expert));
+    m->step_counts = calloc(LS, sizeof(uint64_t));
+    m->window = calloc((size_t)(m->interval ? m->interval : 1) * m->L * W * m->S,
+                       sizeof(uint64_t));
+    m->seg = calloc(W, sizeof(ebuf));
+    m->out = calloc(W, sizeof(ebuf));
+    m->send = calloc(W, sizeof(ep_buf));
+    m->recv = calloc(W, sizeof(ep_buf));
+    m->nth = calloc(m->E, sizeof(uint32_t));
+    m->cnt = calloc(W, sizeof(uint32_t));
+    if (!m->place || !m->slot_mem || !m->views || !m->step_counts || !m->window || !m->seg ||
+        !m->out || !m->send || !m->recv || !m->nth || !m->cnt) {
+        ep_moe_free(m);
+        return di_fail(err, DI_ENOMEM, "expert parallelism tables");
+    }
+    for (uint32_t l = 0; st == DI_OK && l < m->L; l++) {
+        eplb_layout lay;
+        if ((st = eplb_startup_layout(m->E, m->world, m->S, &lay, err)) != DI_OK)
+            break;
+        st = ep_placement_build(&lay, m->E, &m->place[l], err);
+        eplb_layout_free(&lay);
+        for (uint32_t s = 0; st == DI_OK && s < m->S; s++) {
+            uint32_t e = (uint32_t)m->place[l].slot_expert[m->rank * m->S + s];
+            if ((st = load_slot(m, l, e, &m->slot_mem[(size_t)l * m->S + s], err)) == DI_OK)
+                set_view(m, l, s);
+        }
+    }
+    if (st != DI_OK) {
+        ep_moe_free(m);
+        return st;
+    }
+    *out = m;
+    return DI_OK;
+}
+
+void ep_moe_free(ep_moe *m)
+{
+    if (!m)
+        return;
+    for (uint32_t l = 0; m->place && l < m->L; l++)
+        ep_placement_free(&m->place[l]);
+    for (size_t i = 0; m->slot_mem && i < (size_t)m->L * m->S; i++)
+        free(m->slot_mem[i]);
+    for (uint32_t r = 0; r < m->world; r++) {
+        if (m->seg)
+            free(m->seg[r].p);
+        if (m->out)
+            free(m->out[r].p);
+    }
+    free(m->place);
+    free(m->slot_mem);
+    free(m->views);
+    free(m->step_counts);
+    free(m->window);
+    free(m->seg);
+    free(m->out);
+    free(m->send);
+    free(m->recv);
+    free(m->nth);
+    free(m->cnt);
+    free(m->pairs.p);
+    free(m->served.p);
+    free(m->shared.p);
+    free(m->acc.p);
+    free(m);
+}
+
+const ep_moe_stats *ep_moe_get_stats(const ep_moe *m) { return &m->stats; }
+
+const ep_placement *ep_moe_placement(const ep_moe *m, uint32_t layer)
+{
+    return layer < m->L ? &m->place[layer] : NULL;
+}
+
+/* ---- one round ---- */
+
+/* Runs the pairs of one received dispatch segment on this rank's slots; appends their outputs
+ * to m->out[src]. */
+static di_status serve_segment(ep_moe *m, uint32_t src, const seg_hdr *h, const uint8_t *body,
+                               di_error *err)
+{
+    uint32_t n = h->n_pairs;
+    const pair_rec *recs = (const pair_rec *)body;
+    const uint16_t *rows = (const uint16_t *)(body + (size_t)n * sizeof(pair_rec));
+    if (ebuf_reserve(&m->served, (size_t)n * 8) != 0 ||
+        ebuf_reserve(&m->out[src], (size_t)n * m->D * 2) != 0)
+        return di_fail(err, DI_ENOMEM, "serving %u pairs", n);
+    int32_t *ids = (int32_t *)m->served.p;
+    float *wts = (float *)(m->served.p + (size_t)n * 4);
+    for (uint32_t i = 0; i < n; i++) {
+        if (recs[i].slot >= m->S)
+            return di_fail(err, DI_EPROTO, "rank %u sent a pair for slot %u (this rank has %u)",
+                           src, recs[i].slot, m->S);
+        ids[i] = (int32_t)recs[i].slot;
+        wts[i] = recs[i].weight;
+        m->step_counts[(size_t)h->layer * m->S + recs[i].slot]++;
+    }
+    /* the one-rank kernel with one expert a row and no shared expert: y is each pair's
+     * expert output, exactly (bf16 -> double -> bf16) */
+    kern_moe_experts q = {.n_rows = n, .dim = m->D, .inter = m->inter, .shared_inter = 0,
+                          .n_experts = m->S, .top_k = 1, .x = rows, .ids = ids, .weights = wts,
+                          .experts = &m->views[(size_t)h->layer * m->S],
+                          .swiglu_limit = m->swiglu_limit, .y = (uint16_t *)m->out[src].p};
+    di_status st = m->be->ops.moe_experts(m->be->ctx, &q);
+    if (st != DI_OK)
+        return di_fail(err, st, "layer %u: experts of %u pairs from rank %u", h->layer, n, src);
+    m->out[src].len = (size_t)n * m->D * 2;
+    m->stats.pairs_served += n;
+    return DI_OK;
+}
+
+/* Dispatch (m->send, built by the caller), serve, combine. *all_done when every rank's segment
+ * said done (there is no combine then); otherwise m->recv holds each rank's outputs of the
+ * pairs this rank sent it, valid until the next collective. */
+static di_status round_trip(ep_moe *m, bool *all_done, di_error *err)
+{
+    di_status st = ep_group_alltoallv(m->g, m->send, m->recv, err);
+    if (st != DI_OK)
+        return st;
+    m->stats.rounds++;
+    bool done = true;
+    for (uint32_t s = 0; s < m->world; s++) {
+        const ep_buf *b = &m->recv[s];
+        seg_hdr h;
+        if (b->len < sizeof h)
+            return di_fail(err, DI_EPROTO, "rank %u sent a dispatch segment of %llu bytes", s,
+                           (unsigned long long)b->len);
+        memcpy(&h, b->data, sizeof h);
+        if (b->len != sizeof h + (uint64_t)h.n_pairs * (sizeof(pair_rec) + 2ull * m->D) ||
+            (h.n_pairs && h.layer >= m->L))
+            return di_fail(err, DI_EPROTO, "rank %u sent a malformed dispatch segment (layer "
+                           "%u, %u pairs, %llu bytes)", s, h.layer, h.n_pairs,
+                           (unsigned long long)b->len);
+        done &= h.done != 0;
+        m->out[s].len = 0;
+    }
+    *all_done = done;
+    if (done)
+        return DI_OK;
+    for (uint32_t s = 0; s < m->world; s++) {
+        seg_hdr h;
+        memcpy(&h, m->recv[s].data, sizeof h);
+        if (h.n_pairs &&
+            (st = serve_segment(m, s, &h, (const uint8_t *)m->recv[s].data + sizeof h, err)) !=
+                DI_OK)
+            return st;
+    }
+    for (uint32_t s = 0; s < m->world; s++)
+        m->send[s] = (ep_buf){m->out[s].p, m->out[s].len};
+    return ep_group_alltoallv(m->g, m->send, m->recv, err);
+}
+
+/* ---- the layer ---- */
+
+/* The shared expert on the rank's rows: o = W2 swiglu(W1 x, W3 x) with FP8 weights, as the
+ * one-rank kernel computes it. */
+static di_status shared_expert(ep_moe *m, const kern_moe_experts *p, uint16_t **o,
+                               di_error *err)
+{
+    size_t T = p->n_rows, SI = p->shared_inter;
+    if (ebuf_reserve(&m->shared, (T * SI * 3 + T * m->D) * 2) != 0)
+        return di_fail(err, DI_ENOMEM, "shared expert of %zu rows", T);
+    uint16_t *g = (uint16_t *)m->shared.p, *u = g + T * SI, *h = u + T * SI, *y = h + T * SI;
+    const kern_ops *ops = &m->be->ops;
+    kern_linear l = {.m = (uint32_t)T, .n = (uint32_t)SI, .k = m->D, .groups = 1, .x = p->x,
+                     .x_stride = m->D, .w = p->shared.w1, .w_scale = p->shared.w1_scale, .y = g,
+                     .y_stride = SI};
+    di_status st = ops->linear_fp8(m->be->ctx, &l);
+    l.w = p->shared.w3, l.w_scale = p->shared.w3_scale, l.y = u;
+    if (st == DI_OK)
+        st = ops->linear_fp8(m->be->ctx, &l);
+    kern_swiglu sw = {.n_rows = (uint32_t)T, .n = (uint32_t)SI, .g = g, .u = u, .stride = SI,
+                      .w = NULL, .limit = p->swiglu_limit, .h = h};
+    if (st == DI_OK)
+        st = ops->swiglu(m->be->ctx, &sw);
+    kern_linear l2 = {.m = (uint32_t)T, .n = m->D, .k = (uint32_t)SI, .groups = 1, .x = h,
+                      .x_stride = SI, .w = p->shared.w2, .w_scale = p->shared.w2_scale, .y = y,
+                      .y_stride = m->D};
+    if (st == DI_OK)
+        st = ops->linear_fp8(m->be->ctx, &l2);
+    if (st != DI_OK)
+        return di_fail(err, st, "shared expert of %zu rows", T);
+    *o = y;
+    return DI_OK;
+}
+
+di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_error *err)
+{
+    ep_moe *m = ud;
+    if (layer >= m->L || p->top_k != m->K || p->dim != m->D || p->n_experts != m->E ||
+        p->inter != m->inter)
+        return di_fail(err, DI_EINVAL, "expert parallelism: layer %u with %u experts top-%u "
+                       "does not match the model's", layer, p->n_experts, p->top_k);
+    const ep_placement *pl = &m->place[layer];
+    uint32_t T = p->n_rows, K = p->top_k, D = m->D, W = m->world;
+    size_t NP = (size_t)T * K, row_bytes = (size_t)D * 2;
+    if (ebuf_reserve(&m->pairs, NP * 12 + 12) != 0)
+        return di_fail(err, DI_ENOMEM, "%zu pairs", NP);
+    uint32_t *dst = (uint32_t *)m->pairs.p, *idx = dst + NP, *slot = idx + NP;
+    memset(m->nth, 0, m->E * sizeof(uint32_t));
+    memset(m->cnt, 0, W * sizeof(uint32_t));
+    /* where each pair goes: the n-th token of an expert to its copy n mod copies */
+    for (size_t i = 0; i < NP; i++) {
+        int32_t e = p->ids[i];
+        if (e < 0 || (uint32_t)e >= m->E)
+            return di_fail(err, DI_EINVAL, "row %zu routes to expert %d", i / K, e);
+        uint32_t phys = ep_placement_pick(pl, (uint32_t)e, m->nth[e]++);
+        dst[i] = phys / m->S;
+        slot[i] = phys % m->S;
+        idx[i] = m->cnt[dst[i]]++;
+    }
+    for (uint32_t d = 0; d < W; d++) {
+        size_t need = sizeof(seg_hdr) + (size_t)m->cnt[d] * (sizeof(pair_rec) + row_bytes);
+        if (ebuf_reserve(&m->seg[d], need) != 0)
+            return di_fail(err, DI_ENOMEM, "dispatch of %u pairs", m->cnt[d]);
+        seg_hdr h = {.layer = layer, .n_pairs = m->cnt[d], .done = 0};
+        memcpy(m->seg[d].p, &h, sizeof h);
+        m->seg[d].len = need;
+    }
+    /* each segment: the pairs' records, then their rows */
+    for (size_t i = 0; i < NP; i++) {
+        uint8_t *b = m->seg[dst[i]].p + sizeof(seg_hdr);
+        pair_rec r = {.slot = slot[i], .weight = p->weights[i]};
+        memcpy(b + (size_t)idx[i] * sizeof(pair_rec), &r, sizeof r);
+        memcpy(b + (size_t)m->cnt[dst[i]] * sizeof(pair_rec) + (size_t)idx[i] * row_bytes,
+               p->x + (i / K) * D, row_bytes);
+    }
+    for (uint32_t d = 0; d < W; d++)
+        m->send[d] = (ep_buf){m->seg[d].p, m->seg[d].len};
+    m->stats.pairs_sent += NP;
+    bool all_done;
+    di_status st = round_trip(m, &all_done, err);
+    if (st != DI_OK)
+        return st;
+    for (uint32_t d = 0; d < W; d++)
+        if (m->recv[d].len != (uint64_t)m->cnt[d] * row_bytes)
+            return di_fail(err, DI_EPROTO, "rank %u returned %llu bytes for %u pairs", d,
+                           (unsigned long long)m->recv[d].len, m->cnt[d]);
+    uint16_t *sh = NULL;
+    if (T && p->shared_inter && (st = shared_expert(m, p, &sh, err)) != DI_OK)
+        return st;
+    if (ebuf_reserve(&m->acc, (size_t)D * sizeof(double)) != 0)
+        return di_fail(err, DI_ENOMEM, "combine");
+    double *acc = (double *)m->acc.p;
+    /* combine: a row's experts by ascending id, then the shared expert (the one-rank order) */
+    for (uint32_t t = 0; t < T; t++) {
+        uint32_t order[64], n = K;
+        for (uint32_t k = 0; k < n; k++) {
+            uint32_t j = k;
+            while (j > 0 && p->ids[(size_t)t * K + order[j - 1]] > p->ids[(size_t)t * K + k]) {
+                order[j] = order[j - 1];
+                j--;
+            }
+            order[j] = k;
+        }
+        memset(acc, 0, (size_t)D * sizeof(double));
+        for (uint32_t k = 0; k < n; k++) {
+            size_t i = (size_t)t * K + order[k];
+            const uint16_t *o = (const uint16_t *)m->recv[dst[i]].data + (size_t)idx[i] * D;
+            for (uint32_t d = 0; d < D; d++)
+                acc[d] += di_bf16_to_f32(o[d]);
+        }
+        if (sh)
+            for (uint32_t d = 0; d < D; d++)
+                acc[d] += di_bf16_to_f32(sh[(size_t)t * D + d]);
+        for (uint32_t d = 0; d < D; d++)
+            p->y[(size_t)t * D + d] = di_f32_to_bf16((float)acc[d]);
+    }
+    return DI_OK;
+}
+
+/* ---- the end of a step, EPLB ---- */
+
+/* Moves the weights for the layers whose placement changes (next[l].slot_expert != NULL) and
+ * installs the new placements. */
+static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
+{
+    uint32_t W = m->world, S = m->S, me = m->rank;
+    for (uint32_t d = 0; d < W; d++)
+        m->seg[d].len = 0;
+    /* every rank walks the same (layer, rank, slot) order: what it sends, what it gets */
+    for (uint32_t l = 0; l < m->L; l++) {
+        if (!next[l].slot_expert)
+            continue;
+        const ep_placement *old = &m->place[l];
+        for (uint32_t d = 0; d < W; d++)
+            for (uint32_t s = 0; s < S; s++) {
+                int32_t e = next[l].slot_expert[d * S + s];
+                bool held = false;
+                for (uint32_t k = 0; k < S && !held; k++)
+                    held = old->slot_expert[d * S + k] == e;
+                uint32_t src = old->copies[old->copy_start[e]] / S;
+                if (held || src != me)
+                    continue;
+                uint32_t from = old->copies[old->copy_start[e]] % S;
+                if (ebuf_reserve(&m->seg[d], m->seg[d].len + m->blob) != 0)
+                    return di_fail(err, DI_ENOMEM, "expert weights to move");
+                memcpy(m->seg[d].p + m->seg[d].len, m->slot_mem[(size_t)l * S + from], m->blob);
+                m->seg[d].len += m->blob;
+            }
+    }
+    for (uint32_t d = 0; d < W; d++)
+        m->send[d] = (ep_buf){m->seg[d].p, m->seg[d].len};
+    di_status st = ep_group_alltoallv(m->g, m->send, m->recv, err);
+    if (st != DI_OK)
+        return st;
+    uint64_t *got = calloc(W, sizeof(uint64_t));
+    uint8_t **fresh = calloc((size_t)m->L * S, sizeof(uint8_t *));
+    if (!got || !fresh) {
+        free(got);
+        free(fresh);
+        return di_fail(err, DI_ENOMEM, "expert weights to move");
+    }
+    for (uint32_t l = 0; st == DI_OK && l < m->L; l++) {
+        if (!next[l].slot_expert)
+            continue;
+        const ep_placement *old = &m->place[l];
+        for (uint32_t s = 0; st == DI_OK && s < S; s++) {
+            int32_t e = next[l].slot_expert[me * S + s];
+            uint8_t *b = aligned_alloc(64, m->blob);
+            if (!b) {
+                st = di_fail(err, DI_ENOMEM, "expert slot");
+                break;
+            }
+            fresh[(size_t)l * S + s] = b;
+            int32_t local = -1;
+            for (uint32_t k = 0; k < S && local < 0; k++)
+                if (old->slot_expert[me * S + k] == e)
+                    local = (int32_t)k;
+            if (local >= 0) {
+                memcpy(b, m->slot_mem[(size_t)l * S + (uint32_t)local], m->blob);
+                continue;
+            }
+            uint32_t src = old->copies[old->copy_start[e]] / S;
+            if (m->recv[src].len < got[src] + m->blob) {
+                st = di_fail(err, DI_EPROTO, "rank %u sent fewer expert weights than planned",
+                             src);
+                break;
+            }
+            memcpy(b, (const uint8_t *)m->recv[src].data + got[src], m->blob);
+            got[src] += m->blob;
+            m->stats.experts_moved++;
+            m->stats.bytes_moved += m->blob;
+        }
+    }
+    for (uint32_t s = 0; st == DI_OK && s < W; s++)
+        if (got[s] != m->recv[s].len)
+            st = di_fail(err, DI_EPROTO, "rank %u sent more expert weights than planned", s);
+    if (st != DI_OK) {
+        for (size_t i = 0; i < (size_t)m->L * S; i++)
+            free(fresh[i]);
+        free(fresh);
+        free(got);
+        return st;
+    }
+    for (uint32_t l = 0; l < m->L; l++) {
+        if (!next[l].slot_expert)
+            continue;
+        for (uint32_t s = 0; s < S; s++) {
+            free(m->slot_mem[(size_t)l * S + s]);
+            m->slot_mem[(size_t)l * S + s] = fresh[(size_t)l * S + s];
+            set_view(m, l, s);
+        }
+        ep_placement_free(&m->place[l]);
+        m->place[l] = next[l];
+        memset(&next[l], 0, sizeof next[l]);
+    }
+    free(fresh);
+    free(got);
+    return DI_OK;
+}
+
+/* The window's per-slot counts summed over the group, a plan per layer, the guard, the moves. */
+static di_status replan(ep_moe *m, di_error *err)
+{
+    uint32_t PS = m->world * m->S, steps = m->win_steps;
+    size_t n = (size_t)steps * m->L * PS;
+    if (n > UINT32_MAX)
+        return di_fail(err, DI_ERANGE, "EPLB window of %zu counts", n);
+    di_status st = ep_group_allreduce(m->g, EP_REDUCE_SUM, m->window, (uint32_t)n, err);
+    if (st != DI_OK)
+        return st;
+    double *load = malloc((size_t)steps * m->E * sizeof(double));
+    ep_placement *next = calloc(m->L, sizeof(ep_placement));
+    if (!load || !next) {
+        free(load);
+        free(next);
+        return di_fail(err, DI_ENOMEM, "EPLB window");
+    }
+    bool changed = false;
+    for (uint32_t l = 0; st == DI_OK && l < m->L; l++) {
+        const ep_placement *pl = &m->place[l];
+        double total = 0;
+        memset(load, 0, (size_t)steps * m->E * sizeof(double));
+        for (uint32_t t = 0; t < steps; t++)
+            for (uint32_t s = 0; s < PS; s++) {
+                double v = (double)m->window[((size_t)t * m->L + l) * PS + s];
+                load[(size_t)t * m->E + (uint32_t)pl->slot_expert[s]] += v;
+                total += v;
+            }
+        if (total == 0)
+            continue; /* nothing routed in the window: nothing to plan from */
+        eplb_window w = {.load = load, .num_steps = steps, .num_experts = m->E};
+        eplb_layout cur = ep_placement_layout(pl);
+        eplb_decision dec;
+        if ((st = eplb_rebalance(&w, &cur, &dec, err)) != DI_OK)
+            break;
+        if (dec.kept_current) {
+            m->stats.layers_kept++;
+        } else {
+            st = ep_placement_build(&dec.layout, m->E, &next[l], err);
+            m->stats.layers_replanned++;
+            changed = true;
+        }
+        eplb_decision_free(&dec);
+    }
+    if (st == DI_OK && changed) {
+        m->stats.replans++;
+        st = move_weights(m, next, err);
+    }
+    for (uint32_t l = 0; l < m->L; l++)
+        ep_placement_free(&next[l]);
+    free(next);
+    free(load);
+    return st;
+}
+
+di_status ep_moe_step_end(ep_moe *m, di_error *err)
+{
+    for (;;) {
+        seg_hdr h = {.layer = UINT32_MAX, .n_pairs = 0, .done = 1};
+        for (uint32_t d = 0; d < m->world; d++) {
+            if (ebuf_reserve(&m->seg[d], sizeof h) != 0)
+                return di_fail(err, DI_ENOMEM, "exchange");
+            memcpy(m->seg[d].p, &h, sizeof h);
+            m->send[d] = (ep_buf){m->seg[d].p, sizeof h};
+        }
+        bool all_done;
+        di_status st = round_trip(m, &all_done, err);
+        if (st != DI_OK)
+            return st;
+        if (all_done)
+            break;
+        m->stats.serve_rounds++;
+    }
+    /* this step's per-slot counts go to the window at this rank's physical slots */
+    uint32_t PS = m->world * m->S;
+    if (m->interval) {
+        for (uint32_t l = 0; l < m->L; l++)
+            for (uint32_t s = 0; s < m->S; s++)
+                m->window[((size_t)m->win_steps * m->L + l) * PS + m->rank * m->S + s] =
+                    m->step_counts[(size_t)l * m->S + s];
+        m->win_steps++;
+    }
+    memset(m->step_counts, 0, (size_t)m->L * m->S * sizeof(uint64_t));
+    m->stats.steps++;
+    if (!m->interval || m->win_steps < m->interval)
+        return DI_OK;
+    di_status st = replan(m, err);
+    memset(m->window, 0, (size_t)m->interval * m->L * PS * sizeof(uint64_t));
+    m->win_steps = 0;
+    return st;
+}

@@ -1,0 +1,320 @@
+/* Placement and the MoE exchange against the one-rank kernel: the same bytes of y for every row,
+ * with 1 and 2 ranks (processes), redundant copies, an idle rank serving, a re-plan that moves
+ * weights; bad inputs refused. */
+#include <criterion/criterion.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "common/ep/moe.h"
+#include "common/ep/place.h"
+#include "kernels/cpu/backend.h"
+#include "kernels/cpu/numfmt.h"
+
+/* ---- placement ---- */
+
+Test(ep_place, startup_layout_copies_and_the_pick)
+{
+    eplb_layout l;
+    di_error e;
+    cr_assert_eq(eplb_startup_layout(5, 2, 3, &l, &e), DI_OK);
+    ep_placement p;
+    cr_assert_eq(ep_placement_build(&l, 5, &p, &e), DI_OK, "%s", e.msg);
+    /* {e0 e1 e2} {e3 e4 e0}: e0 has slots 0 and 5, the others one each */
+    cr_expect_eq(p.copy_start[1] - p.copy_start[0], 2);
+    cr_expect_eq(ep_placement_pick(&p, 0, 0), 0);
+    cr_expect_eq(ep_placement_pick(&p, 0, 1), 5);
+    cr_expect_eq(ep_placement_pick(&p, 0, 2), 0);
+    cr_expect_eq(ep_placement_pick(&p, 4, 7), 4);
+    cr_expect_eq(ep_placement_pick(&p, 3, 0) / p.slots_per_rank, 1);
+    ep_placement_free(&p);
+    ep_placement_free(&p); /* zeroed: a no-op */
+    l.slot_expert[4] = 0;  /* e4 has no copy now */
+    cr_expect_eq(ep_placement_build(&l, 5, &p, &e), DI_EINVAL);
+    l.slot_expert[4] = 9;  /* no such expert */
+    cr_expect_eq(ep_placement_build(&l, 5, &p, &e), DI_EINVAL);
+    eplb_layout_free(&l);
+}
+
+/* ---- a small MoE model made here ---- */
+
+enum { E = 6, K = 2, D = 64, INTER = 32, LAYERS = 2, TMAX = 17 };
+
+typedef struct fixture {
+    model_weights w;
+    model_layer_weights layers[LAYERS];
+    model_expert_weights experts[LAYERS][E];
+    model_expert_weights shared;
+    void *mem[LAYERS * E * 6 + 6];
+    int n_mem;
+    kern_backend be;
+} fixture;
+
+static uint64_t rng = 88172645463325252ull;
+static uint32_t next_u32(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+
+static void *fill(fixture *f, size_t n, int fp8)
+{
+    uint8_t *b = aligned_alloc(64, (n + 63) & ~(size_t)63);
+    cr_assert_not_null(b);
+    for (size_t i = 0; i < n; i++) {
+        b[i] = (uint8_t)next_u32();
+        if (fp8 && (b[i] & 0x7f) == 0x7f)
+            b[i] ^= 1; /* not a NaN code */
+    }
+    f->mem[f->n_mem++] = b;
+    return b;
+}
+
+static void *scales(fixture *f, size_t n)
+{
+    uint8_t *b = fill(f, n, 0);
+    for (size_t i = 0; i < n; i++)
+        b[i] = (uint8_t)(122 + b[i] % 6); /* 2^-5 .. 2^0 */
+    return b;
+}
+
+static model_tensor tensor(fixture *f, uint64_t rows, uint64_t cols, int fp8)
+{
+    model_tensor t = {.name = "t", .fmt = fp8 ? MODEL_WFMT_FP8_32X32 : MODEL_WFMT_FP4_1X32,
+                      .ndim = 2, .rows = rows, .cols = cols};
+    t.scale_rows = fp8 ? (rows + 31) / 32 : rows;
+    t.scale_cols = (cols + 31) / 32;
+    t.data = fill(f, fp8 ? rows * cols : rows * cols / 2, fp8);
+    t.scale = scales(f, t.scale_rows * t.scale_cols);
+    return t;
+}
+
+static void fixture_init(fixture *f)
+{
+    memset(f, 0, sizeof *f);
+    model_config *c = &f->w.config;
+    c->n_routed_experts = E;
+    c->n_activated_experts = K;
+    c->dim = D;
+    c->moe_inter_dim = INTER;
+    c->n_layers = LAYERS;
+    c->n_shared_experts = 1;
+    c->swiglu_limit = 10.0;
+    f->w.layers = f->layers;
+    for (int l = 0; l < LAYERS; l++) {
+        f->layers[l].ffn.n_experts = E;
+        f->layers[l].ffn.experts = f->experts[l];
+        for (int e = 0; e < E; e++) {
+            f->experts[l][e].w1 = tensor(f, INTER, D, 0);
+            f->experts[l][e].w3 = tensor(f, INTER, D, 0);
+            f->experts[l][e].w2 = tensor(f, D, INTER, 0);
+        }
+    }
+    f->shared.w1 = tensor(f, INTER, D, 1);
+    f->shared.w3 = tensor(f, INTER, D, 1);
+    f->shared.w2 = tensor(f, D, INTER, 1);
+    di_error e;
+    cr_assert_eq(kern_cpu_create(1, &f->be, &e), DI_OK, "%s", e.msg);
+}
+
+static void fixture_free(fixture *f)
+{
+    for (int i = 0; i < f->n_mem; i++)
+        free(f->mem[i]);
+    kern_cpu_destroy(&f->be);
+}
+
+static kern_expert view(const model_expert_weights *x)
+{
+    return (kern_expert){x->w1.data, x->w1.scale, x->w3.data, x->w3.scale, x->w2.data,
+                         x->w2.scale};
+}
+
+/* Inputs of one layer call: rows x, distinct experts per row in gate order (not sorted). */
+typedef struct call {
+    uint16_t x[TMAX * D];
+    int32_t ids[TMAX * K];
+    float wts[TMAX * K];
+    kern_expert experts[E];
+    kern_moe_experts p;
+} call;
+
+static void make_call(const fixture *f, uint32_t layer, uint32_t T, uint64_t seed, call *c,
+                      uint16_t *y)
+{
+    rng = seed * 2654435761u + 1;
+    for (uint32_t i = 0; i < T * D; i++)
+        c->x[i] = di_f32_to_bf16((float)((int)(next_u32() % 2001) - 1000) / 400.0f);
+    for (uint32_t t = 0; t < T; t++) {
+        int32_t a = (int32_t)(next_u32() % E), b = (int32_t)(next_u32() % (E - 1));
+        if (b >= a)
+            b++;
+        if (t % 3 == 0)
+            b = (a + 1) % E; /* hot pair, so redundant copies share tokens */
+        c->ids[t * K] = a;
+        c->ids[t * K + 1] = b;
+        c->wts[t * K] = 0.25f + (float)(next_u32() % 100) / 100.0f;
+        c->wts[t * K + 1] = 0.5f;
+    }
+    for (int e = 0; e < E; e++)
+        c->experts[e] = view(&f->experts[layer][e]);
+    c->p = (kern_moe_experts){.n_rows = T, .dim = D, .inter = INTER, .shared_inter = INTER,
+                              .n_experts = E, .top_k = K, .x = c->x, .ids = c->ids,
+                              .weights = c->wts, .experts = c->experts, .shared = view(&f->shared),
+                              .swiglu_limit = 10.0f, .y = y};
+}
+
+/* ---- one rank ---- */
+
+static ep_group *solo(void)
+{
+    ep_group_options o = {.rank = 0, .world = 1, .token = "a group of one rank only",
+                          .timeout_ms = 1000, .listen_fd = -1};
+    ep_group *g;
+    di_error e;
+    cr_assert_eq(ep_group_join(&o, &g, &e), DI_OK, "%s", e.msg);
+    return g;
+}
+
+Test(ep_moe, one_rank_with_redundant_copies_equals_the_kernel_and_survives_replans)
+{
+    fixture f;
+    fixture_init(&f);
+    ep_group *g = solo();
+    ep_moe *m;
+    di_error e;
+    ep_moe_options o = {.group = g, .be = &f.be, .w = &f.w, .min_redundant = 3,
+                        .eplb_interval = 2};
+    cr_assert_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    cr_expect_eq(ep_moe_get_stats(m)->slots_per_rank, E + 3);
+    static call c;
+    static uint16_t want[TMAX * D], got[TMAX * D];
+    const uint32_t sizes[] = {1, 3, 17, 0, 5, 16};
+    for (int step = 0; step < 6; step++) {
+        for (uint32_t l = 0; l < LAYERS; l++) {
+            make_call(&f, l, sizes[step], (uint64_t)step * 7 + l, &c, want);
+            cr_assert_eq(f.be.ops.moe_experts(f.be.ctx, &c.p), DI_OK);
+            c.p.y = got;
+            memset(got, 0xee, sizeof got);
+            cr_assert_eq(ep_moe_layer(m, l, &c.p, &e), DI_OK, "%s", e.msg);
+            cr_expect_eq(memcmp(got, want, (size_t)sizes[step] * D * 2), 0,
+                         "step %d layer %u: y differs from the one-rank kernel", step, l);
+        }
+        cr_assert_eq(ep_moe_step_end(m, &e), DI_OK, "%s", e.msg);
+    }
+    const ep_moe_stats *s = ep_moe_get_stats(m);
+    cr_expect_eq(s->steps, 6);
+    cr_expect_geq(s->layers_replanned + s->layers_kept, 1, "the re-plan ran");
+    cr_expect_eq(s->experts_moved, 0, "one rank copies locally");
+    cr_expect_eq(s->pairs_sent, s->pairs_served);
+    /* bad calls */
+    make_call(&f, 0, 3, 99, &c, got);
+    c.p.top_k = 1;
+    cr_expect_eq(ep_moe_layer(m, 0, &c.p, &e), DI_EINVAL);
+    c.p.top_k = K;
+    cr_expect_eq(ep_moe_layer(m, LAYERS, &c.p, &e), DI_EINVAL);
+    c.ids[1] = E;
+    cr_expect_eq(ep_moe_layer(m, 0, &c.p, &e), DI_EINVAL);
+    ep_moe_free(m);
+    ep_moe_free(NULL);
+    ep_group_close(g);
+    fixture_free(&f);
+}
+
+Test(ep_moe, refuses_a_device_backend_and_a_model_without_experts)
+{
+    fixture f;
+    fixture_init(&f);
+    ep_group *g = solo();
+    ep_moe *m;
+    di_error e;
+    kern_backend dev = f.be;
+    dev.device_memory = 1;
+    ep_moe_options o = {.group = g, .be = &dev, .w = &f.w};
+    cr_expect_eq(ep_moe_create(&o, &m, &e), DI_EUNSUPPORTED);
+    o.be = &f.be;
+    f.w.config.n_routed_experts = 0;
+    cr_expect_eq(ep_moe_create(&o, &m, &e), DI_EINVAL);
+    ep_group_close(g);
+    fixture_free(&f);
+}
+
+/* ---- two ranks ---- */
+
+/* Rank r's part of step s: rank 0 runs both layers on its rows; rank 1 has rows only in even
+ * steps (an idle rank in odd steps, serving rank 0). Each checks its y against the kernel. */
+static int two_rank_script(ep_group *g)
+{
+    fixture f;
+    fixture_init(&f);
+    uint32_t r = ep_group_rank(g);
+    ep_moe *m;
+    di_error e;
+    ep_moe_options o = {.group = g, .be = &f.be, .w = &f.w, .min_redundant = 2,
+                        .eplb_interval = 2};
+    if (ep_moe_create(&o, &m, &e) != DI_OK)
+        return 10;
+    static call c;
+    static uint16_t want[TMAX * D], got[TMAX * D];
+    int rc = 0;
+    for (int step = 0; step < 6 && !rc; step++) {
+        bool busy = r == 0 || step % 2 == 0;
+        for (uint32_t l = 0; busy && l < LAYERS && !rc; l++) {
+            uint32_t T = r == 0 ? 9 : 4;
+            make_call(&f, l, T, (uint64_t)step * 31 + l * 5 + r, &c, want);
+            if (f.be.ops.moe_experts(f.be.ctx, &c.p) != DI_OK)
+                rc = 11;
+            c.p.y = got;
+            if (!rc && ep_moe_layer(m, l, &c.p, &e) != DI_OK)
+                rc = 12;
+            if (!rc && memcmp(got, want, (size_t)T * D * 2) != 0)
+                rc = 13;
+        }
+        if (!rc && ep_moe_step_end(m, &e) != DI_OK)
+            rc = 14;
+    }
+    const ep_moe_stats *s = ep_moe_get_stats(m);
+    if (!rc && r == 1 && s->serve_rounds == 0)
+        rc = 15; /* the idle rank served rank 0's layers */
+    if (!rc && s->layers_replanned + s->layers_kept == 0)
+        rc = 16;
+    ep_moe_free(m);
+    fixture_free(&f);
+    return rc;
+}
+
+Test(ep_moe, two_processes_equal_the_kernel_with_an_idle_rank_and_replans, .timeout = 60)
+{
+    int lfd;
+    uint16_t port;
+    di_error e;
+    cr_assert_eq(ep_group_listen("127.0.0.1:0", false, &lfd, &port, &e), DI_OK, "%s", e.msg);
+    char addr[64];
+    snprintf(addr, sizeof addr, "127.0.0.1:%u", port);
+    ep_group_options o = {.addr = addr, .listen_fd = -1, .rank = 1, .world = 2,
+                          .token = "the-two-rank-moe-test-token", .timeout_ms = 30000};
+    pid_t pid = fork();
+    cr_assert(pid >= 0);
+    if (pid == 0) {
+        close(lfd);
+        ep_group *g;
+        if (ep_group_join(&o, &g, &e) != DI_OK)
+            _exit(100);
+        int rc = two_rank_script(g);
+        ep_group_close(g);
+        _exit(rc);
+    }
+    o.rank = 0;
+    o.listen_fd = lfd;
+    ep_group *g;
+    cr_assert_eq(ep_group_join(&o, &g, &e), DI_OK, "%s", e.msg);
+    cr_expect_eq(two_rank_script(g), 0);
+    ep_group_close(g);
+    int ws;
+    cr_assert_eq(waitpid(pid, &ws, 0), pid);
+    cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "rank 1 exited %d",
+              WIFEXITED(ws) ? WEXITSTATUS(ws) : -1);
+}
