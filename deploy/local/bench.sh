@@ -55,7 +55,7 @@ while [ $# -gt 0 ]; do
   shift
 done
 out=${out:-$build/bench}
-for b in tools/bench/di-bench tools/generate/di-generate; do
+for b in tools/bench/di-bench tools/generate/di-generate kvstore/di-kvctl; do
   [ -x "$build/$b" ] || fail "$build/$b is not built (meson setup build && ninja -C build)"
 done
 command -v gnuplot >/dev/null || fail "gnuplot is not installed (Debian: gnuplot-nox; deploy/local/install-deps.sh)"
@@ -76,14 +76,26 @@ load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 . "$out/cluster.env"
 host=${router_http#http://}
 
-# sweep NAME SHARED_PREFIX INPUT_LEN: one di-bench sweep into $out/NAME.*
+# lookups: "blocks hits" the store has been asked for and found so far (all callers: the
+# router asks for each prompt's blocks before placing it)
+lookups() {
+  DI_KVSTORE_ADMIN_TOKEN=$(cat "$admin_token_file") "$build/kvstore/di-kvctl" --target "$kvstore" \
+    --json stats | jq -r '"\(.lookup_blocks) \(.lookup_hits)"'
+}
+
+# sweep NAME SHARED_PREFIX INPUT_LEN OUTPUT_LEN: one di-bench sweep into $out/NAME.*, and the
+# store's block lookups during it into $out/NAME.lookups ("blocks hits")
 sweep() {
   echo "$me: $1 prompts ($2 shared + $3 random tokens) at $rates req/s" >&2
+  local b0 h0 b1 h1
+  read -r b0 h0 < <(lookups) || fail "di-kvctl stats failed"
   "$build/tools/bench/di-bench" --host "$host" --api-key-file "$api_key_file" \
     --num-prompts "$n" --sweep "$rates" --arrival poisson --max-concurrency "$conc" \
     --input-len "$3" --shared-prefix-len "$2" --output-len "$4" --seed "$seed" \
     --json "$out/$1.jsonl" --plot "$out/$1.png" >"$out/$1.txt" 2> >(tee "$out/$1.log" >&2) ||
     fail "di-bench ($1) failed; see $out/$1.log"
+  read -r b1 h1 < <(lookups) || fail "di-kvctl stats failed"
+  echo "$((b1 - b0)) $((h1 - h0))" >"$out/$1.lookups"
 }
 sweep shared "$prefix" "$in_len" "$out_len"
 sweep unique 0 $((prefix + in_len)) "$out_len"
@@ -125,6 +137,11 @@ gnuplot "$out/bench.gp" || fail "gnuplot $out/bench.gp failed"
 # The table.
 cpu=$(sed -n 's/^model name[[:space:]]*: //p' /proc/cpuinfo | head -n 1)
 mem=$(awk '/^MemTotal/ { printf "%.0f GiB", $2 / 1048576 }' /proc/meminfo)
+lookup_line() { # name, label: "label: H of B blocks found (P %)"
+  local b h
+  read -r b h <"$out/$1.lookups"
+  awk -v l="$2" -v b="$b" -v h="$h" 'BEGIN { printf "%s %d of %d blocks found (%.1f %%)", l, h, b, b ? 100 * h / b : 0 }'
+}
 rows() { # workload name, file
   jq -r --arg w "$1" '[$w, .request_rate, "\(.completed)/\(.completed + .failed)",
       (.request_throughput * 100 | round / 100), (.output_throughput * 10 | round / 10),
@@ -133,15 +150,17 @@ rows() { # workload name, file
       "\(.prefix_cache_hit_rate * 1000 | round / 10) %"] | "| " + join(" | ") + " |"' "$2"
 }
 {
-  echo "Machine: $cpu, $(nproc) cores, $mem; load average $load_start at the start, $load_end at the end (shared with other work)."
-  echo "Cluster: \`deploy/local/cluster.sh up --prefill $n_prefill --decode $n_decode\` ($model checkpoint, random weights; CPU backend, 1 thread per rank; chunk 512, 16 drafts per decode step; KV store \`--durability none\`)."
-  echo "Load: \`di-bench --num-prompts $n --sweep $rates --arrival poisson --max-concurrency $conc --output-len $out_len --seed $seed\`, with \`--shared-prefix-len $prefix --input-len $in_len\` (shared) and \`--input-len $((prefix + in_len))\` (no sharing)."
-  echo "Reference in the same run, the engine alone (\`di-generate --threads 1\`, the same checkpoint, the $n prompts in one batch): prefill $ref_prefill tokens/s, decode $ref_decode tokens/s."
+  echo "- Machine: $cpu, $(nproc) cores, $mem; load average $load_start at the start, $load_end at the end (shared with other work)."
+  echo "- Cluster: \`deploy/local/cluster.sh up --prefill $n_prefill --decode $n_decode\` ($model checkpoint, random weights; CPU backend, 1 thread per rank; chunk 512, 16 drafts per decode step; KV store \`--durability none\`)."
+  echo "- Load: \`di-bench --num-prompts $n --sweep $rates --arrival poisson --max-concurrency $conc --output-len $out_len --seed $seed\`, with \`--shared-prefix-len $prefix --input-len $in_len\` (shared) and \`--input-len $((prefix + in_len))\` (no sharing)."
+  echo "- Reference in the same run, the engine alone (\`di-generate --threads 1\`, the same checkpoint, the $n prompts in one batch): prefill $ref_prefill tokens/s, decode $ref_decode tokens/s."
   echo
   echo "| workload | rate (req/s) | done | req/s | out tok/s | TTFT median (ms) | TTFT p99 | TPOT median (ms) | TPOT p99 | ITL median (ms) | E2E median (ms) | prefix hit rate |"
   echo "|---|---|---|---|---|---|---|---|---|---|---|---|"
   rows "shared prefix" "$out/shared.jsonl"
   rows "no sharing" "$out/unique.jsonl"
+  echo
+  echo "Prefix hit rate: \`usage.prompt_tokens_details.cached_tokens\` over prompt tokens, as the router reports them. The KV store's block lookups during each sweep (the router asks for each prompt's 128-token blocks before placing it): $(lookup_line shared "shared prefix"), $(lookup_line unique "no sharing")."
 } >"$out/bench.md"
 cat "$out/bench.md"
 echo "$me: wrote $out/bench.md and $out/bench.png" >&2

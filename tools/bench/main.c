@@ -67,7 +67,7 @@ static const svc_opt rows[] = {
     {"shared-prefix-len", SVC_OPT_UINT, offsetof(bench_opts, shared_prefix), "0", 0, 1048576,
      "N", "random prompts start with the same N tokens", NULL},
     {"seed", SVC_OPT_UINT, offsetof(bench_opts, seed), "0", 0, 0, "N",
-     "prompts and arrivals are a function of it", NULL},
+     "prompts and arrivals are a function of it (rate i of --sweep, from 0: seed + i)", NULL},
     {"api-key-file", SVC_OPT_SECRET, offsetof(bench_opts, api_key), NULL, 0, 0, "FILE",
      "bearer token (the file's first line)", "DI_BENCH_API_KEY"},
     {"goodput-ttft", SVC_OPT_DURATION, offsetof(bench_opts, slo_ttft_ms), "0", 0, 0, "DURATION",
@@ -144,11 +144,11 @@ static uint32_t vary(uint64_t len, double ratio, di_rng *rng)
     return v ? v : 1;
 }
 
-/* The request bodies: random token prompts, or the dataset's lines (cycled). */
-static int make_bodies(const bench_opts *o, job *jobs, size_t n)
+/* The request bodies: random token prompts drawn from seed, or the dataset's lines (cycled). */
+static int make_bodies(const bench_opts *o, uint64_t seed, job *jobs, size_t n)
 {
     di_rng rng;
-    di_rng_init(&rng, o->seed);
+    di_rng_init(&rng, seed);
     json_t *lines = json_array();
     if (o->dataset) {
         FILE *f = fopen(o->dataset, "r");
@@ -215,8 +215,8 @@ static void sleep_until(uint64_t t_ns)
     nanosleep(&ts, NULL);
 }
 
-/* One run at one rate; fills rep. Returns 0 or -1. */
-static int run_once(const bench_opts *o, double rate, bst_report *rep)
+/* One run at one rate, prompts and arrivals drawn from seed; fills rep. Returns 0 or -1. */
+static int run_once(const bench_opts *o, double rate, uint64_t seed, bst_report *rep)
 {
     run_ctx rc = {.o = o, .n = o->num_prompts};
     di_error e = {0};
@@ -224,7 +224,7 @@ static int run_once(const bench_opts *o, double rate, bst_report *rep)
         return -1;
     rc.jobs = calloc(rc.n, sizeof *rc.jobs);
     pthread_t *th = calloc(rc.n, sizeof *th);
-    if (!rc.jobs || !th || make_bodies(o, rc.jobs, rc.n) != 0) {
+    if (!rc.jobs || !th || make_bodies(o, seed, rc.jobs, rc.n) != 0) {
         free(rc.jobs);
         free(th);
         return -1;
@@ -233,7 +233,7 @@ static int run_once(const bench_opts *o, double rate, bst_report *rep)
     if (o->max_concurrency)
         sem_init(&rc.slots, 0, (unsigned)o->max_concurrency);
     di_rng rng;
-    di_rng_init(&rng, o->seed ^ 0x5eed);
+    di_rng_init(&rng, seed ^ 0x5eed);
     fprintf(stderr, "di-bench: %zu requests to %s%s at %g req/s (%s), concurrency %llu\n", rc.n,
             o->host, o->endpoint, rate, rate > 0 ? o->arrival : "all at once",
             (unsigned long long)o->max_concurrency);
@@ -421,7 +421,8 @@ int main(int argc, char **argv)
     bst_report reps[64];
     int rc = 0;
     for (size_t i = 0; i < n_rates; i++) {
-        if (run_once(&o, rates[i], &reps[i]) != 0) {
+        /* Each rate its own prompts: a later rate must not find an earlier one's in a cache. */
+        if (run_once(&o, rates[i], o.seed + i, &reps[i]) != 0) {
             fprintf(stderr, "di-bench: the run at %g req/s could not be made\n", rates[i]);
             rc = 1;
             break;
