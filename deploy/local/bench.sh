@@ -39,7 +39,8 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --build) [ -d "${2:-}" ] || usage_fail "--build: '${2:-}' is not a directory"; build=$(cd "$2" && pwd); shift ;;
     --out) out=${2:?--out needs a DIR}; shift ;;
-    --rates) [[ "${2:-}" =~ ^[0-9.]+(,[0-9.]+)*$ ]] || usage_fail "--rates wants rates like 0.5,1,2, not '${2:-}'"
+    --rates) [[ "${2:-}" =~ ^([0-9]+|[0-9]*\.[0-9]+)(,([0-9]+|[0-9]*\.[0-9]+))*$ ]] &&
+               [[ ! ",$2," =~ ,[0.]+, ]] || usage_fail "--rates wants positive rates like 0.5,1,2, not '${2:-}'"
              rates=$2; shift ;;
     --num-prompts) num "$1" "${2:-}" 1 10000; n=$2; shift ;;
     --prefill) num "$1" "${2:-}" 1 16; n_prefill=$2; shift ;;

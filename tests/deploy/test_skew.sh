@@ -95,6 +95,7 @@ usage 'wants numbers of ms' "$cluster" up --prefill 2 --prefill-delay-ms 0,x
 usage 'delays for 1 prefill' "$cluster" up --prefill 1 --prefill-delay-ms 0,100
 usage 'over 10000' "$cluster" up --prefill 2 --prefill-delay-ms 0,20000
 usage 'step-delay-ms' "$build/prefill/di-prefill" --config tiny --kvstore 127.0.0.1:1 --step-delay-ms 10001
+usage 'positive rates' "$root/deploy/local/bench.sh" --rates 1,0
 
 t0=$(date +%s)
 run estimate
