@@ -36,6 +36,7 @@ typedef struct router_opts {
     int no_bos;
     int test_backend;
     uint64_t test_delay_ms;
+    uint64_t test_cached;
     char *grpc_token;
     char *admin_token;
     char *engine_token;
@@ -81,6 +82,9 @@ static const svc_opt rows[] = {
      "TESTING ONLY: answer from an in-process backend of deterministic tokens", NULL},
     {"test-delay", SVC_OPT_DURATION, offsetof(router_opts, test_delay_ms), "0", 0, 60000,
      "DURATION", "with --test-backend: time per token", NULL},
+    {"test-cached", SVC_OPT_UINT, offsetof(router_opts, test_cached), "0", 0, 1048576, "N",
+     "with --test-backend: prompt tokens each request reports as served from the KV store "
+     "(at most its prompt)", NULL},
     {"token-file", SVC_OPT_SECRET, offsetof(router_opts, grpc_token), NULL, 0, 0, "FILE",
      "bearer token gRPC clients of Generate/Abort must present; needed for a non-loopback "
      "--listen", "DI_ROUTER_TOKEN"},
@@ -181,7 +185,7 @@ static di_status router_start(void *app, const svc_ctx *ctx, int *port, di_error
     if (o->test_backend) {
         tb_config tc = {.delay_ms = (uint32_t)o->test_delay_ms, .first_id = 1000,
                         .span = 20000, .eos_id = tok_eos_id(a->tok), .eos_at = -1,
-                        .fail_at = -1};
+                        .fail_at = -1, .cached_tokens = (uint32_t)o->test_cached};
         if ((st = tb_new(&tc, &a->tb, err)) != DI_OK)
             return st;
         be = tb_backend_iface(a->tb);

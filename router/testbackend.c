@@ -79,7 +79,9 @@ static void *run(void *arg)
         }
         r->cb.on_token(r->cb.ud, &t);
     }
-    r->cb.on_finish(r->cb.ud, reason, c->cached_tokens, "test:0", st, msg);
+    uint32_t cached = c->cached_tokens < r->req.n_prompt ? c->cached_tokens
+                                                         : (uint32_t)r->req.n_prompt;
+    r->cb.on_finish(r->cb.ud, reason, cached, "test:0", st, msg);
     pthread_mutex_lock(&b->mu);
     for (tb_req **p = &b->reqs; *p; p = &(*p)->next)
         if (*p == r) {

@@ -20,7 +20,7 @@ typedef struct tb_config {
     int32_t eos_at;          /* output index at which EOS comes (-1: never) */
     int32_t fail_at;         /* output index at which the request fails (-1: never) */
     int refuse;              /* generate fails with DI_EUNAVAIL */
-    uint32_t cached_tokens;  /* reported as served from the store */
+    uint32_t cached_tokens;  /* reported as served from the store (at most the prompt) */
 } tb_config;
 
 typedef struct tb_backend tb_backend;

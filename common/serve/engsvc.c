@@ -2,6 +2,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "common/model/forward.h"
 #include "common/net/decode.pb-c.h"
@@ -513,6 +514,11 @@ static void *engine_main(void *arg)
             uint64_t t0 = di_mono_ns(), p0 = sched_get_stats(engine_sched(s->e))->prefill_tokens;
             uint64_t d0 = sched_get_stats(engine_sched(s->e))->decode_steps;
             di_status st = engine_step(s->e, NULL, &err);
+            if (s->cfg.step_delay_ms) { /* testing only: a slow rank on purpose */
+                struct timespec ds = {(time_t)(s->cfg.step_delay_ms / 1000),
+                                      (long)(s->cfg.step_delay_ms % 1000) * 1000000L};
+                nanosleep(&ds, NULL);
+            }
             if (st == DI_OK && !engine_has_work(s->e))
                 st = engine_flush(s->e, &err);
             uint64_t dt = di_mono_ns() - t0;

@@ -53,6 +53,8 @@ typedef struct engsvc_config {
     uint32_t num_blocks;        /* KV blocks of 128 positions; 0 = 1024 */
     uint32_t max_waiting;       /* queued requests at most; 0 = 256 */
     uint32_t rank, world;       /* for GetLoad */
+    uint32_t step_delay_ms;     /* TESTING ONLY: sleep this long in every engine step (a slow
+                                   rank on purpose); counted in the step's time; 0 = none */
     const di_logger *log;       /* one line per failed request; may be NULL */
 } engsvc_config;
 

@@ -22,6 +22,7 @@ typedef struct eopts {
     uint64_t max_waiting;
     uint64_t rpc_threads;
     uint64_t kvstore_deadline_ms;
+    uint64_t step_delay_ms;  /* testing only */
 } eopts;
 
 #define EROWS(listen_def)                                                                     \
@@ -40,7 +41,9 @@ typedef struct eopts {
     {"rpc-threads", SVC_OPT_UINT, offsetof(eopts, rpc_threads), "4", 1, 64, "N",              \
      "gRPC worker threads", NULL},                                                             \
     {"kvstore-deadline", SVC_OPT_DURATION, offsetof(eopts, kvstore_deadline_ms), "10s", 10,   \
-     600000, "DURATION", "deadline of each store call", NULL}
+     600000, "DURATION", "deadline of each store call", NULL},                                \
+    {"step-delay-ms", SVC_OPT_UINT, offsetof(eopts, step_delay_ms), "0", 0, 10000, "N",       \
+     "TESTING ONLY: sleep N ms in every engine step (a slow rank on purpose)", NULL}
 
 static const svc_opt k_prefill_rows[] = {EROWS("127.0.0.1:9480")};
 static const svc_opt k_decode_rows[] = {EROWS("127.0.0.1:9490")};
@@ -108,7 +111,8 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
                         .chunk = (uint32_t)o->chunk, .max_seqs = (uint32_t)o->max_seqs,
                         .num_blocks = (uint32_t)o->blocks,
                         .max_waiting = (uint32_t)o->max_waiting, .rank = (uint32_t)o->eng.rank,
-                        .world = (uint32_t)o->eng.world, .log = &ctx->log};
+                        .world = (uint32_t)o->eng.world,
+                        .step_delay_ms = (uint32_t)o->step_delay_ms, .log = &ctx->log};
     if ((st = engsvc_create(&ec, &a->svc, err)) != DI_OK)
         return st;
     size_t nm, na;

@@ -3,6 +3,7 @@
 #
 #   deploy/local/cluster.sh up [--config NAME] [--prefill N] [--decode M] [--backend cpu|cuda]
 #                              [--build DIR] [--state DIR] [--router-arg ARG]... [--keep]
+#                              [--prefill-delay-ms LIST]
 #   deploy/local/cluster.sh down STATE [--keep]
 #
 # up writes a random-weight checkpoint of --config (default demo: the DeepSeek tokenizer's
@@ -21,6 +22,9 @@
 # log, stops what it started and removes the state dir (unless --keep), and exits 1.
 # --router-arg passes one more argument to di-router (repeat for more), e.g.
 # --router-arg --policy --router-arg round-robin.
+# --prefill-delay-ms LIST (TESTING ONLY) slows prefill ranks on purpose: the i-th number of the
+# comma-separated LIST (0..10000, at most one per rank; missing ones are 0) is rank i's
+# --step-delay-ms, a sleep in every engine step (e.g. --prefill 2 --prefill-delay-ms 0,1500).
 # down stops every process up started (SIGTERM, SIGKILL after 30 s; only pids recorded in
 # STATE/pids that still run a program of this cluster) and removes STATE unless --keep.
 # Exit status: 0 done, 1 a failure, 2 bad usage.
@@ -92,7 +96,7 @@ cmd_down() {
 # ------------------------------------------------------------------------------------------ up
 cmd_up() {
   local config=demo n_prefill=1 n_decode=1 backend=cpu build=$root/build state='' keep=0
-  local router_args=()
+  local router_args=() prefill_delays=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --config) config=${2:?--config needs a NAME}; shift ;;
@@ -104,6 +108,10 @@ cmd_up() {
       --build) [ -d "${2:-}" ] || usage_fail "--build: '${2:-}' is not a directory"; build=$(cd "$2" && pwd); shift ;;
       --state) state=${2:?--state needs a DIR}; shift ;;
       --router-arg) router_args+=("${2:?--router-arg needs an ARG}"); shift ;;
+      --prefill-delay-ms)
+        [[ "${2:-}" =~ ^[0-9]{1,5}(,[0-9]{1,5})*$ ]] ||
+          usage_fail "--prefill-delay-ms wants numbers of ms like 0,1500, not '${2:-}'"
+        IFS=, read -r -a prefill_delays <<<"$2"; shift ;;
       --keep) keep=1 ;;
       -h|--help) help; exit 0 ;;
       *) usage_fail "up: unknown option $1 (see --help)" ;;
@@ -111,6 +119,12 @@ cmd_up() {
     shift
   done
   [[ "$config" =~ ^[A-Za-z0-9._-]+$ ]] || usage_fail "--config: '$config' is not a config name"
+  [ "${#prefill_delays[@]}" -le "$n_prefill" ] ||
+    usage_fail "--prefill-delay-ms: ${#prefill_delays[@]} delays for $n_prefill prefill rank(s)"
+  local d
+  for d in ${prefill_delays[@]+"${prefill_delays[@]}"}; do
+    [ "$((10#$d))" -le 10000 ] || usage_fail "--prefill-delay-ms: $d is over 10000 ms"
+  done
   for b in kvstore/di-kvstore kvstore/di-kvctl prefill/di-prefill decode/di-decode \
            router/di-router tools/mkmodel/di-mkmodel; do
     [ -x "$build/$b" ] || fail "$build/$b is not built (meson setup build && ninja -C build; missing libraries: deploy/local/install-deps.sh)"
@@ -187,13 +201,17 @@ cmd_up() {
   kv=127.0.0.1:$(cat "$state/kvstore.port")
 
   local i rank_flags=() threads=1
-  engine() { # role, index, world
+  engine() { # role, index, world, extra args...
     start "$1$2" "$1/di-$1" --listen 127.0.0.1:0 --port-file "$state/$1$2.port" --drain 10s \
       --rank "$2" --world "$3" --model "$state/model" --backend "$backend" --threads "$threads" \
       --kvstore "$kv" --kvstore-token-file "$state/engine.token" \
-      --token-file "$state/engine.token" --log-level warn
+      --token-file "$state/engine.token" --log-level warn "${@:4}"
   }
-  for ((i = 0; i < n_prefill; i++)); do engine prefill "$i" "$n_prefill"; done
+  for ((i = 0; i < n_prefill; i++)); do
+    d=$((10#${prefill_delays[i]:-0}))
+    if [ "$d" -gt 0 ]; then engine prefill "$i" "$n_prefill" --step-delay-ms "$d"
+    else engine prefill "$i" "$n_prefill"; fi
+  done
   for ((i = 0; i < n_decode; i++)); do engine decode "$i" "$n_decode"; done
   for ((i = 0; i < n_prefill; i++)); do
     wait_port "prefill$i" 120; rank_flags+=(--prefill "127.0.0.1:$(cat "$state/prefill$i.port")")

@@ -16,7 +16,7 @@ packages=(
   libgrpc-dev libprotobuf-c-dev protobuf-c-compiler
   libucx-dev ucx-utils librocksdb-dev libmicrohttpd-dev
   libcriterion-dev python3 python3-numpy redis-server
-  curl jq iproute2
+  curl jq iproute2 gnuplot-nox
 )
 command -v node >/dev/null 2>&1 || packages+=(nodejs)
 command -v npm >/dev/null 2>&1 || packages+=(npm)

@@ -133,7 +133,9 @@ services=1
 for s in prefill decode; do [ -x "$build/$s/di-$s" ] || services=0; done
 # until the router's prefill/decode client lands it serves only its test backend
 router_ranks=1
-"$build/router/di-router" --help 2>&1 | grep -q 'client is not built yet' && router_ranks=0
+# read whole (grep -q on the pipe would end di-router with SIGPIPE, a failure under pipefail)
+router_help=$("$build/router/di-router" --help 2>&1 || true)
+grep -q 'client is not built yet' <<<"$router_help" && router_ranks=0
 rank_flags=()
 if [ "$services" = 1 ]; then
   start_engine() { # host, role, port, rank, world
@@ -153,7 +155,7 @@ fi
 if [ "$services" = 1 ] && [ "$router_ranks" = 1 ]; then
   rank_flags=(--prefill "$net.2:9480" --prefill "$net.3:9480" --decode "$net.4:9490")
   # the token the ranks (and the store) want from the router
-  if "$build/router/di-router" --help 2>&1 | grep -q -- '--engine-token-file'; then
+  if grep -q -- '--engine-token-file' <<<"$router_help"; then
     rank_flags+=(--engine-token-file "$work/secrets/engine.token")
   fi
   backend=()

@@ -85,6 +85,8 @@ static void on_event(sse_state *s, const char *data, size_t n)
     if (json_is_object(u)) {
         s->r->out_tok = (uint32_t)json_integer_value(json_object_get(u, "completion_tokens"));
         s->r->in_tok = (uint32_t)json_integer_value(json_object_get(u, "prompt_tokens"));
+        s->r->cached_tok = (uint32_t)json_integer_value(
+            json_object_get(json_object_get(u, "prompt_tokens_details"), "cached_tokens"));
     }
     json_decref(o);
 }
@@ -191,6 +193,8 @@ void bcl_run(const char *host, int port, const char *path, const char *token, co
     out->e2e_s = (double)(di_mono_ns() - s.t0) * 1e-9;
     if (!out->out_tok)
         out->out_tok = s.events;
+    if (s.events == 0) /* no text came (e.g. one token of no text): the first token is the end */
+        out->ttft_s = out->e2e_s;
     if (out->status != 200 && !out->err[0])
         snprintf(out->err, sizeof out->err, "HTTP %d: %.100s", out->status,
                  sse.p ? sse.p : "");

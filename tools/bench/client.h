@@ -9,10 +9,11 @@
 typedef struct bcl_result {
     int ok;             /* 1: status 200, no error event, [DONE] seen */
     int status;         /* HTTP status, 0 when none came */
-    double ttft_s;      /* send -> first non-empty text event */
+    double ttft_s;      /* send -> first non-empty text event (the end when none came) */
     double e2e_s;       /* send -> end */
     uint32_t out_tok;   /* usage.completion_tokens, else the text events */
     uint32_t in_tok;    /* usage.prompt_tokens */
+    uint32_t cached_tok; /* usage.prompt_tokens_details.cached_tokens (0 when absent) */
     double *gaps;       /* seconds between text events (malloc'd), n_gaps of them */
     size_t n_gaps;
     char err[160];      /* why it failed */

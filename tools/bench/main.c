@@ -10,13 +10,18 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <spawn.h>
+#include <sys/wait.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "common/service/options.h"
 #include "common/util/clock.h"
 #include "common/util/philox.h"
 #include "tools/bench/client.h"
 #include "tools/bench/stats.h"
+
+extern char **environ;
 
 typedef struct bench_opts {
     const char *host;
@@ -62,7 +67,7 @@ static const svc_opt rows[] = {
     {"shared-prefix-len", SVC_OPT_UINT, offsetof(bench_opts, shared_prefix), "0", 0, 1048576,
      "N", "random prompts start with the same N tokens", NULL},
     {"seed", SVC_OPT_UINT, offsetof(bench_opts, seed), "0", 0, 0, "N",
-     "prompts and arrivals are a function of it", NULL},
+     "prompts and arrivals are a function of it (rate i of --sweep, from 0: seed + i)", NULL},
     {"api-key-file", SVC_OPT_SECRET, offsetof(bench_opts, api_key), NULL, 0, 0, "FILE",
      "bearer token (the file's first line)", "DI_BENCH_API_KEY"},
     {"goodput-ttft", SVC_OPT_DURATION, offsetof(bench_opts, slo_ttft_ms), "0", 0, 0, "DURATION",
@@ -113,7 +118,7 @@ static void *worker(void *arg)
     bcl_result r;
     bcl_run(rc->host, rc->port, rc->o->endpoint, rc->o->api_key, j->body,
             (double)rc->o->timeout_ms / 1e3, &r);
-    j->res = (bst_req){r.ok, r.ttft_s, r.e2e_s, r.in_tok, r.out_tok};
+    j->res = (bst_req){r.ok, r.ttft_s, r.e2e_s, r.in_tok, r.out_tok, r.cached_tok};
     j->gaps = r.gaps;
     j->n_gaps = r.n_gaps;
     pthread_mutex_lock(&rc->mu);
@@ -139,11 +144,11 @@ static uint32_t vary(uint64_t len, double ratio, di_rng *rng)
     return v ? v : 1;
 }
 
-/* The request bodies: random token prompts, or the dataset's lines (cycled). */
-static int make_bodies(const bench_opts *o, job *jobs, size_t n)
+/* The request bodies: random token prompts drawn from seed, or the dataset's lines (cycled). */
+static int make_bodies(const bench_opts *o, uint64_t seed, job *jobs, size_t n)
 {
     di_rng rng;
-    di_rng_init(&rng, o->seed);
+    di_rng_init(&rng, seed);
     json_t *lines = json_array();
     if (o->dataset) {
         FILE *f = fopen(o->dataset, "r");
@@ -210,8 +215,8 @@ static void sleep_until(uint64_t t_ns)
     nanosleep(&ts, NULL);
 }
 
-/* One run at one rate; fills rep. Returns 0 or -1. */
-static int run_once(const bench_opts *o, double rate, bst_report *rep)
+/* One run at one rate, prompts and arrivals drawn from seed; fills rep. Returns 0 or -1. */
+static int run_once(const bench_opts *o, double rate, uint64_t seed, bst_report *rep)
 {
     run_ctx rc = {.o = o, .n = o->num_prompts};
     di_error e = {0};
@@ -219,7 +224,7 @@ static int run_once(const bench_opts *o, double rate, bst_report *rep)
         return -1;
     rc.jobs = calloc(rc.n, sizeof *rc.jobs);
     pthread_t *th = calloc(rc.n, sizeof *th);
-    if (!rc.jobs || !th || make_bodies(o, rc.jobs, rc.n) != 0) {
+    if (!rc.jobs || !th || make_bodies(o, seed, rc.jobs, rc.n) != 0) {
         free(rc.jobs);
         free(th);
         return -1;
@@ -228,7 +233,7 @@ static int run_once(const bench_opts *o, double rate, bst_report *rep)
     if (o->max_concurrency)
         sem_init(&rc.slots, 0, (unsigned)o->max_concurrency);
     di_rng rng;
-    di_rng_init(&rng, o->seed ^ 0x5eed);
+    di_rng_init(&rng, seed ^ 0x5eed);
     fprintf(stderr, "di-bench: %zu requests to %s%s at %g req/s (%s), concurrency %llu\n", rc.n,
             o->host, o->endpoint, rate, rate > 0 ? o->arrival : "all at once",
             (unsigned long long)o->max_concurrency);
@@ -282,37 +287,68 @@ static int run_once(const bench_opts *o, double rate, bst_report *rep)
     return rcode;
 }
 
+/* Whether gnuplot is an executable file on $PATH. */
+static int have_gnuplot(void)
+{
+    const char *path = getenv("PATH");
+    if (!path || !*path)
+        return 0;
+    char dir[4096];
+    while (*path) {
+        size_t n = strcspn(path, ":");
+        if (n > 0 && n < sizeof dir - 16) {
+            snprintf(dir, sizeof dir, "%.*s/gnuplot", (int)n, path);
+            if (access(dir, X_OK) == 0)
+                return 1;
+        }
+        path += n;
+        if (*path == ':')
+            path++;
+    }
+    return 0;
+}
+
+/* Draws the sweep: FILE.png.dat (the figures), FILE.png.gp (the script) and FILE.png, by
+ * gnuplot run without a shell. */
 static int plot(const bench_opts *o, const double *rates, const bst_report *reps, size_t n)
 {
     char dat[4096], gp[4096];
     snprintf(dat, sizeof dat, "%s.dat", o->plot);
     snprintf(gp, sizeof gp, "%s.gp", o->plot);
     FILE *f = fopen(dat, "w");
-    if (!f)
+    if (!f) {
+        fprintf(stderr, "di-bench: --plot: cannot write %s\n", dat);
         return -1;
-    fprintf(f, "# rate median_ttft_ms p99_ttft_ms median_tpot_ms p99_tpot_ms median_e2e_ms\n");
+    }
+    fprintf(f, "# rate median_ttft_ms p99_ttft_ms median_tpot_ms p99_tpot_ms median_e2e_ms "
+               "hit_rate\n");
     for (size_t i = 0; i < n; i++)
-        fprintf(f, "%g %g %g %g %g %g\n", rates[i], reps[i].ttft.median * 1e3,
+        fprintf(f, "%g %g %g %g %g %g %g\n", rates[i], reps[i].ttft.median * 1e3,
                 reps[i].ttft.p99 * 1e3, reps[i].tpot.median * 1e3, reps[i].tpot.p99 * 1e3,
-                reps[i].e2e.median * 1e3);
-    fclose(f);
-    if (!(f = fopen(gp, "w")))
+                reps[i].e2e.median * 1e3, reps[i].hit_rate);
+    if (fclose(f) != 0 || !(f = fopen(gp, "w"))) {
+        fprintf(stderr, "di-bench: --plot: cannot write %s\n", gp);
         return -1;
+    }
     fprintf(f, "set terminal pngcairo size 900,600\nset output '%s'\n"
                "set xlabel 'request rate (req/s)'\nset ylabel 'latency (ms)'\nset logscale y\n"
                "set key top left\nset grid\n"
                "plot '%s' u 1:2 w lp t 'median TTFT', '' u 1:3 w lp t 'p99 TTFT', "
                "'' u 1:4 w lp t 'median TPOT', '' u 1:5 w lp t 'p99 TPOT'\n",
             o->plot, dat);
-    fclose(f);
-    char cmd[8300];
-    snprintf(cmd, sizeof cmd, "command -v gnuplot >/dev/null 2>&1 && gnuplot '%s'", gp);
-    if (system(cmd) != 0) {
-        fprintf(stderr, "di-bench: --plot: gnuplot is not installed or failed (Debian: "
-                        "gnuplot-nox); the data is in %s and the script in %s\n", dat, gp);
+    if (fclose(f) != 0) {
+        fprintf(stderr, "di-bench: --plot: cannot write %s\n", gp);
         return -1;
     }
-    fprintf(stderr, "di-bench: plot written to %s\n", o->plot);
+    char *argv[] = {"gnuplot", gp, NULL};
+    pid_t pid;
+    int status = 0;
+    if (posix_spawnp(&pid, "gnuplot", NULL, NULL, argv, environ) != 0 ||
+        waitpid(pid, &status, 0) != pid || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+        fprintf(stderr, "di-bench: --plot: gnuplot %s failed; the data is in %s\n", gp, dat);
+        return -1;
+    }
+    fprintf(stderr, "di-bench: plot written to %s (data %s)\n", o->plot, dat);
     return 0;
 }
 
@@ -362,6 +398,20 @@ int main(int argc, char **argv)
         }
         rates[n_rates++] = o.rate;
     }
+    if (o.plot) { /* before any request: a sweep is long to lose at the end */
+        if (strpbrk(o.plot, "'\n")) {
+            fprintf(stderr, "di-bench: --plot: a path with a quote or a newline is not "
+                            "taken\n");
+            svc_opts_free(rows, N_ROWS, &o);
+            return 2;
+        }
+        if (!have_gnuplot()) {
+            fprintf(stderr, "di-bench: --plot needs gnuplot, which is not on PATH (Debian: "
+                            "apt-get install gnuplot-nox)\n");
+            svc_opts_free(rows, N_ROWS, &o);
+            return 1;
+        }
+    }
     FILE *js = o.json_out ? fopen(o.json_out, "w") : NULL;
     if (o.json_out && !js) {
         fprintf(stderr, "di-bench: --json %s: cannot write\n", o.json_out);
@@ -371,7 +421,8 @@ int main(int argc, char **argv)
     bst_report reps[64];
     int rc = 0;
     for (size_t i = 0; i < n_rates; i++) {
-        if (run_once(&o, rates[i], &reps[i]) != 0) {
+        /* Each rate its own prompts: a later rate must not find an earlier one's in a cache. */
+        if (run_once(&o, rates[i], o.seed + i, &reps[i]) != 0) {
             fprintf(stderr, "di-bench: the run at %g req/s could not be made\n", rates[i]);
             rc = 1;
             break;

@@ -58,6 +58,7 @@ int bst_report_of(const bst_req *reqs, size_t n, double *itl, size_t n_itl, doub
         r.completed++;
         r.in_tokens += q->in_tok;
         r.out_tokens += q->out_tok;
+        r.cached_tokens += q->cached_tok < q->in_tok ? q->cached_tok : q->in_tok;
         double tp = 0;
         if (q->out_tok > 1)
             tpot[nt++] = tp = (q->e2e_s - q->ttft_s) / (q->out_tok - 1);
@@ -69,6 +70,7 @@ int bst_report_of(const bst_req *reqs, size_t n, double *itl, size_t n_itl, doub
     bst_dist_of(tpot, nt, &r.tpot);
     bst_dist_of(e2e, r.completed, &r.e2e);
     bst_dist_of(itl, n_itl, &r.itl);
+    r.hit_rate = r.in_tokens ? (double)r.cached_tokens / (double)r.in_tokens : 0;
     if (duration_s > 0) {
         r.req_per_s = (double)r.completed / duration_s;
         r.out_tok_per_s = (double)r.out_tokens / duration_s;
@@ -87,11 +89,14 @@ void bst_print_table(FILE *f, const bst_report *r, const char *title)
     fprintf(f, "%-34s%12zu\n", "Failed requests:", r->failed);
     fprintf(f, "%-34s%12.2f\n", "Benchmark duration (s):", r->duration_s);
     fprintf(f, "%-34s%12llu\n", "Total input tokens:", (unsigned long long)r->in_tokens);
+    fprintf(f, "%-34s%12llu\n", "Total cached prompt tokens:",
+            (unsigned long long)r->cached_tokens);
     fprintf(f, "%-34s%12llu\n", "Total generated tokens:", (unsigned long long)r->out_tokens);
     fprintf(f, "%-34s%12.2f\n", "Request throughput (req/s):", r->req_per_s);
     fprintf(f, "%-34s%12.2f\n", "Request goodput (req/s):", r->goodput_req_per_s);
     fprintf(f, "%-34s%12.2f\n", "Output token throughput (tok/s):", r->out_tok_per_s);
     fprintf(f, "%-34s%12.2f\n", "Total token throughput (tok/s):", r->total_tok_per_s);
+    fprintf(f, "%-34s%12.2f\n", "Prefix cache hit rate (%):", r->hit_rate * 100);
     const struct {
         const char *name;
         const bst_dist *d;
@@ -120,10 +125,12 @@ void bst_print_json(FILE *f, const bst_report *r, double rate)
 {
     fprintf(f, "{\"request_rate\":%.6g,\"completed\":%zu,\"failed\":%zu,\"duration_s\":%.6g,"
                "\"total_input_tokens\":%llu,\"total_output_tokens\":%llu,"
+               "\"total_cached_tokens\":%llu,\"prefix_cache_hit_rate\":%.6g,"
                "\"request_throughput\":%.6g,\"request_goodput\":%.6g,"
                "\"output_throughput\":%.6g,\"total_token_throughput\":%.6g",
             rate, r->completed, r->failed, r->duration_s, (unsigned long long)r->in_tokens,
-            (unsigned long long)r->out_tokens, r->req_per_s, r->goodput_req_per_s,
+            (unsigned long long)r->out_tokens, (unsigned long long)r->cached_tokens, r->hit_rate,
+            r->req_per_s, r->goodput_req_per_s,
             r->out_tok_per_s, r->total_tok_per_s);
     dist_json(f, "ttft", &r->ttft);
     dist_json(f, "tpot", &r->tpot);

@@ -3,7 +3,9 @@
  * Per request: TTFT (request sent to first text), E2E (sent to the end), TPOT = (E2E - TTFT) /
  * (output tokens - 1) for requests with at least 2 output tokens, and every gap between two
  * text events (ITL). Percentiles use linear interpolation between closest ranks (numpy's
- * default). Goodput counts requests that met every SLO given (a 0 SLO is not checked).
+ * default). Goodput counts requests that met every SLO given (a 0 SLO is not checked). The
+ * prefix-cache hit rate is the completed requests' cached prompt tokens (the router's
+ * usage.prompt_tokens_details.cached_tokens) over their prompt tokens.
  */
 #ifndef DI_BENCH_STATS_H
 #define DI_BENCH_STATS_H
@@ -18,6 +20,7 @@ typedef struct bst_req {
     double e2e_s;      /* sent -> end */
     uint32_t in_tok;   /* prompt tokens */
     uint32_t out_tok;  /* output tokens (usage, else text events) */
+    uint32_t cached_tok; /* prompt tokens served from the KV store (usage) */
 } bst_req;
 
 typedef struct bst_dist {
@@ -33,6 +36,8 @@ typedef struct bst_report {
     size_t completed, failed;
     double duration_s;        /* first send to last end */
     uint64_t in_tokens, out_tokens;
+    uint64_t cached_tokens;   /* of in_tokens, served from the KV store */
+    double hit_rate;          /* cached_tokens / in_tokens; 0 when no prompt token */
     double req_per_s, out_tok_per_s, total_tok_per_s;
     double goodput_req_per_s; /* requests meeting every SLO, per second */
     bst_dist ttft, tpot, itl, e2e; /* seconds */
