@@ -104,6 +104,7 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
     }
     engsvc_config ec = {.kind = a->kind, .rm = &a->sm.rm, .be = &a->be,
                         .model_name = a->model_name, .kv = a->kv,
+                        .kv_target = o->eng.kvstore,
                         .nextn = o->nextn == 16 ? UINT32_MAX : (uint32_t)o->nextn,
                         .chunk = (uint32_t)o->chunk, .max_seqs = (uint32_t)o->max_seqs,
                         .num_blocks = (uint32_t)o->blocks,

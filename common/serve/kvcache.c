@@ -273,7 +273,8 @@ di_status kvcache_create(const kvcache_options *o, const kv_geometry *g, kvcache
     k->window_bytes = kv_window_state_bytes(g);
     xfer_config xc = {.store = {.ctx = k, .call = run_job}, .max_jobs = ko->max_jobs,
                       .max_attempts = ko->max_attempts, .backoff_ns = ko->backoff_ns,
-                      .max_backoff_ns = ko->max_backoff_ns};
+                      .max_backoff_ns = ko->max_backoff_ns, .on_done = ko->notify,
+                      .on_done_ud = ko->notify_ud};
     di_status st = xfer_create(&xc, &k->x, err);
     if (st != DI_OK) {
         free(k);

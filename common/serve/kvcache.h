@@ -77,6 +77,8 @@ typedef struct kvcache_options {
     uint64_t max_backoff_ns;   /* longest back-off; 0 = 2 s */
     uint64_t warn_interval_ns; /* at most one warning line per interval; 0 = 10 s */
     const di_logger *log;      /* warnings (WARN) and per-request lines (INFO); may be NULL */
+    void (*notify)(void *ud);  /* optional: a job finished (transfer thread; poll soon) */
+    void *notify_ud;
 } kvcache_options;
 
 typedef enum kvcache_event_kind {

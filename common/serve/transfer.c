@@ -112,6 +112,11 @@ static void skip_no_wait(xfer *x)
     x->queue = keep;
     if (any)
         pthread_cond_broadcast(&x->idle);
+    if (any && x->cfg.on_done) {
+        pthread_mutex_unlock(&x->mu);
+        x->cfg.on_done(x->cfg.on_done_ud);
+        pthread_mutex_lock(&x->mu);
+    }
 }
 
 static void *thread_main(void *arg)
@@ -154,6 +159,13 @@ static void *thread_main(void *arg)
             after_failure(x, j);
         }
         pthread_cond_broadcast(&x->idle);
+        if (x->cfg.on_done && st != DI_OK && j->d.attempts < j->max_attempts)
+            continue; /* queued again: nothing finished */
+        if (x->cfg.on_done) {
+            pthread_mutex_unlock(&x->mu);
+            x->cfg.on_done(x->cfg.on_done_ud);
+            pthread_mutex_lock(&x->mu);
+        }
     }
     pthread_mutex_unlock(&x->mu);
     return NULL;

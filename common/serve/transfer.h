@@ -56,6 +56,10 @@ typedef struct xfer_config {
     uint32_t max_attempts;     /* calls per job before it fails; >= 1 */
     uint64_t backoff_ns;       /* first back-off after a failed call; > 0 */
     uint64_t max_backoff_ns;   /* the longest back-off; >= backoff_ns */
+    void (*on_done)(void *ud); /* optional: called by the transfer thread (no lock held) after
+                                  a job finished, so that the engine thread need not poll on a
+                                  timer; it must not call into the xfer */
+    void *on_done_ud;
 } xfer_config;
 
 /* A finished job. */
