@@ -217,7 +217,8 @@ static void admit(engsvc *s, sreq *r)
     pthread_mutex_unlock(&s->mu);
     if (s->cfg.kind == ENGSVC_PREFILL) {
         r->loading = true;
-        st = kvcache_admit(s->kc, r->id, r->prompt, r->prompt_len, r->max_tokens, r, &err);
+        st = kvcache_admit(s->kc, r->id, r->prompt, r->prompt_len, 1, r, &err); /* no
+                                                                    response is stored here */
         r->loading = st == DI_OK;
     } else {
         st = engsvc_pull_submit(s, r, &err);
@@ -333,6 +334,9 @@ static void *engine_main(void *arg)
                 engsvc_take_events(s);
                 reap_cancels(s, true);
             }
+            /* the deletes and stores still out: finished (or given their deadlines) */
+            (void)kvcache_wait(s->kc, 10000000000ull, &err);
+            engsvc_take_events(s);
             publish_load(s);
             return NULL;
         }
