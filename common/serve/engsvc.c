@@ -217,8 +217,8 @@ static void admit(engsvc *s, sreq *r)
     pthread_mutex_unlock(&s->mu);
     if (s->cfg.kind == ENGSVC_PREFILL) {
         r->loading = true;
-        st = kvcache_admit(s->kc, r->id, r->prompt, r->prompt_len, 1, r, &err); /* no
-                                                                    response is stored here */
+        /* max_tokens 1: a PROMPT engine stores no response */
+        st = kvcache_admit(s->kc, r->id, r->prompt, r->prompt_len, 1, r, &err);
         r->loading = st == DI_OK;
     } else {
         st = engsvc_pull_submit(s, r, &err);
