@@ -493,7 +493,8 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
          * while the ring still holds it (kvcache.h) */
         if (cfg->kind == ENGSVC_PREFILL)
             sc.max_chunk_tokens = s->g.block_tokens;
-        kvcache_options ko = {.client = cfg->kv, .target = cfg->kv_target,
+        kvcache_options ko = {.client = cfg->kv, .load_client = cfg->kv_load,
+                              .target = cfg->kv_target,
                               .always_compute = eo.fwd.keep_tokens > s->g.ring_positions
                                                     ? eo.fwd.keep_tokens : s->g.ring_positions,
                               .store_prompt = cfg->kind == ENGSVC_PREFILL,

@@ -53,6 +53,8 @@ typedef struct engsvc_config {
     const kern_backend *be;     /* borrowed */
     const char *model_name;     /* for Health ("tiny") */
     kvc_client *kv;             /* the store (required); borrowed; used by the transfer thread */
+    kvc_client *kv_load;        /* optional, borrowed: a second client for loads (prefix hits,
+                                   handoff pulls) on a thread of their own; NULL: one thread */
     const char *kv_target;      /* its HOST:PORT for log lines; may be NULL */
     uint64_t kv_backoff_ns;     /* first back-off after a failed store call; 0 = 100 ms */
     uint64_t kv_max_backoff_ns; /* longest back-off; 0 = 2 s */

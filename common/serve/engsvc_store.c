@@ -34,7 +34,9 @@ typedef struct svc_call {
     size_t bytes;
     kv_handoff h;              /* HANDOFF: obj read back (block keys for the manifest) */
     uint32_t n_full;           /* HANDOFF: its full blocks */
-    void **bufs;               /* [n_full] the block objects */
+    uint32_t first;            /* HANDOFF: the first one to put (those below came from the
+                                  store as the prompt's hit: not copied, not put again) */
+    void **bufs;               /* [n_full] the block objects (NULL below first) */
     di_status st;              /* the request's outcome (when the calls went through) */
     di_error err;
 } svc_call;
@@ -57,7 +59,7 @@ static di_status call_handoff(svc_call *c, kvc_client *kv, di_error *err)
     engsvc *s = c->s;
     size_t bb = kv_block_bytes(&s->g);
     c->st = DI_OK;
-    for (uint32_t i0 = 0; i0 < c->n_full && c->st == DI_OK; i0 += KVC_MAX_BATCH) {
+    for (uint32_t i0 = c->first; i0 < c->n_full && c->st == DI_OK; i0 += KVC_MAX_BATCH) {
         uint32_t k = c->n_full - i0 < KVC_MAX_BATCH ? c->n_full - i0 : KVC_MAX_BATCH;
         kvc_item *items = calloc(k, sizeof(kvc_item));
         if (!items)
@@ -234,7 +236,10 @@ void engsvc_handoff_submit(engsvc *s, sreq *r)
         st = kv_handoff_read(&s->g, c->obj, c->bytes, c->key.b, &c->h, &err);
     if (st == DI_OK && c->n_full && !(c->bufs = calloc(c->n_full, sizeof(void *))))
         st = di_fail(&err, DI_ENOMEM, "blocks");
-    for (uint32_t i = 0; st == DI_OK && i < c->n_full; i++) {
+    c->first = r->cached / s->g.block_tokens;
+    if (c->first > c->n_full)
+        c->first = c->n_full;
+    for (uint32_t i = c->first; st == DI_OK && i < c->n_full; i++) {
         if (!(c->bufs[i] = aligned_alloc(8, bb)))
             st = di_fail(&err, DI_ENOMEM, "block %u", i);
         else

@@ -65,6 +65,7 @@ typedef struct kjob {
     uint32_t blocks_stored, windows_stored, bad; /* PUT outcome */
     char first_bad[200];
     uint32_t n_bad;         /* ADMIT: unusable objects */
+    kvc_client *c;          /* the client of the thread that runs it */
     kvcache_call_fn fn;     /* CALL */
     void *ctx, *user;
     struct kjob *prev, *next; /* every job out (engine thread), for kvcache_destroy */
@@ -75,7 +76,8 @@ struct kvcache {
     char target[256];
     kv_geometry g;
     size_t block_bytes, window_bytes;
-    xfer *x;
+    xfer *x[2];             /* [0] stores (and loads without a load client), [1] loads */
+    kvc_client *cl[2];      /* the client each thread calls */
     bool refused;           /* another model or format: never used */
     kv_req *buckets[N_BUCKETS];
     uint32_t n_records;
@@ -275,8 +277,13 @@ di_status kvcache_create(const kvcache_options *o, const kv_geometry *g, kvcache
                       .max_attempts = ko->max_attempts, .backoff_ns = ko->backoff_ns,
                       .max_backoff_ns = ko->max_backoff_ns, .on_done = ko->notify,
                       .on_done_ud = ko->notify_ud};
-    di_status st = xfer_create(&xc, &k->x, err);
+    k->cl[0] = ko->client;
+    k->cl[1] = ko->load_client;
+    di_status st = xfer_create(&xc, &k->x[0], err);
+    if (st == DI_OK && ko->load_client)
+        st = xfer_create(&xc, &k->x[1], err);
     if (st != DI_OK) {
+        xfer_destroy(k->x[0]);
         free(k);
         return st;
     }
@@ -297,7 +304,8 @@ void kvcache_destroy(kvcache *k)
 {
     if (!k)
         return;
-    xfer_destroy(k->x); /* its thread has ended: the jobs out are ours */
+    xfer_destroy(k->x[0]); /* their threads have ended: the jobs out are ours */
+    xfer_destroy(k->x[1]);
     for (kjob *j = k->jobs, *n; j; j = n) {
         n = j->next;
         job_free(j);
@@ -417,7 +425,7 @@ static di_status fetch_round(kjob *j, fetch *f, const prefix_hit *h, bool *done,
         if (!(items[i].buf = malloc(items[i].cap)) && st == DI_OK)
             st = di_fail(err, DI_ENOMEM, "%llu bytes", (unsigned long long)items[i].cap);
     if (st == DI_OK)
-        st = kvc_get(k->o.client, items, n, err);
+        st = kvc_get(j->c, items, n, err);
     if (st != DI_OK) {
         for (uint32_t i = 0; i < n; i++)
             free(items[i].buf);
@@ -433,7 +441,7 @@ static di_status fetch_round(kjob *j, fetch *f, const prefix_hit *h, bool *done,
                                                    (uint64_t)idx[i] * bt, &it->error);
             di_error e;
             if (it->status != DI_OK)
-                (void)kvc_delete1(k->o.client, it->cls, &it->key, &e);
+                (void)kvc_delete1(j->c, it->cls, &it->key, &e);
         }
         if (it->status == DI_OK) {
             (block ? f->blk : f->win)[idx[i]] = it->buf;
@@ -495,7 +503,7 @@ static di_status admit_job(kjob *j, di_error *err)
         st = di_fail(err, DI_ENOMEM, "KV cache lookup of %u blocks", n);
     size_t nw = 0;
     if (st == DI_OK)
-        st = kvc_lookup(k->o.client, r->keys, n, &f.stored, wins, n + 1, &nw, err);
+        st = kvc_lookup(j->c, r->keys, n, &f.stored, wins, n + 1, &nw, err);
     if (st != DI_OK)
         di_error_prefix(err, "looking up request %llu: ", (unsigned long long)r->id);
     for (size_t i = 0; st == DI_OK && i < nw; i++)
@@ -529,7 +537,6 @@ static di_status admit_job(kjob *j, di_error *err)
 
 static di_status put_job(kjob *j, di_error *err)
 {
-    kvcache *k = j->k;
     while (j->done_objs < j->n_objs) {
         uint32_t i0 = j->done_objs;
         uint32_t m = j->n_objs - i0 < PUT_BATCH ? j->n_objs - i0 : PUT_BATCH;
@@ -537,7 +544,7 @@ static di_status put_job(kjob *j, di_error *err)
         for (uint32_t i = 0; i < m; i++)
             items[i] = (kvc_item){.cls = j->objs[i0 + i].cls, .key = j->objs[i0 + i].key,
                                   .buf = j->objs[i0 + i].buf, .cap = j->objs[i0 + i].bytes};
-        di_status st = kvc_put(k->o.client, items, m, err);
+        di_status st = kvc_put(j->c, items, m, err);
         if (st != DI_OK) {
             di_error_prefix(err, "storing the KV of request %llu: ", (unsigned long long)j->id);
             return st;
@@ -566,14 +573,16 @@ static di_status run_job(void *ctx, xfer_kind kind, uint64_t id, void *job, di_e
     switch (j->type) {
     case JOB_ADMIT: return admit_job(j, err);
     case JOB_PUT: return put_job(j, err);
-    default: return j->fn(j->ctx, j->k->o.client, err);
+    default: return j->fn(j->ctx, j->c, err);
     }
 }
 
 static di_status submit(kvcache *k, kjob *j, xfer_kind kind, const xfer_job_opts *o,
                         di_error *err)
 {
-    di_status st = xfer_submit_opts(k->x, kind, j->id, j, o, err);
+    int lane = kind == XFER_LOAD && k->x[1] ? 1 : 0;
+    j->c = k->cl[lane];
+    di_status st = xfer_submit_opts(k->x[lane], kind, j->id, j, o, err);
     if (st != DI_OK)
         return st;
     if (j->r)
@@ -930,7 +939,9 @@ void kvcache_forget(kvcache *k, uint64_t id)
     if (!k || !r || !r->live)
         return;
     r->live = false;
-    (void)xfer_cancel(k->x, id); /* completes queued jobs with DI_ECANCELED */
+    for (int lane = 0; lane < 2; lane++) /* completes queued jobs with DI_ECANCELED */
+        if (k->x[lane])
+            (void)xfer_cancel(k->x[lane], id);
     size_t w = k->ev_head;
     for (size_t i = k->ev_head; i < k->ev_n; i++) /* its admission event not yet taken */
         if (!(k->ev[i].kind == KVCACHE_ADMIT && k->ev[i].id == id))
@@ -1024,9 +1035,10 @@ size_t kvcache_poll(kvcache *k, kvcache_event *out, size_t max)
 {
     xfer_done d[POLL_BATCH];
     size_t n;
-    while ((n = xfer_poll(k->x, d, POLL_BATCH)) > 0)
-        for (size_t i = 0; i < n; i++)
-            on_done(k, &d[i]);
+    for (int lane = 0; lane < 2; lane++)
+        while (k->x[lane] && (n = xfer_poll(k->x[lane], d, POLL_BATCH)) > 0)
+            for (size_t i = 0; i < n; i++)
+                on_done(k, &d[i]);
     size_t m = 0;
     while (m < max && k->ev_head < k->ev_n)
         out[m++] = k->ev[k->ev_head++];
@@ -1035,12 +1047,20 @@ size_t kvcache_poll(kvcache *k, kvcache_event *out, size_t max)
 
 di_status kvcache_wait(kvcache *k, uint64_t timeout_ns, di_error *err)
 {
-    return xfer_wait(k->x, timeout_ns, err);
+    uint64_t until = di_mono_ns() + timeout_ns;
+    di_status st = xfer_wait(k->x[0], timeout_ns, err);
+    if (st == DI_OK && k->x[1]) {
+        uint64_t now = di_mono_ns();
+        st = xfer_wait(k->x[1], now < until ? until - now : 0, err);
+    }
+    return st;
 }
 
 uint32_t kvcache_pending(const kvcache *k)
 {
-    return k ? xfer_get_stats(k->x).pending : 0;
+    if (!k)
+        return 0;
+    return xfer_get_stats(k->x[0]).pending + (k->x[1] ? xfer_get_stats(k->x[1]).pending : 0);
 }
 
 uint32_t kvcache_records(const kvcache *k)

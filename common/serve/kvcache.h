@@ -39,8 +39,9 @@
  * to recover from.
  *
  * The embedder's own store calls (di-prefill's handoff, di-decode's pull and delete) run on the
- * same thread through kvcache_call, in submission order with the cache's jobs: the blocks of a
- * prompt are stored before a handoff submitted after them.
+ * same threads through kvcache_call, in submission order with the cache's jobs of their kind:
+ * the blocks of a prompt are stored before a handoff submitted after them. With a load client,
+ * loads run on a second transfer thread (each thread has its own back-off).
  *
  * Request records are keyed by the engine's request id; a record lives until the request is
  * finished or forgotten and its jobs have completed. Thread safety: every function from the
@@ -64,6 +65,9 @@ typedef struct kvcache kvcache;
 
 typedef struct kvcache_options {
     kvc_client *client;        /* the store; borrowed; called on the transfer thread only */
+    kvc_client *load_client;   /* optional, borrowed: loads (admissions, XFER_LOAD calls) get a
+                                  transfer thread and client of their own, so that they never
+                                  wait behind stores; NULL: one thread for both */
     const char *target;        /* HOST:PORT for the lines ("KV store at ..."); may be NULL */
     bool allow_replay;         /* a missing window state may cost a 128-token replay */
     uint32_t window_every;     /* also keep the window state at every Nth multiple of 128; 0 off */

@@ -263,8 +263,18 @@ di_status xfer_submit_opts(xfer *x, xfer_kind kind, uint64_t request_id, void *j
                     .max_attempts = o && o->max_attempts ? o->max_attempts
                                                          : x->cfg.max_attempts,
                     .no_wait = o && o->no_wait};
-    push_back(&x->queue, j);
     x->stats.submitted++;
+    /* the last call failed and the back-off lasts, or the call that tries the store again is
+     * in flight: a no_wait job does not queue behind it */
+    if (j->no_wait && x->backoff_cur && (di_mono_ns() < x->backoff_until || x->running)) {
+        j->d.status = DI_EUNAVAIL;
+        di_fail(&j->d.err, DI_EUNAVAIL, "the store is backing off after a failed call");
+        x->stats.skipped++;
+        push_back(&x->done, j);
+        pthread_mutex_unlock(&x->mu);
+        return DI_OK;
+    }
+    push_back(&x->queue, j);
     pthread_cond_signal(&x->work);
     pthread_mutex_unlock(&x->mu);
     return DI_OK;

@@ -98,9 +98,10 @@ di_status xfer_submit(xfer *x, xfer_kind kind, uint64_t request_id, void *job, d
 /* What one job may cost the store, when it differs from the config. */
 typedef struct xfer_job_opts {
     uint32_t max_attempts;     /* calls before it fails; 0 = the config's */
-    bool no_wait;              /* during a back-off it completes at once with DI_EUNAVAIL
-                                  instead of waiting (a prefix load: the request goes on
-                                  without its hit rather than wait for the store) */
+    bool no_wait;              /* during a back-off, and while the call that tries the store
+                                  again after one is in flight, it completes at once with
+                                  DI_EUNAVAIL instead of waiting (a prefix load: the request
+                                  goes on without its hit rather than wait for the store) */
 } xfer_job_opts;
 
 /* xfer_submit with per-job options (o NULL: the config's). Same codes. */

@@ -1137,4 +1137,61 @@ Test(disagg_bench, ttft_and_tpot_disaggregated_vs_local)
     }
     rig_stop(&r);
 }
+
+/* A prompt whose prefix is in the store, against the same prompt's cold TTFT and against the
+ * floor of its warm TTFT: di-generate --kvstore on the same prompt and store, one process, its
+ * prefill time (the same hit loaded, the same tail computed over the same context). B shares
+ * all of A but its last 64 tokens; the hit is capped at L - 140. */
+Test(disagg_bench, ttft_of_a_prefix_hit_vs_cold_and_the_compute_floor)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    const uint32_t lens[] = {1000, 2000, 4000};
+    printf("tiny model, CPU, 1 thread per rank, chunk " CHUNK ", 8 output tokens, nextn 5\n");
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+        uint32_t L = lens[i];
+        char pa[300], pb[300];
+        snprintf(pa, sizeof pa, "%s/ha%zu.txt", g_dir, i);
+        snprintf(pb, sizeof pb, "%s/hb%zu.txt", g_dir, i);
+        FILE *fa = fopen(pa, "w"), *fb = fopen(pb, "w");
+        for (uint32_t k = 0; k < L; k++) {
+            uint32_t t = 2 + (k * 7919u + (uint32_t)i * 131u + 7u) % 4000u;
+            fprintf(fa, k ? ",%u" : "%u", t);
+            fprintf(fb, k ? ",%u" : "%u", k < L - 64 ? t : 2 + (k * 37u + 11u) % 4000u);
+        }
+        fputc('\n', fa);
+        fputc('\n', fb);
+        fclose(fa);
+        fclose(fb);
+        gen_res cold, warm, floor_run;
+        gen(&cold, "--prefill %s --decode %s --ids-file %s --max-tokens 8 --ignore-eos",
+            r.prefill.target, r.decode.target, pa);
+        gen(&warm, "--prefill %s --decode %s --ids-file %s --max-tokens 8 --ignore-eos",
+            r.prefill.target, r.decode.target, pb);
+        cr_assert(cold.rc == 0 && warm.rc == 0, "%s %s", cold.err, warm.err);
+        json_int_t cached = json_integer_value(json_object_get(
+            json_array_get(json_object_get(warm.json, "requests"), 0), "cached_tokens"));
+        uint32_t tail = L - (uint32_t)cached;
+        gen(&floor_run, "--config tiny --weights-seed " SEED " --chunk " CHUNK " --threads 1 "
+            "--nextn 5 --ids-file %s --max-tokens 8 --ignore-eos --kvstore %s", pb,
+            r.store.target);
+        cr_assert_eq(floor_run.rc, 0, "%s", floor_run.err);
+        cr_assert_eq(json_integer_value(json_object_get(json_object_get(json_object_get(
+                         floor_run.json, "stats"), "kvstore"), "hit_tokens")), cached,
+                     "the same hit");
+        double ct = json_real_value(json_object_get(json_object_get(cold.json, "stats"),
+                                                    "ttft_ms_mean"));
+        double wt = json_real_value(json_object_get(json_object_get(warm.json, "stats"),
+                                                    "ttft_ms_mean"));
+        double ft_ms = json_real_value(json_object_get(json_object_get(floor_run.json, "stats"),
+                                                       "prefill_s")) * 1e3;
+        printf("prompt %5u tokens: TTFT cold %.1f ms; warm %.1f ms with %lld tokens from the "
+               "store, %u computed; floor (di-generate --kvstore, the same hit, prefill) %.1f "
+               "ms\n", L, ct, wt, (long long)cached, tail, ft_ms);
+        json_decref(cold.json);
+        json_decref(warm.json);
+        json_decref(floor_run.json);
+    }
+    rig_stop(&r);
+}
 #endif
