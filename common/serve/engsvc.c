@@ -264,13 +264,16 @@ static void publish_load(engsvc *s)
 {
     sched *q = engine_sched(s->e);
     uint64_t queued = 0;
-    for (sreq *r = s->reqs; r; r = r->next)
+    uint32_t loading = 0; /* waiting for their prefix or handoff from the store */
+    for (sreq *r = s->reqs; r; r = r->next) {
         if (s->cfg.kind == ENGSVC_PREFILL && !r->t_start)
             queued += r->prompt_len;
+        loading += r->loading || (s->cfg.kind == ENGSVC_DECODE && r->job_out);
+    }
     pthread_mutex_lock(&s->mu);
     s->queued_prompt_tokens = queued;
     s->running = sched_num_running(q);
-    s->waiting = sched_num_waiting(q);
+    s->waiting = sched_num_waiting(q) + loading;
     s->free_blocks = sched_free_blocks(q);
     s->total_blocks = sched_usable_blocks(q);
     s->free_slots = sched_free_slots(q);
