@@ -387,8 +387,7 @@ static void *engine_main(void *arg)
             if (r->handed) {
                 r->handed = false;
                 engsvc_handoff_submit(s, r);
-            }
-            else if (r->done && s->cfg.kind == ENGSVC_PREFILL)
+            } else if (r->done && s->cfg.kind == ENGSVC_PREFILL)
                 prefill_done(s, r);
             else if (r->done) {
                 engsvc_unlink(s, r);
