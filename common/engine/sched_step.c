@@ -156,6 +156,15 @@ static uint32_t sched_select_prefill(sched *s)
         uint32_t chunk = remaining < budget ? remaining : budget;
         if (c->max_chunk_tokens && chunk > c->max_chunk_tokens)
             chunk = c->max_chunk_tokens;
+        if (c->max_chunk_tokens && chunk < remaining) {
+            /* a cut chunk ends on a multiple of max_chunk_tokens (the engine copies the window
+             * state there); when none fits the budget left, the prompt waits for the next step */
+            uint32_t m = c->max_chunk_tokens, end = (q->num_tokens + chunk) / m * m;
+            if (end > q->num_tokens)
+                chunk = end - q->num_tokens;
+            else if (q->num_tokens % m == 0)
+                break;
+        }
         if (chunk < remaining && !c->chunked_prefill)
             break;
         s->chunk[n] = chunk;

@@ -191,7 +191,8 @@ typedef struct sched_config {
     bool chunked_prefill;             /* cut prompts to the budget; true */
     bool async;                       /* one-step-ahead scheduling; false */
     uint32_t max_waiting;             /* cap on waiting requests (DI_EFULL beyond); 4,096 */
-    uint32_t max_chunk_tokens;        /* most tokens of one prompt per step, 0 = budget; 0 */
+    uint32_t max_chunk_tokens;        /* most tokens of one prompt per step, 0 = budget; a cut
+                                         chunk ends on a multiple of it; 0 */
     int32_t eos_token;                /* end token, -1 for none; -1 */
     int32_t pad_token;                /* token of padded draft rows and placeholders; 0 */
     uint32_t vocab_size;              /* token ids must be below it; 0 = unchecked */

@@ -100,16 +100,6 @@ void engsvc_unlink(engsvc *s, sreq *r)
     pthread_mutex_unlock(&s->mu);
 }
 
-/* Deletes request r's handoff from the store (decode ends before loading it, or prefill's
- * caller is gone): nobody will take it. */
-void engsvc_drop_handoff(engsvc *s, const sreq *r)
-{
-    kvkey key;
-    di_error err;
-    if (kvkey_handoff(s->g.model_id, r->rid, &key, &err) == DI_OK)
-        (void)kvc_delete1(s->cfg.kv, KVKEY_HANDOFF, &key, &err);
-}
-
 /* ---- the engine thread ----------------------------------------------------------------- */
 
 static void on_output(void *ud, const engine_output *o)
@@ -161,6 +151,8 @@ static void on_output(void *ud, const engine_output *o)
         di_error e;
         (void)rpc_call_write(r->call, buf, di__decode__decode_token__pack(&m, buf), &e);
     }
+    if (o->finish != SCHED_FINISH_NONE)
+        kvcache_finished(s->kc, o->request_id, o->finish); /* the response's KV to the store */
     if (o->finish == SCHED_FINISH_HANDOFF) {
         r->handed = true;
     } else if (o->finish != SCHED_FINISH_NONE) {
@@ -172,109 +164,6 @@ static void on_output(void *ud, const engine_output *o)
                      runner_exec_error(s->ex, o->request_id));
         }
     }
-}
-
-/* PREFILL: the handoff into the store, then the reply. */
-static void prefill_handoff(engsvc *s, sreq *r)
-{
-    di_error err;
-    kvkey key;
-    size_t cap = handoff_max_bytes(s->ex, r->prompt_len + 1), bytes = 0;
-    void *obj = aligned_alloc(8, (cap + 7) / 8 * 8);
-    uint8_t *blk = malloc(kv_block_bytes(&s->g));
-    kv_handoff h;
-    uint32_t n_full = 0;
-    kvc_item *items = NULL;
-    void **bufs = NULL;
-    di_status st = obj && blk ? DI_OK : di_fail(&err, DI_ENOMEM, "handoff buffers");
-    if (st == DI_OK)
-        st = kvkey_handoff(s->g.model_id, r->rid, &key, &err);
-    if (st == DI_OK)
-        st = handoff_export(s->e, s->ex, r->id, key.b, obj, cap, &bytes, &n_full, &err);
-    if (st == DI_OK)
-        st = kv_handoff_read(&s->g, obj, bytes, key.b, &h, &err);
-    /* the full blocks, in batches of KVC_MAX_BATCH */
-    if (st == DI_OK && n_full) {
-        items = calloc(n_full, sizeof(kvc_item));
-        bufs = calloc(n_full, sizeof(void *));
-        if (!items || !bufs)
-            st = di_fail(&err, DI_ENOMEM, "blocks");
-        for (uint32_t i = 0; st == DI_OK && i < n_full; i++) {
-            bufs[i] = aligned_alloc(8, kv_block_bytes(&s->g));
-            if (!bufs[i]) {
-                st = di_fail(&err, DI_ENOMEM, "block %u", i);
-                break;
-            }
-            st = handoff_block(s->e, s->ex, r->id, &h, i, bufs[i], kv_block_bytes(&s->g), &err);
-            items[i] = (kvc_item){.cls = KVKEY_BLOCK, .buf = bufs[i],
-                                  .cap = kv_block_bytes(&s->g)};
-            memcpy(items[i].key.b, h.block_keys + (size_t)i * 32, 32);
-        }
-        for (uint32_t i0 = 0; st == DI_OK && i0 < n_full; i0 += KVC_MAX_BATCH) {
-            uint32_t k = n_full - i0 < KVC_MAX_BATCH ? n_full - i0 : KVC_MAX_BATCH;
-            st = kvc_put(s->cfg.kv, items + i0, k, &err);
-            for (uint32_t i = i0; st == DI_OK && i < i0 + k; i++)
-                if (items[i].status != DI_OK && items[i].status != DI_EEXIST) {
-                    st = items[i].status;
-                    err = items[i].error;
-                }
-        }
-    }
-    if (st == DI_OK) {
-        st = kvc_put1(s->cfg.kv, KVKEY_HANDOFF, &key, obj, bytes, &err);
-        if (st == DI_EEXIST)
-            st = di_fail(&err, DI_EEXIST, "a handoff for request_id %s is already stored",
-                         r->rid);
-    }
-    di_error rel;
-    engine_release(s->e, r->id, &rel);
-    engsvc_unlink(s, r);
-    if (st == DI_OK && atomic_load(&r->cancelled)) { /* the caller is gone */
-        engsvc_drop_handoff(s, r);
-        engsvc_end_req(s, r, (di_status)atomic_load(&r->cancel_why), NULL, 0, "request cancelled");
-    } else if (st != DI_OK) {
-        di_error_prefix(&err, "handoff to the store: ");
-        engsvc_end_req(s, r, st, NULL, 0, err.msg);
-    } else {
-        Di__Engine__Token tok;
-        Di__Engine__TokenLogprob tops[SAMPLER_MAX_LOGPROBS], *ptrs[SAMPLER_MAX_LOGPROBS];
-        engsvc_token_pb(&tok, tops, ptrs, r->first.token, &r->first.res, 0);
-        Di__Prefill__HandoffManifest man = DI__PREFILL__HANDOFF_MANIFEST__INIT;
-        ProtobufCBinaryData *keys = calloc(n_full ? n_full : 1, sizeof(*keys));
-        for (uint32_t i = 0; keys && i < n_full; i++)
-            keys[i] = (ProtobufCBinaryData){32, (uint8_t *)h.block_keys + (size_t)i * 32};
-        man.model_id = s->g.model_id;
-        man.prompt_tokens = r->prompt_len;
-        man.block_tokens = s->g.block_tokens;
-        man.n_block_keys = keys ? n_full : 0;
-        man.block_keys = keys;
-        man.handoff_key = (ProtobufCBinaryData){32, key.b};
-        man.handoff_bytes = bytes;
-        Di__Prefill__PrefillReply rep = DI__PREFILL__PREFILL_REPLY__INIT;
-        rep.request_id = r->rid;
-        rep.first = &tok;
-        rep.finish = DI__ENGINE__FINISH__FINISH_NONE;
-        rep.handoff = &man;
-        rep.cached_tokens = r->cached;
-        rep.queue_ms = (r->t_start - r->t_arrive) / 1000000u;
-        rep.compute_ms = (di_mono_ns() - r->t_start) / 1000000u;
-        size_t n = di__prefill__prefill_reply__get_packed_size(&rep);
-        uint8_t *buf = malloc(n ? n : 1);
-        if (buf) {
-            n = di__prefill__prefill_reply__pack(&rep, buf);
-            engsvc_end_req(s, r, DI_OK, buf, n, NULL);
-        } else {
-            engsvc_end_req(s, r, DI_ENOMEM, NULL, 0, "reply");
-        }
-        free(buf);
-        free(keys);
-    }
-    for (uint32_t i = 0; bufs && i < n_full; i++)
-        free(bufs[i]);
-    free(bufs);
-    free(items);
-    free(obj);
-    free(blk);
 }
 
 /* PREFILL: a request whose first token ended it (or that failed): the reply has no handoff. */
@@ -304,70 +193,11 @@ static void prefill_done(engsvc *s, sreq *r)
     engsvc_end_req(s, r, DI_OK, buf, n, NULL);
 }
 
-/* DECODE: the handoff and its blocks from the store, checked against the request. */
-static di_status decode_fetch(engsvc *s, sreq *r, di_error *err)
-{
-    kvkey key;
-    memcpy(key.b, r->hkey, KVKEY_BYTES);
-    uint64_t cap = r->hbytes, bytes = 0, t0 = di_mono_ns();
-    di_status st = kvc_get1(s->cfg.kv, KVKEY_HANDOFF, &key, r->hobj, cap, &bytes, err);
-    if (st == DI_ENOENT)
-        return di_fail(err, DI_ENOENT, "the handoff is not in the store (expired, or already "
-                       "taken)");
-    if (st != DI_OK)
-        return st;
-    st = kv_handoff_read(&s->g, r->hobj, bytes, key.b, &r->h, err);
-    if (st != DI_OK)
-        return st;
-    const kv_handoff *h = &r->h;
-    if (h->prompt_len != r->prompt_len ||
-        memcmp(h->tokens, r->prompt, r->prompt_len * sizeof(int32_t)) != 0 ||
-        h->n_output < 1 || h->tokens[h->prompt_len] != r->first_tok)
-        return di_fail(err, DI_EINVAL, "the handoff is not this request's (prompt or first "
-                       "token differ)");
-    if (h->n_output >= r->max_tokens)
-        return di_fail(err, DI_EINVAL, "sampling.max_tokens: %u, the handoff has %u tokens "
-                       "already", r->max_tokens, h->n_output);
-    r->n_full = h->kv_positions / s->g.block_tokens;
-    r->blocks = calloc(r->n_full + 1, sizeof(void *));
-    r->bsz = calloc(r->n_full + 1, sizeof(size_t));
-    kvc_item *items = calloc(r->n_full + 1, sizeof(kvc_item));
-    if (!r->blocks || !r->bsz || !items) {
-        free(items);
-        return di_fail(err, DI_ENOMEM, "blocks");
-    }
-    size_t bb = kv_block_bytes(&s->g);
-    for (uint32_t i = 0; i < r->n_full; i++) {
-        r->blocks[i] = aligned_alloc(8, bb);
-        if (!r->blocks[i]) {
-            free(items);
-            return di_fail(err, DI_ENOMEM, "block %u", i);
-        }
-        items[i] = (kvc_item){.cls = KVKEY_BLOCK, .buf = r->blocks[i], .cap = bb};
-        memcpy(items[i].key.b, h->block_keys + (size_t)i * 32, 32);
-    }
-    st = DI_OK;
-    for (uint32_t i0 = 0; st == DI_OK && i0 < r->n_full; i0 += KVC_MAX_BATCH) {
-        uint32_t k = r->n_full - i0 < KVC_MAX_BATCH ? r->n_full - i0 : KVC_MAX_BATCH;
-        st = kvc_get(s->cfg.kv, items + i0, k, err);
-        for (uint32_t i = i0; st == DI_OK && i < i0 + k; i++) {
-            if (items[i].status != DI_OK) {
-                st = items[i].status;
-                *err = items[i].error;
-                di_error_prefix(err, "block %u: ", i);
-            }
-            r->bsz[i] = items[i].bytes;
-        }
-    }
-    free(items);
-    r->pulled_bytes = bytes + (uint64_t)r->n_full * bb;
-    r->pull_ns = di_mono_ns() - t0;
-    return st;
-}
-
 static di_status on_load(void *ud, fwd_kv *kv, const sched_seq_plan *p, di_error *err)
 {
     engsvc *s = ud;
+    if (s->cfg.kind == ENGSVC_PREFILL) /* a prefix hit */
+        return kvcache_load(s->kc, kv, p, err);
     for (sreq *r = s->reqs; r; r = r->next)
         if (r->id == p->request_id)
             return handoff_load(kv, p, &r->h, (const void *const *)r->blocks, r->bsz, err);
@@ -375,50 +205,31 @@ static di_status on_load(void *ud, fwd_kv *kv, const sched_seq_plan *p, di_error
                    (unsigned long long)p->request_id);
 }
 
-/* Adds a queued request to the engine (engine thread). */
+/* Starts a queued request (engine thread): PREFILL asks the store for its prefix, DECODE
+ * pulls its handoff; either enters the engine when that is done (engsvc_take_events). */
 static void admit(engsvc *s, sreq *r)
 {
     di_error err;
-    di_status st = DI_OK;
+    di_status st;
     r->id = ++s->next_id;
     pthread_mutex_lock(&s->mu);
     r->next = s->reqs;
     s->reqs = r;
     pthread_mutex_unlock(&s->mu);
     if (s->cfg.kind == ENGSVC_PREFILL) {
-        runner_request rq = {.id = r->id, .prompt = r->prompt, .prompt_len = r->prompt_len,
-                             .max_tokens = r->max_tokens, .params = r->sp};
-        sched_request sr = {.id = r->id, .prompt = r->prompt, .prompt_len = r->prompt_len,
-                            .max_tokens = r->max_tokens, .stop_ids = r->stop_ids,
-                            .n_stop_ids = r->n_stop, .ignore_eos = r->ignore_eos,
-                            .arrival_ns = r->t_arrive};
-        st = engine_add(s->e, &sr, &rq, r, &err);
+        r->loading = true;
+        /* max_tokens 1: a PROMPT engine stores no response */
+        st = kvcache_admit(s->kc, r->id, r->prompt, r->prompt_len, 1, r, &err);
+        r->loading = st == DI_OK;
     } else {
-        st = decode_fetch(s, r, &err);
-        if (st == DI_OK) {
-            sched_request sr;
-            runner_request rq;
-            handoff_requests(&r->h, r->id, &sr, &rq);
-            sr.max_tokens = rq.max_tokens = r->max_tokens;
-            sr.stop_ids = r->stop_ids;
-            sr.n_stop_ids = r->n_stop;
-            sr.ignore_eos = r->ignore_eos;
-            sr.arrival_ns = r->t_arrive;
-            rq.params = r->sp;
-            r->n_out = r->h.n_output;
-            st = engine_add(s->e, &sr, &rq, r, &err);
-            if (st == DI_OK)
-                st = engine_set_ready(s->e, r->id, &err);
-        }
-        if (st == DI_OK || st == DI_ECORRUPT) /* in host memory now, or useless */
-            engsvc_drop_handoff(s, r);
+        st = engsvc_pull_submit(s, r, &err);
     }
     if (st != DI_OK) {
+        if (s->cfg.kind == ENGSVC_DECODE)
+            engsvc_drop_handoff(s, r);
         engsvc_unlink(s, r);
         engsvc_end_req(s, r, st, NULL, 0, err.msg);
-        return;
     }
-    r->in_engine = true;
 }
 
 /* Ends cancelled requests; with abort_all, every request (the drain's deadline passed). */
@@ -427,8 +238,16 @@ static void reap_cancels(engsvc *s, bool abort_all)
     sreq *r = s->reqs;
     while (r) {
         sreq *next = r->next;
-        if (atomic_load(&r->cancelled) || abort_all) {
+        if ((atomic_load(&r->cancelled) || abort_all) && r->job_out) {
+            /* its store call ends it: cancel the call if it has not started */
+            if (!atomic_load(&r->cancelled)) {
+                atomic_store(&r->cancel_why, (int)DI_EUNAVAIL);
+                atomic_store(&r->cancelled, 1);
+            }
+            kvcache_forget(s->kc, r->id);
+        } else if (atomic_load(&r->cancelled) || abort_all) {
             di_error err;
+            kvcache_forget(s->kc, r->id); /* its admission, its copies */
             if (r->in_engine)
                 (void)engine_abort(s->e, r->id, &err);
             engsvc_unlink(s, r);
@@ -446,18 +265,24 @@ static void publish_load(engsvc *s)
 {
     sched *q = engine_sched(s->e);
     uint64_t queued = 0;
-    for (sreq *r = s->reqs; r; r = r->next)
+    uint32_t loading = 0; /* waiting for their prefix or handoff from the store */
+    for (sreq *r = s->reqs; r; r = r->next) {
         if (s->cfg.kind == ENGSVC_PREFILL && !r->t_start)
             queued += r->prompt_len;
+        loading += r->loading || (s->cfg.kind == ENGSVC_DECODE && r->job_out);
+    }
     pthread_mutex_lock(&s->mu);
     s->queued_prompt_tokens = queued;
     s->running = sched_num_running(q);
-    s->waiting = sched_num_waiting(q);
+    s->waiting = sched_num_waiting(q) + loading;
     s->free_blocks = sched_free_blocks(q);
     s->total_blocks = sched_usable_blocks(q);
     s->free_slots = sched_free_slots(q);
     s->total_slots = sched_get_config(q)->num_slots;
     s->prefill_tps = s->prefill_ns ? s->prefill_tokens / (s->prefill_ns / 1e9) : 0;
+    kvcache_stats ks = kvcache_get_stats(s->kc);
+    s->computed_prompt_tokens = s->prefill_tokens;
+    s->store_failures = s->call_failures + ks.load_failures + ks.store_failures;
     s->decode_ms = s->decode_steps ? s->decode_ns / 1e6 / s->decode_steps : 0;
     pthread_mutex_unlock(&s->mu);
 }
@@ -467,7 +292,8 @@ static void *engine_main(void *arg)
     engsvc *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->inbox && !s->stopping && !s->abort_all && !engine_has_work(s->e)) {
+        while (!s->inbox && !s->stopping && !s->abort_all && !engine_has_work(s->e) &&
+               !s->kv_note) {
             bool cancels = false;
             for (sreq *r = s->reqs; r && !cancels; r = r->next)
                 cancels = atomic_load(&r->cancelled);
@@ -476,6 +302,7 @@ static void *engine_main(void *arg)
             struct timespec ts = di_realtime_in_ms(20);
             pthread_cond_timedwait(&s->cv, &s->mu, &ts);
         }
+        s->kv_note = false;
         sreq *in = s->inbox;
         s->inbox = s->inbox_tail = NULL;
         s->n_inbox = 0;
@@ -494,6 +321,7 @@ static void *engine_main(void *arg)
             }
             admit(s, r);
         }
+        engsvc_take_events(s);
         reap_cancels(s, abort_all);
         if (abort_all) {
             pthread_mutex_lock(&s->mu);
@@ -503,12 +331,22 @@ static void *engine_main(void *arg)
         if (stopping) {
             di_error err;
             engine_flush(s->e, &err);
+            /* the store calls still out end their requests; bounded by their deadlines */
+            uint64_t until = di_mono_ns() + 60000000000ull;
+            while (s->reqs && di_mono_ns() < until) {
+                (void)kvcache_wait(s->kc, 100000000ull, &err);
+                engsvc_take_events(s);
+                reap_cancels(s, true);
+            }
+            /* the deletes and stores still out: finished (or given their deadlines) */
+            (void)kvcache_wait(s->kc, 10000000000ull, &err);
+            engsvc_take_events(s);
             publish_load(s);
             return NULL;
         }
         if (engine_has_work(s->e)) {
             for (sreq *r = s->reqs; r; r = r->next)
-                if (!r->t_start)
+                if (!r->t_start && r->in_engine)
                     r->t_start = di_mono_ns();
             di_error err;
             uint64_t t0 = di_mono_ns(), p0 = sched_get_stats(engine_sched(s->e))->prefill_tokens;
@@ -536,8 +374,14 @@ static void *engine_main(void *arg)
                 pthread_mutex_lock(&s->mu);
                 s->draining = true;
                 pthread_mutex_unlock(&s->mu);
-                while (s->reqs) {
-                    sreq *r = s->reqs;
+                for (sreq *r = s->reqs, *next; r; r = next) {
+                    next = r->next;
+                    kvcache_forget(s->kc, r->id);
+                    if (r->job_out) { /* ends when its store call completes */
+                        atomic_store(&r->cancel_why, (int)st);
+                        atomic_store(&r->cancelled, 1);
+                        continue;
+                    }
                     engsvc_unlink(s, r);
                     engsvc_end_req(s, r, st, NULL, 0, err.msg);
                 }
@@ -546,9 +390,10 @@ static void *engine_main(void *arg)
         }
         for (sreq *r = s->reqs, *next; r; r = next) {
             next = r->next;
-            if (r->handed)
-                prefill_handoff(s, r);
-            else if (r->done && s->cfg.kind == ENGSVC_PREFILL)
+            if (r->handed) {
+                r->handed = false;
+                engsvc_handoff_submit(s, r);
+            } else if (r->done && s->cfg.kind == ENGSVC_PREFILL)
                 prefill_done(s, r);
             else if (r->done) {
                 engsvc_unlink(s, r);
@@ -562,6 +407,41 @@ static void *engine_main(void *arg)
         }
         publish_load(s);
     }
+}
+
+/* ---- the executor: the runner's step, then the cache's copies of what it computed ---- */
+
+static di_status svc_exec_add(void *ctx, const sched_request *req, const void *args,
+                              di_error *err)
+{
+    engsvc *s = ctx;
+    return s->rx.add(s->rx.ctx, req, args, err);
+}
+
+static void svc_exec_remove(void *ctx, uint64_t id)
+{
+    engsvc *s = ctx;
+    s->rx.remove(s->rx.ctx, id);
+}
+
+static di_status svc_exec_step(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                               di_error *err)
+{
+    engsvc *s = ctx;
+    di_status st = s->rx.step(s->rx.ctx, plan, results, err);
+    if (st == DI_OK)
+        st = kvcache_after_step(s->kc, runner_exec_kv(s->ex), plan, results, err);
+    return st;
+}
+
+/* A transfer job finished (transfer thread): wake the engine thread. */
+static void kv_notify(void *ud)
+{
+    engsvc *s = ud;
+    pthread_mutex_lock(&s->mu);
+    s->kv_note = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
 }
 
 /* ---- lifecycle -------------------------------------------------------------------------- */
@@ -617,7 +497,27 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
     di_status st = runner_exec_create(cfg->rm, cfg->be, &eo, &s->ex, err);
     if (st == DI_OK) {
         s->g = *fwd_model_geometry(runner_exec_model(s->ex));
-        engine_config ec = {.sched = sc, .exec = runner_exec_executor(s->ex),
+        /* prompts cut at every multiple of 128, so that the window state there can be copied
+         * while the ring still holds it (kvcache.h) */
+        if (cfg->kind == ENGSVC_PREFILL)
+            sc.max_chunk_tokens = s->g.block_tokens;
+        kvcache_options ko = {.client = cfg->kv, .load_client = cfg->kv_load,
+                              .target = cfg->kv_target,
+                              .always_compute = eo.fwd.keep_tokens > s->g.ring_positions
+                                                    ? eo.fwd.keep_tokens : s->g.ring_positions,
+                              .store_prompt = cfg->kind == ENGSVC_PREFILL,
+                              .store_response = cfg->kind == ENGSVC_DECODE,
+                              .max_jobs = 4 * (c->max_waiting + c->max_seqs) + 64,
+                              .backoff_ns = cfg->kv_backoff_ns,
+                              .max_backoff_ns = cfg->kv_max_backoff_ns,
+                              .log = cfg->log, .notify = kv_notify, .notify_ud = s};
+        st = kvcache_create(&ko, &s->g, &s->kc, err);
+    }
+    if (st == DI_OK) {
+        s->rx = runner_exec_executor(s->ex);
+        engine_config ec = {.sched = sc, .exec = {.ctx = s, .add = svc_exec_add,
+                                                  .remove = svc_exec_remove,
+                                                  .step = svc_exec_step},
                             .on_output = on_output, .userdata = s};
         st = engine_create(&ec, &s->e, err);
     }
@@ -648,6 +548,7 @@ void engsvc_destroy(engsvc *s)
         pthread_join(s->thr, NULL);
     }
     engine_destroy(s->e);
+    kvcache_destroy(s->kc);
     runner_exec_free(s->ex);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);

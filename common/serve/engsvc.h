@@ -1,24 +1,30 @@
 /* engsvc.h: the request handling di-prefill and di-decode share: one engine thread that owns
- * the engine loop, the model runner and the store client; the gRPC methods of both services
- * (rpc.h rows) that hand requests to it; load, health, abort and drain.
+ * the engine loop and the model runner, one transfer thread that makes every store call (the
+ * engine's KV cache in the store, kvcache.h); the gRPC methods of both services (rpc.h rows)
+ * that hand requests to it; load, health, abort and drain.
  *
- * PREFILL (PROMPT engine): Prefill(request) queues the prompt; the engine prefills it in
- * chunks and samples the first token; the engine thread then exports the handoff
- * (common/serve/handoff.h), puts the prompt's full blocks and the handoff object into the
- * store, releases the request's blocks and slot and replies with the first token, its
- * logprobs and the handoff manifest. A first token that ends the request (EOS, max_tokens 1)
- * is replied without a handoff.
+ * PREFILL (PROMPT engine): Prefill(request) queues the prompt; its cached prefix is looked up
+ * and read (a transfer job; the request waits outside the engine meanwhile), then the engine
+ * loads it and prefills the rest in chunks of up to 128 tokens and samples the first token;
+ * the prompt's new full blocks and window states go to the store; the engine thread then
+ * exports the handoff (common/serve/handoff.h) into host memory, releases the request's blocks
+ * and slot, puts the full blocks and the handoff object (a transfer job) and, once stored,
+ * replies with the first token, its logprobs, the tokens loaded from the store and the handoff
+ * manifest. A first token that ends the request (EOS, max_tokens 1) is replied without a
+ * handoff.
  *
  * DECODE (COMPLETION engine): Decode(handoff, sampling) pulls the handoff object and the full
- * blocks it names from the store, checks them against the request (prompt and first token),
- * adds the request held, imports the KV at its first plan, deletes the handoff object, and
- * streams one DecodeToken per output token; the last one carries the finish. Preemption ends a
- * request with FINISH_PREEMPTED.
+ * blocks it names from the store (a transfer job), checks them against the request (prompt and
+ * first token), adds the request held, imports the KV at its first plan, deletes the handoff
+ * object, and streams one DecodeToken per output token; the last one carries the finish.
+ * Preemption ends a request with FINISH_PREEMPTED. The blocks the response fills and its last
+ * window state go to the store when it ends.
  *
  * Threads: gRPC workers parse and check requests and queue them (engsvc_*_start); a cancel
  * (client, deadline, server stop) only marks the request; the engine thread does everything
- * else: engine calls, store calls (between steps), writes and finishing calls. A request's
- * record is freed by the engine thread after rpc_call_finish, when no cancel function can run.
+ * else: engine calls, KV copies, store jobs submitted and their outcomes taken between steps,
+ * writes and finishing calls. A request's record is freed by the engine thread after
+ * rpc_call_finish, when no cancel function can run and no store call of it is out.
  *
  * Drain: engsvc_drain refuses new requests (DI_EUNAVAIL "draining"), lets the work in flight
  * finish until the deadline, then ends what is left with DI_EUNAVAIL and FINISH_ABORTED.
@@ -46,7 +52,12 @@ typedef struct engsvc_config {
     const runner_model *rm;     /* borrowed; outlives the service */
     const kern_backend *be;     /* borrowed */
     const char *model_name;     /* for Health ("tiny") */
-    kvc_client *kv;             /* the store (required); borrowed; used by the engine thread */
+    kvc_client *kv;             /* the store (required); borrowed; used by the transfer thread */
+    kvc_client *kv_load;        /* optional, borrowed: a second client for loads (prefix hits,
+                                   handoff pulls) on a thread of their own; NULL: one thread */
+    const char *kv_target;      /* its HOST:PORT for log lines; may be NULL */
+    uint64_t kv_backoff_ns;     /* first back-off after a failed store call; 0 = 100 ms */
+    uint64_t kv_max_backoff_ns; /* longest back-off; 0 = 2 s */
     uint32_t nextn;             /* drafts per decode step; UINT32_MAX = the model's block size */
     uint32_t chunk;             /* prefill step budget in tokens, multiple of 128; 0 = 512 */
     uint32_t max_seqs;          /* sequences at once; 0 = 16 */

@@ -14,6 +14,7 @@
 #include "common/model/runner_exec.h"
 #include "common/net/engine.pb-c.h"
 #include "common/serve/engsvc.h"
+#include "common/serve/kvcache.h"
 
 #define RID_MAX 128u
 #define MAX_REQUEST_BYTES (64u << 20)
@@ -47,7 +48,10 @@ typedef struct sreq {
     /* prefill */
     bool handed;                /* finished with a handoff: export after the step */
     runner_token first;
-    uint32_t cached;            /* prompt tokens loaded (0 here: no prefix loads yet) */
+    uint32_t cached;            /* prompt tokens loaded from the store (replay excluded) */
+    bool loading;               /* its prefix admission is out (kvcache_admit) */
+    bool job_out;               /* a store call of it is out (handoff put, pull): it ends when
+                                   the call completes, even when cancelled */
     /* decode */
     int32_t first_tok;
     uint8_t hkey[KVKEY_BYTES];  /* the handoff's key and size, from the manifest */
@@ -84,8 +88,13 @@ struct engsvc {
     uint64_t queued_prompt_tokens;
     uint32_t running, waiting, free_blocks, total_blocks, free_slots, total_slots;
     double prefill_tps, decode_ms;
+    uint64_t cached_prompt_tokens, computed_prompt_tokens, store_failures;
     /* measured by the engine thread */
     uint64_t prefill_tokens, prefill_ns, decode_steps, decode_ns;
+    uint64_t call_failures;     /* the service's own store calls that failed for good */
+    kvcache *kc;                /* the KV cache in the store and the transfer thread */
+    engine_executor rx;         /* the runner as an executor (wrapped for the cache's copies) */
+    bool kv_note;               /* (mu) a transfer job finished: take the events */
 };
 
 /* Frees a request record (NULL-safe). */
@@ -103,7 +112,15 @@ void engsvc_end_req(engsvc *s, sreq *r, di_status st, const void *reply, size_t 
                     const char *msg);
 /* Removes r from the request list (engine thread). */
 void engsvc_unlink(engsvc *s, sreq *r);
-/* Deletes r's handoff from the store (engine thread). */
+/* Deletes r's handoff from the store (engine thread; a transfer job, not waited for). */
 void engsvc_drop_handoff(engsvc *s, const sreq *r);
+
+/* engsvc_store.c (engine thread): the put of a PREFILL request's handoff (it has finished with
+ * a handoff: exported, released, then put; the reply goes when the put is done) and the pull
+ * of a DECODE request's handoff (it enters the engine when the pull is done: DI_OK, or the
+ * submit's failure); engsvc_take_events handles whatever finished (admissions, puts, pulls). */
+void engsvc_handoff_submit(engsvc *s, sreq *r);
+di_status engsvc_pull_submit(engsvc *s, sreq *r, di_error *err);
+void engsvc_take_events(engsvc *s);
 
 #endif

@@ -53,7 +53,8 @@ typedef struct app {
     eopts o;
     kern_backend be;
     serve_model sm;
-    kvc_client *kv;
+    kvc_client *kv;             /* the store, for stores (one client per thread) */
+    kvc_client *kv_load;        /* the store, for loads */
     engsvc *svc;
     rpc_server *srv;
     char model_name[64];
@@ -101,12 +102,14 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
     ko.token = o->eng.kvstore_token;
     ko.deadline_ms = (uint32_t)o->kvstore_deadline_ms;
     ko.model_id = kv_model_id(a->sm.rm.w->config.model_id, KV_YOCO_DEFAULT); /* as engsvc runs */
-    if ((st = kvc_open(&ko, &a->kv, err)) != DI_OK) {
+    if ((st = kvc_open(&ko, &a->kv, err)) != DI_OK ||
+        (st = kvc_open(&ko, &a->kv_load, err)) != DI_OK) {
         di_error_prefix(err, "--kvstore %s: ", o->eng.kvstore);
         return st;
     }
     engsvc_config ec = {.kind = a->kind, .rm = &a->sm.rm, .be = &a->be,
-                        .model_name = a->model_name, .kv = a->kv,
+                        .model_name = a->model_name, .kv = a->kv, .kv_load = a->kv_load,
+                        .kv_target = o->eng.kvstore,
                         .nextn = o->nextn == 16 ? UINT32_MAX : (uint32_t)o->nextn,
                         .chunk = (uint32_t)o->chunk, .max_seqs = (uint32_t)o->max_seqs,
                         .num_blocks = (uint32_t)o->blocks,
@@ -150,6 +153,7 @@ static void stop(void *ud, const svc_ctx *ctx)
     engsvc_destroy(a->svc);
     a->svc = NULL;
     a->kv = kvc_close(a->kv);
+    a->kv_load = kvc_close(a->kv_load);
     serve_model_close(&a->sm);
     serve_backend_close(&a->be);
 }

@@ -261,6 +261,9 @@ static di_status get_load(void *svc, const rpc_request *req, rpc_reply *reply, d
     l.prefill_tokens_per_s = s->prefill_tps;
     l.decode_step_ms = s->decode_ms;
     l.draining = s->draining;
+    l.prompt_tokens_cached = s->cached_prompt_tokens;
+    l.prompt_tokens_computed = s->computed_prompt_tokens;
+    l.store_failures = s->store_failures;
     pthread_mutex_unlock(&s->mu);
     return pack_reply(&l.base, reply, err);
 }

@@ -10,6 +10,8 @@
 
 typedef struct xfer_job {
     xfer_done d;               /* what xfer_poll returns; attempts and status updated */
+    uint32_t max_attempts;     /* calls before it fails */
+    bool no_wait;              /* completes with DI_EUNAVAIL during a back-off */
     struct xfer_job *next;     /* in the queue, the done list or the free list */
 } xfer_job;
 
@@ -79,12 +81,42 @@ static void after_failure(xfer *x, xfer_job *j)
     x->backoff_cur = b;
     x->backoff_until = di_mono_ns() + b;
     x->stats.backoffs++;
-    if (j->d.attempts < x->cfg.max_attempts) {
+    if (j->d.attempts < j->max_attempts) {
         push_front(&x->queue, j);
         return;
     }
     x->stats.failed++;
     push_back(&x->done, j);
+}
+
+/* A back-off started or lasts: the no_wait jobs complete at once. */
+static void skip_no_wait(xfer *x)
+{
+    job_list keep = {0};
+    bool any = false;
+    for (xfer_job *j; (j = pop_front(&x->queue));) {
+        if (!j->no_wait) {
+            push_back(&keep, j);
+            continue;
+        }
+        if (j->d.attempts == 0) { /* else: its last call's failure */
+            j->d.status = DI_EUNAVAIL;
+            di_fail(&j->d.err, DI_EUNAVAIL, "the store is backing off after a failed call");
+            x->stats.skipped++;
+        } else {
+            x->stats.failed++;
+        }
+        push_back(&x->done, j);
+        any = true;
+    }
+    x->queue = keep;
+    if (any)
+        pthread_cond_broadcast(&x->idle);
+    if (any && x->cfg.on_done) {
+        pthread_mutex_unlock(&x->mu);
+        x->cfg.on_done(x->cfg.on_done_ud);
+        pthread_mutex_lock(&x->mu);
+    }
 }
 
 static void *thread_main(void *arg)
@@ -98,6 +130,9 @@ static void *thread_main(void *arg)
         }
         uint64_t now = di_mono_ns();
         if (now < x->backoff_until) {
+            skip_no_wait(x);
+            if (!x->queue.head)
+                continue;
             struct timespec ts = abs_time(x->backoff_until);
             pthread_cond_timedwait(&x->work, &x->mu, &ts);
             continue;
@@ -124,6 +159,13 @@ static void *thread_main(void *arg)
             after_failure(x, j);
         }
         pthread_cond_broadcast(&x->idle);
+        if (x->cfg.on_done && st != DI_OK && j->d.attempts < j->max_attempts)
+            continue; /* queued again: nothing finished */
+        if (x->cfg.on_done) {
+            pthread_mutex_unlock(&x->mu);
+            x->cfg.on_done(x->cfg.on_done_ud);
+            pthread_mutex_lock(&x->mu);
+        }
     }
     pthread_mutex_unlock(&x->mu);
     return NULL;
@@ -201,6 +243,12 @@ void xfer_destroy(xfer *x)
 
 di_status xfer_submit(xfer *x, xfer_kind kind, uint64_t request_id, void *job, di_error *err)
 {
+    return xfer_submit_opts(x, kind, request_id, job, NULL, err);
+}
+
+di_status xfer_submit_opts(xfer *x, xfer_kind kind, uint64_t request_id, void *job,
+                           const xfer_job_opts *o, di_error *err)
+{
     if (!x || !job)
         return di_fail(err, DI_EINVAL, "transfer submit: transfer and job are required");
     pthread_mutex_lock(&x->mu);
@@ -211,9 +259,22 @@ di_status xfer_submit(xfer *x, xfer_kind kind, uint64_t request_id, void *job, d
                        x->cfg.max_jobs);
     }
     x->free = j->next;
-    *j = (xfer_job){.d = {.request_id = request_id, .kind = kind, .job = job}};
-    push_back(&x->queue, j);
+    *j = (xfer_job){.d = {.request_id = request_id, .kind = kind, .job = job},
+                    .max_attempts = o && o->max_attempts ? o->max_attempts
+                                                         : x->cfg.max_attempts,
+                    .no_wait = o && o->no_wait};
     x->stats.submitted++;
+    /* the last call failed and the back-off lasts, or the call that tries the store again is
+     * in flight: a no_wait job does not queue behind it */
+    if (j->no_wait && x->backoff_cur && (di_mono_ns() < x->backoff_until || x->running)) {
+        j->d.status = DI_EUNAVAIL;
+        di_fail(&j->d.err, DI_EUNAVAIL, "the store is backing off after a failed call");
+        x->stats.skipped++;
+        push_back(&x->done, j);
+        pthread_mutex_unlock(&x->mu);
+        return DI_OK;
+    }
+    push_back(&x->queue, j);
     pthread_cond_signal(&x->work);
     pthread_mutex_unlock(&x->mu);
     return DI_OK;

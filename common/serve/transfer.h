@@ -19,6 +19,7 @@
  * Job lifecycle (each completes exactly once, through xfer_poll):
  *   QUEUED -> RUNNING (transfer thread) -> DONE (status of the last call)
  *   QUEUED -> DONE (DI_ECANCELED) by xfer_cancel of its request or by xfer_destroy
+ *   QUEUED -> DONE (DI_EUNAVAIL) for a no_wait job while a back-off lasts
  * A RUNNING job is not interrupted: it completes with its call's outcome.
  *
  * Thread safety: xfer_submit, xfer_poll, xfer_cancel, xfer_wait and xfer_get_stats from one
@@ -55,6 +56,10 @@ typedef struct xfer_config {
     uint32_t max_attempts;     /* calls per job before it fails; >= 1 */
     uint64_t backoff_ns;       /* first back-off after a failed call; > 0 */
     uint64_t max_backoff_ns;   /* the longest back-off; >= backoff_ns */
+    void (*on_done)(void *ud); /* optional: called by the transfer thread (no lock held) after
+                                  a job finished, so that the engine thread need not poll on a
+                                  timer; it must not call into the xfer */
+    void *on_done_ud;
 } xfer_config;
 
 /* A finished job. */
@@ -75,6 +80,7 @@ typedef struct xfer_stats {
     uint64_t calls;            /* store calls */
     uint64_t retries;          /* calls after a failed one of the same job */
     uint64_t backoffs;         /* back-offs started */
+    uint64_t skipped;          /* no_wait jobs completed with DI_EUNAVAIL during a back-off */
     uint32_t pending;          /* jobs not yet polled */
 } xfer_stats;
 
@@ -88,6 +94,19 @@ void xfer_destroy(xfer *x);
 
 /* Queues a job. DI_OK; DI_EFULL (max_jobs jobs not yet polled); DI_EINVAL (job NULL). */
 di_status xfer_submit(xfer *x, xfer_kind kind, uint64_t request_id, void *job, di_error *err);
+
+/* What one job may cost the store, when it differs from the config. */
+typedef struct xfer_job_opts {
+    uint32_t max_attempts;     /* calls before it fails; 0 = the config's */
+    bool no_wait;              /* during a back-off, and while the call that tries the store
+                                  again after one is in flight, it completes at once with
+                                  DI_EUNAVAIL instead of waiting (a prefix load: the request
+                                  goes on without its hit rather than wait for the store) */
+} xfer_job_opts;
+
+/* xfer_submit with per-job options (o NULL: the config's). Same codes. */
+di_status xfer_submit_opts(xfer *x, xfer_kind kind, uint64_t request_id, void *job,
+                           const xfer_job_opts *o, di_error *err);
 
 /* Copies up to max finished jobs into out (oldest first) and forgets them; never blocks.
  * Returns how many. */

@@ -119,12 +119,10 @@ echo
 echo "  Prefix cache: the store holds $held blocks ($((held * 128)) tokens) of the second prompt's $prompt2:"
 echo "  the shared system prompt, stored by di-prefill for the first request. The router looked"
 echo "  them up (the lookup counters of di-kvctl stats below) and placed the prefill by the"
-echo "  tokens left to compute. Not reused yet: di-prefill computes every prompt token again (it"
-echo "  stores full blocks but does not load prefix hits), so the router reports"
-echo "  usage.prompt_tokens_details.cached_tokens = $cached2 for the second request ($cached1 for the"
-echo "  first): the tokens prefill actually took from the store. What the store does save today is"
-echo "  the handoff: decode loads the prompt's KV and state from it instead of recomputing them."
-echo "  A resume from a cached prefix is what di-generate --kvstore does: deploy/local/offline.sh."
+echo "  tokens left to compute; di-prefill loaded them (blocks and the window state) and computed"
+echo "  the rest, so the router reports usage.prompt_tokens_details.cached_tokens = $cached2 for the"
+echo "  second request ($cached1 for the first): the tokens prefill took from the store. A hit is"
+echo "  capped so that prefill always computes the prompt's last 140 tokens or more."
 
 step "the store's counters: di-kvctl stats"
 build/kvstore/di-kvctl stats

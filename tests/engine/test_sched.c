@@ -235,6 +235,35 @@ Test(sched, prompt_engine_keeps_looking_after_a_cut)
     }
 }
 
+/* With max_chunk_tokens a cut chunk ends on a multiple of it (a KV-store engine copies the
+ * window state there): the budget left after a prompt's last chunk is not a multiple of 128, so
+ * the next prompt's chunk is shortened to end on one, or waits for the next step when none
+ * fits. */
+Test(sched, cut_chunks_end_on_a_multiple_of_max_chunk_tokens)
+{
+    sched_config c;
+    h_config(&c);
+    c.type = SCHED_PROMPT;
+    c.max_num_batched_tokens = 300;
+    c.max_chunk_tokens = 128;
+    sched *s = h_make(&c);
+    h_add(s, 1, 50, 8);
+    h_add(s, 2, 400, 8);
+    h_add(s, 3, 400, 8);
+    sched_plan *p = h_schedule(s);
+    cr_assert_eq(p->n_seqs, 2, "request 3 would get 122 tokens: none ends on 128, it waits");
+    cr_assert_eq(p->seqs[0].seqlen_q, 50);
+    cr_assert_eq(p->seqs[1].seqlen_q, 128);
+    h_process(s, p, NULL, NULL, &lg);
+    p = h_schedule(s);
+    for (uint32_t i = 0; i < p->n_seqs; i++)
+        cr_assert_eq((p->seqs[i].first_position + p->seqs[i].seqlen_q) % 128, 0,
+                     "request %llu: a chunk to %u", (unsigned long long)p->seqs[i].request_id,
+                     p->seqs[i].first_position + p->seqs[i].seqlen_q);
+    h_process(s, p, NULL, NULL, &lg);
+    sched_destroy(s);
+}
+
 /* The head of waiting blocks the queue: a prompt that does not fit the free blocks holds back
  * a small one behind it. */
 Test(sched, head_of_waiting_blocks_the_queue)

@@ -777,6 +777,257 @@ Test(disagg, drain_fails_what_it_cannot_finish_and_exits_0)
     assert_clean(&r);
     rig_stop(&r);
 }
+/* ---- prefix hits: what the store gives prefill, what decode leaves for the next turn ---- */
+
+/* One prompt of n ids in a file of its own, for di-generate --ids-file. */
+static void ids_file(char *path, size_t cap, const char *name, const uint32_t *ids, uint32_t n)
+{
+    snprintf(path, cap, "%s/%s.txt", g_dir, name);
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    for (uint32_t k = 0; k < n; k++)
+        fprintf(f, k ? ",%u" : "%u", ids[k]);
+    fputc('\n', f);
+    cr_assert_eq(fclose(f), 0);
+}
+
+/* The prompt through both services (remote) or a local run, temperature 0, end token off. */
+static void run_one(gen_res *g, const rig *r, bool remote, const uint32_t *ids, uint32_t n,
+                    uint32_t max_tokens, const char *name)
+{
+    char path[300];
+    ids_file(path, sizeof path, name, ids, n);
+    if (remote)
+        gen(g, "--prefill %s --decode %s --ids-file %s --max-tokens %u --ignore-eos "
+            "--temperature 0", r->prefill.target, r->decode.target, path, max_tokens);
+    else
+        gen(g, "--config tiny --weights-seed " SEED " --chunk " CHUNK " --threads 1 --nextn %s "
+            "--ids-file %s --max-tokens %u --ignore-eos --temperature 0", r->nextn, path,
+            max_tokens);
+    cr_assert_eq(g->rc, 0, "%s run of %s: %s", remote ? "remote" : "local", name, g->err);
+}
+
+static json_int_t req_int(const gen_res *g, const char *key)
+{
+    json_t *q = json_array_get(json_object_get(g->json, "requests"), 0);
+    return json_integer_value(json_object_get(q, key));
+}
+
+static json_int_t store_stat(const rig *r, const char *cls, const char *key)
+{
+    json_t *j = kvctl_stats(r);
+    json_t *v = cls ? json_object_get(json_object_get(json_object_get(j, "classes"), cls), key)
+                    : json_object_get(j, key);
+    json_int_t x = json_integer_value(v);
+    json_decref(j);
+    return x;
+}
+
+/* Store jobs run after the reply: wait (10 s at most) until the store holds this many. */
+static void wait_objects(const rig *r, json_int_t blocks, json_int_t windows)
+{
+    uint64_t until = di_mono_ns() + 10000000000ull;
+    json_int_t b, w;
+    do {
+        b = store_stat(r, "block", "objects");
+        w = store_stat(r, "window", "objects");
+        if (b >= blocks && w >= windows)
+            return;
+        usleep(50000);
+    } while (di_mono_ns() < until);
+    cr_assert_fail("the store holds %lld blocks and %lld window states, want %lld and %lld",
+                   (long long)b, (long long)w, (long long)blocks, (long long)windows);
+}
+
+/* Waits (30 s at most) until the log of p has a line with `what`. */
+static void wait_log(const proc *p, const char *what)
+{
+    uint64_t until = di_mono_ns() + 30000000000ull;
+    char buf[65536];
+    do {
+        FILE *f = fopen(p->log, "r");
+        size_t n = f ? fread(buf, 1, sizeof buf - 1, f) : 0;
+        if (f)
+            fclose(f);
+        buf[n] = 0;
+        if (strstr(buf, what))
+            return;
+        usleep(20000);
+    } while (di_mono_ns() < until);
+    cr_assert_fail("%s: no line with \"%s\" in %s", p->log, what, buf);
+}
+
+/* Two prompts: a of 700 ids, b of 720 sharing a's first 640 (5 blocks). */
+static void shared_prompts(uint32_t *a, uint32_t *b)
+{
+    prompt_ids(a, 700, 41);
+    memcpy(b, a, 640 * sizeof(uint32_t));
+    for (uint32_t k = 640; k < 720; k++)
+        b[k] = 2 + (k * 131u + 17u) % 4000u;
+}
+
+/* The second prompt sharing a long prefix with the first is served from the store: prefill
+ * computes only the rest (the reply's cached_tokens and GetLoad's counts), the store counted
+ * the hit, and the output equals a local run's bit for bit. b = 720 tokens: the hit is capped at
+ * (720 - 140) / 128 = 4 blocks, where a left its window state (a rerun of a resumes there). */
+Test(disagg, a_prompt_sharing_a_long_prefix_is_served_from_the_store)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    uint32_t a[700], b[720];
+    shared_prompts(a, b);
+    gen_res g1, g2, local;
+    run_one(&g1, &r, true, a, 700, 4, "a");
+    cr_assert_eq(req_int(&g1, "cached_tokens"), 0, "the store was empty");
+    Di__Engine__Load l0 = get_load(&r.prefill, "prefill.Prefill");
+    json_int_t hits0 = store_stat(&r, NULL, "lookup_hits");
+    run_one(&g2, &r, true, b, 720, 8, "b");
+    cr_assert_eq(req_int(&g2, "cached_tokens"), 512);
+    Di__Engine__Load l1 = get_load(&r.prefill, "prefill.Prefill");
+    cr_assert_eq(l1.prompt_tokens_cached - l0.prompt_tokens_cached, 512);
+    cr_assert_eq(l1.prompt_tokens_computed - l0.prompt_tokens_computed, 720 - 512,
+                 "prefill computed %llu tokens",
+                 (unsigned long long)(l1.prompt_tokens_computed - l0.prompt_tokens_computed));
+    cr_assert_geq(store_stat(&r, NULL, "lookup_hits") - hits0, 5, "a's 5 blocks were hit");
+    cr_assert_eq(l1.store_failures, 0);
+    run_one(&local, &r, false, b, 720, 8, "b-local");
+    same_outputs(&g2, &local, "b from the store");
+    json_decref(g1.json);
+    json_decref(g2.json);
+    json_decref(local.json);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* The next turn of a conversation (the prompt, the response, more) hits the block decode
+ * stored as the response filled it, and the window state decode stored at its last multiple
+ * of 128: 300 prompt tokens + 200 generated = 499 positions of KV, blocks 0-1 from prefill and
+ * block 2 with the window state at 384 from decode; the 600-token next turn resumes at 384
+ * (prefill alone would have left 256). */
+Test(disagg, the_next_turn_hits_the_blocks_decode_stored)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    uint32_t p[300], q[600];
+    prompt_ids(p, 300, 43);
+    gen_res g1, g2, local;
+    run_one(&g1, &r, true, p, 300, 200, "turn1");
+    json_t *toks = json_object_get(json_array_get(json_object_get(g1.json, "requests"), 0),
+                                   "tokens");
+    cr_assert_eq(json_array_size(toks), 200);
+    memcpy(q, p, sizeof p);
+    for (uint32_t k = 0; k < 200; k++)
+        q[300 + k] = (uint32_t)json_integer_value(json_array_get(toks, k));
+    for (uint32_t k = 500; k < 600; k++)
+        q[k] = 2 + (k * 61u + 5u) % 4000u;
+    wait_objects(&r, 3, 3); /* decode's put runs after its stream ended */
+    run_one(&g2, &r, true, q, 600, 8, "turn2");
+    cr_assert_eq(req_int(&g2, "cached_tokens"), 384, "decode's block 2 and window at 384");
+    run_one(&local, &r, false, q, 600, 8, "turn2-local");
+    same_outputs(&g2, &local, "the next turn from the store");
+    json_decref(g1.json);
+    json_decref(g2.json);
+    json_decref(local.json);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+typedef struct thaw {
+    const proc *p;
+    const char *line;
+    pid_t store;
+} thaw;
+
+/* Continues the stopped store once the rank's log has the line. */
+static void *thaw_when(void *arg)
+{
+    thaw *t = arg;
+    wait_log(t->p, t->line);
+    kill(t->store, SIGCONT);
+    return NULL;
+}
+
+/* The store frozen while prefill looks a prompt up: the lookup fails at its deadline, the
+ * prompt is computed (same output as a local run) and its handoff stored once the store is
+ * back; the next prompt hits again (the store is never given up). Then the store frozen while
+ * decode stores a response: the stream is served whole, the put is dropped after its attempts
+ * (GetLoad counts it), and once the store is back decode stores the next responses and the
+ * next turn hits them. */
+Test(disagg, the_store_frozen_during_a_load_or_a_store_costs_only_the_hit)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    uint32_t a[700], b[720];
+    shared_prompts(a, b);
+    gen_res g1, g2, g3, local;
+    run_one(&g1, &r, true, a, 700, 4, "a");
+    /* the load */
+    cr_assert_eq(kill(r.store.pid, SIGSTOP), 0);
+    thaw t = {.p = &r.prefill, .line = "computing the prompt without it", .store = r.store.pid};
+    pthread_t th;
+    cr_assert_eq(pthread_create(&th, NULL, thaw_when, &t), 0);
+    run_one(&g2, &r, true, b, 720, 8, "b");
+    pthread_join(th, NULL);
+    cr_assert_eq(req_int(&g2, "cached_tokens"), 0, "the lookup failed: no hit");
+    run_one(&local, &r, false, b, 720, 8, "b-local");
+    same_outputs(&g2, &local, "b without the store");
+    Di__Engine__Load l = get_load(&r.prefill, "prefill.Prefill");
+    cr_assert_geq(l.store_failures, 1);
+    run_one(&g3, &r, true, b, 720, 8, "b-again");
+    cr_assert_eq(req_int(&g3, "cached_tokens"), 512, "the store is used again");
+    same_outputs(&g3, &local, "b from the store again");
+    json_decref(g1.json);
+    json_decref(g2.json);
+    json_decref(g3.json);
+    json_decref(local.json);
+    /* the store of a response */
+    rpc_client *pc = client(&r.prefill), *dc = client(&r.decode);
+    uint32_t p[300];
+    prompt_ids(p, 300, 47);
+    di_status st;
+    di_error err;
+    Di__Prefill__PrefillReply *pr = prefill(pc, "frozen-store", p, 300, 200, 60000, &st, &err);
+    cr_assert_eq(st, DI_OK, "%s", err.msg);
+    json_int_t blocks0 = store_stat(&r, "block", "objects");
+    rpc_stream *s = decode_open(dc, "frozen-store", p, 300, pr, 200);
+    int ended;
+    cr_assert_eq(stream_read(s, 1, &ended, &st, &err), 1, "%s", err.msg);
+    uint64_t until = di_mono_ns() + 10000000000ull; /* decode deleted the handoff it pulled */
+    while (store_stat(&r, "handoff", "objects") && di_mono_ns() < until)
+        usleep(20000);
+    cr_assert_eq(kill(r.store.pid, SIGSTOP), 0);
+    uint32_t got = 1 + stream_read(s, 1000, &ended, &st, &err);
+    cr_assert(ended && st == DI_OK, "the stream is served whole: %s", err.msg);
+    cr_assert_eq(got, 199, "every token of the response");
+    wait_log(&r.decode, "not stored; the store is tried again");
+    cr_assert_eq(kill(r.store.pid, SIGCONT), 0);
+    rpc_stream_close(s);
+    di__prefill__prefill_reply__free_unpacked(pr, NULL);
+    rpc_client_close(pc);
+    rpc_client_close(dc);
+    l = get_load(&r.decode, "decode.Decode");
+    cr_assert_geq(l.store_failures, 1, "the dropped put is counted");
+    cr_assert_eq(store_stat(&r, "block", "objects"), blocks0, "the response was not stored");
+    /* back: the next turn of another conversation hits what decode stores now */
+    uint32_t q[600];
+    prompt_ids(q, 300, 53);
+    gen_res t1, t2;
+    run_one(&t1, &r, true, q, 300, 200, "turn1");
+    json_t *toks = json_object_get(json_array_get(json_object_get(t1.json, "requests"), 0),
+                                   "tokens");
+    for (uint32_t k = 0; k < 200; k++)
+        q[300 + k] = (uint32_t)json_integer_value(json_array_get(toks, k));
+    for (uint32_t k = 500; k < 600; k++)
+        q[k] = 2 + (k * 67u + 3u) % 4000u;
+    wait_objects(&r, blocks0 + 3, 0);
+    run_one(&t2, &r, true, q, 600, 8, "turn2");
+    cr_assert_eq(req_int(&t2, "cached_tokens"), 384, "decode stores again");
+    json_decref(t1.json);
+    json_decref(t2.json);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
 #endif /* !DI_DISAGG_BENCH */
 
 #ifdef DI_DISAGG_BENCH
@@ -883,6 +1134,63 @@ Test(disagg_bench, ttft_and_tpot_disaggregated_vs_local)
                json_real_value(json_object_get(rs, "kv_pull_ms_mean")));
         json_decref(loc.json);
         json_decref(rem.json);
+    }
+    rig_stop(&r);
+}
+
+/* A prompt whose prefix is in the store, against the same prompt's cold TTFT and against the
+ * floor of its warm TTFT: di-generate --kvstore on the same prompt and store, one process, its
+ * prefill time (the same hit loaded, the same tail computed over the same context). B shares
+ * all of A but its last 64 tokens; the hit is capped at L - 140. */
+Test(disagg_bench, ttft_of_a_prefix_hit_vs_cold_and_the_compute_floor)
+{
+    rig r = {0};
+    rig_start(&r, "5");
+    const uint32_t lens[] = {1000, 2000, 4000};
+    printf("tiny model, CPU, 1 thread per rank, chunk " CHUNK ", 8 output tokens, nextn 5\n");
+    for (size_t i = 0; i < sizeof lens / sizeof lens[0]; i++) {
+        uint32_t L = lens[i];
+        char pa[300], pb[300];
+        snprintf(pa, sizeof pa, "%s/ha%zu.txt", g_dir, i);
+        snprintf(pb, sizeof pb, "%s/hb%zu.txt", g_dir, i);
+        FILE *fa = fopen(pa, "w"), *fb = fopen(pb, "w");
+        for (uint32_t k = 0; k < L; k++) {
+            uint32_t t = 2 + (k * 7919u + (uint32_t)i * 131u + 7u) % 4000u;
+            fprintf(fa, k ? ",%u" : "%u", t);
+            fprintf(fb, k ? ",%u" : "%u", k < L - 64 ? t : 2 + (k * 37u + 11u) % 4000u);
+        }
+        fputc('\n', fa);
+        fputc('\n', fb);
+        fclose(fa);
+        fclose(fb);
+        gen_res cold, warm, floor_run;
+        gen(&cold, "--prefill %s --decode %s --ids-file %s --max-tokens 8 --ignore-eos",
+            r.prefill.target, r.decode.target, pa);
+        gen(&warm, "--prefill %s --decode %s --ids-file %s --max-tokens 8 --ignore-eos",
+            r.prefill.target, r.decode.target, pb);
+        cr_assert(cold.rc == 0 && warm.rc == 0, "%s %s", cold.err, warm.err);
+        json_int_t cached = json_integer_value(json_object_get(
+            json_array_get(json_object_get(warm.json, "requests"), 0), "cached_tokens"));
+        uint32_t tail = L - (uint32_t)cached;
+        gen(&floor_run, "--config tiny --weights-seed " SEED " --chunk " CHUNK " --threads 1 "
+            "--nextn 5 --ids-file %s --max-tokens 8 --ignore-eos --kvstore %s", pb,
+            r.store.target);
+        cr_assert_eq(floor_run.rc, 0, "%s", floor_run.err);
+        cr_assert_eq(json_integer_value(json_object_get(json_object_get(json_object_get(
+                         floor_run.json, "stats"), "kvstore"), "hit_tokens")), cached,
+                     "the same hit");
+        double ct = json_real_value(json_object_get(json_object_get(cold.json, "stats"),
+                                                    "ttft_ms_mean"));
+        double wt = json_real_value(json_object_get(json_object_get(warm.json, "stats"),
+                                                    "ttft_ms_mean"));
+        double ft_ms = json_real_value(json_object_get(json_object_get(floor_run.json, "stats"),
+                                                       "prefill_s")) * 1e3;
+        printf("prompt %5u tokens: TTFT cold %.1f ms; warm %.1f ms with %lld tokens from the "
+               "store, %u computed; floor (di-generate --kvstore, the same hit, prefill) %.1f "
+               "ms\n", L, ct, wt, (long long)cached, tail, ft_ms);
+        json_decref(cold.json);
+        json_decref(warm.json);
+        json_decref(floor_run.json);
     }
     rig_stop(&r);
 }

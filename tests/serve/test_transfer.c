@@ -337,3 +337,48 @@ Test(transfer, the_engine_steps_while_a_request_loads_and_a_failed_load_ends_onl
     xfer_destroy(x);
     free(f);
 }
+
+/* A load that must not wait (a prefix hit: the request goes on without it) completes with
+ * DI_EUNAVAIL and no call while the store backs off; a store job behind the back-off waits and
+ * is tried again; per-job attempts override the config's. */
+Test(transfer, a_no_wait_load_is_skipped_during_a_back_off_and_a_store_job_waits)
+{
+    fake_store *f = fake_new();
+    f->fail_first[1] = 1; /* the store job of request 1 fails once, then succeeds */
+    xfer *x = make(f, 3, 400000000ull); /* 400 ms: far longer than the skip takes */
+    int j1 = 0, j2 = 0, j3 = 0;
+    di_error err;
+    cr_assert_eq(xfer_submit(x, XFER_STORE, 1, &j1, &err), DI_OK);
+    cr_assert_eq(xfer_wait(x, 0, &err), DI_ETIMEDOUT, "the store job waits in its back-off");
+    xfer_job_opts nw = {.max_attempts = 1, .no_wait = true};
+    cr_assert_eq(xfer_submit_opts(x, XFER_LOAD, 2, &j2, &nw, &err), DI_OK);
+    xfer_done d[4];
+    size_t n = 0;
+    uint64_t t0 = di_mono_ns();
+    while (n == 0 && di_mono_ns() - t0 < 5000000000ull) {
+        n = xfer_poll(x, d, 4);
+        nanosleep(&(struct timespec){0, 1000000}, NULL);
+    }
+    cr_assert_eq(n, 1);
+    cr_assert_eq(d[0].request_id, 2);
+    cr_assert_eq(d[0].status, DI_EUNAVAIL, "%s", d[0].err.msg);
+    cr_assert_eq(d[0].attempts, 0, "no call during the back-off");
+    cr_assert_eq(j2, 0);
+    cr_assert(strstr(d[0].err.msg, "backing off"), "%s", d[0].err.msg);
+    /* after the back-off: the store job is retried and succeeds, the store is used again */
+    cr_assert_eq(xfer_wait(x, 10000000000ull, &err), DI_OK, "%s", err.msg);
+    cr_assert_eq(xfer_poll(x, d, 4), 1);
+    cr_assert_eq(d[0].request_id, 1);
+    cr_assert_eq(d[0].status, DI_OK);
+    cr_assert_eq(d[0].attempts, 2);
+    cr_assert_eq(xfer_submit_opts(x, XFER_LOAD, 3, &j3, &nw, &err), DI_OK);
+    cr_assert_eq(xfer_wait(x, 10000000000ull, &err), DI_OK, "%s", err.msg);
+    cr_assert_eq(xfer_poll(x, d, 4), 1);
+    cr_assert_eq(d[0].status, DI_OK, "the back-off ended with the success");
+    cr_assert_eq(j3, 1);
+    xfer_stats s = xfer_get_stats(x);
+    cr_assert_eq(s.skipped, 1);
+    cr_assert_eq(s.pending, 0);
+    xfer_destroy(x);
+    free(f);
+}

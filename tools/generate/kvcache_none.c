@@ -18,9 +18,22 @@ void gen_kv_close(gen_kv *k)
 }
 
 di_status gen_kv_admit(gen_kv *k, uint64_t id, const int32_t *prompt, uint32_t len,
-                       sched_request *sr, di_error *err)
+                       di_error *err)
 {
     return di_fail(err, DI_EUNSUPPORTED, "no KV store client in this build");
+}
+
+di_status gen_kv_collect(gen_kv *k, di_error *err)
+{
+    return DI_OK;
+}
+
+void gen_kv_hit(const gen_kv *k, sched_request *sr)
+{
+}
+
+void gen_kv_drain(gen_kv *k)
+{
 }
 
 di_status gen_kv_load(void *userdata, fwd_kv *kv, const sched_seq_plan *entry, di_error *err)

@@ -178,6 +178,7 @@ static json_t *request_json(const gen_args *a, uint32_t i, remote_out *o)
     json_t *r = json_object();
     json_object_set_new(r, "id", json_integer(i + 1));
     json_object_set_new(r, "prompt_tokens", json_integer(a->prompts[i].n));
+    json_object_set_new(r, "cached_tokens", json_integer(o->cached));
     json_object_set(r, "tokens", o->tokens);
     json_object_set(r, "logprobs", o->logprobs);
     if (o->tops)

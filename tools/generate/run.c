@@ -546,6 +546,14 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
             di_error_prefix(err, "--step-ms: ");
         return st;
     }
+    for (uint32_t i = 0; rs->kv && i < a->n_prompts; i++)
+        if ((st = gen_kv_admit(rs->kv, i + 1, a->prompts[i].ids, a->prompts[i].n, err)) !=
+            DI_OK) {
+            di_error_prefix(err, "prompt %u: ", i + 1);
+            return st;
+        }
+    if (rs->kv && (st = gen_kv_collect(rs->kv, err)) != DI_OK)
+        return st;
     for (uint32_t i = 0; i < a->n_prompts; i++) {
         if (rs->ep && !gen_ep_mine(rs->ep, i))
             continue; /* another rank's */
@@ -557,9 +565,8 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
         sched_request sr = {.id = i + 1, .prompt = a->prompts[i].ids,
                             .prompt_len = a->prompts[i].n, .max_tokens = max_tokens,
                             .ignore_eos = a->ignore_eos};
-        if ((rs->kv && (st = gen_kv_admit(rs->kv, sr.id, sr.prompt, sr.prompt_len, &sr, err)) !=
-                           DI_OK) ||
-            (st = engine_add(rs->e, &sr, &rq, NULL, err)) != DI_OK) {
+        gen_kv_hit(rs->kv, &sr);
+        if ((st = engine_add(rs->e, &sr, &rq, NULL, err)) != DI_OK) {
             di_error_prefix(err, "prompt %u: ", i + 1);
             return st;
         }
@@ -623,6 +630,7 @@ di_status gen_run(gen_args *a, di_error *err)
     }
     if (st != DI_OK)
         goto done;
+    gen_kv_drain(rs.kv);
     stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:I}", "load_s", load_s,
                       "prefill_tokens", (json_int_t)rs.prefill_tokens, "prefill_s", rs.prefill_s,
                       "decode_steps", (json_int_t)rs.decode_steps, "decode_tokens",
@@ -632,12 +640,14 @@ di_status gen_run(gen_args *a, di_error *err)
     if (rs.kv) {
         gen_kv_stats ks = gen_kv_get_stats(rs.kv);
         json_object_set_new(stats, "kvstore", json_pack(
-            "{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b}", "hit_tokens", (json_int_t)ks.hit_tokens,
-            "replay_tokens", (json_int_t)ks.replay_tokens, "blocks_loaded",
-            (json_int_t)ks.blocks_loaded, "windows_loaded", (json_int_t)ks.windows_loaded,
-            "blocks_stored", (json_int_t)ks.blocks_stored, "windows_stored",
-            (json_int_t)ks.windows_stored, "errors", (json_int_t)ks.errors, "disabled",
-            ks.disabled));
+            "{s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:I, s:b}", "hit_tokens",
+            (json_int_t)ks.hit_tokens, "replay_tokens", (json_int_t)ks.replay_tokens,
+            "blocks_loaded", (json_int_t)ks.blocks_loaded, "windows_loaded",
+            (json_int_t)ks.windows_loaded, "blocks_stored", (json_int_t)ks.blocks_stored,
+            "windows_stored", (json_int_t)ks.windows_stored, "errors", (json_int_t)ks.errors,
+            "load_failures", (json_int_t)ks.load_failures, "store_failures",
+            (json_int_t)ks.store_failures, "retries", (json_int_t)ks.retries, "refused",
+            ks.refused));
         if (!a->quiet)
             fprintf(stderr, "di-generate: KV store: %llu prompt tokens loaded; stored: %llu "
                     "blocks, %llu window states\n", (unsigned long long)ks.hit_tokens,
