@@ -424,6 +424,8 @@ static di_status continue_decode(pd_req *q, uint32_t blocks, rk_pick *r, rt_fini
     else if ((p = malloc(n * sizeof *p)) == NULL)
         why_not = "out of memory";
     if (why_not) {
+        if (next.idx >= 0) /* the pick's reservation back */
+            rk_decode_done(b->cfg.ranks, (size_t)next.idx, blocks, true);
         q->continues = PD_MAX_CONTINUES;
         return di_fail(err, failed, "%.250s; not continued: %s", why, why_not);
     }
@@ -442,6 +444,7 @@ static di_status continue_decode(pd_req *q, uint32_t blocks, rk_pick *r, rt_fini
     q->out = (outcome){0};
     rk_pick pre = {.idx = -1};
     di_error e = {0};
+    bool decoded = false;
     di_status st = do_prefill(q, hit, &q->out, &pre, &e);
     if (st == DI_OK) {
         if (q->cb.on_continue)
@@ -457,8 +460,10 @@ static di_status continue_decode(pd_req *q, uint32_t blocks, rk_pick *r, rt_fini
         else if (!q->out.pre->handoff)
             st = di_fail(&e, DI_EPROTO, "prefill rank %s: no handoff manifest", pre.addr);
         else if (!is_aborted(q))
-            st = decode_on(q, r, blocks, reason, &e);
+            st = decode_on(q, r, blocks, reason, &e), decoded = true;
     }
+    if (!decoded) /* the pick's reservation back; no call was made, nothing to judge */
+        rk_decode_done(b->cfg.ranks, (size_t)next.idx, blocks, true);
     q->prompt = p0, q->req.prompt = p0, q->req.n_prompt = n0, q->req.max_tokens = max0;
     free(p);
     if (st != DI_OK)

@@ -16,7 +16,7 @@
  *      the prompt's first block at least and another decode rank can take the request, the
  *      prompt plus the tokens relayed so far is prefilled again (request id + "-cN") and
  *      decoded there for the rest of max_tokens with the same seed; on_continue says so
- *      (at most PD_MAX_CONTINUES times a request). Otherwise the request ends with an error
+ *      (at most twice a request). Otherwise the request ends with an error
  *      that says why it was not continued.
  * abort cancels the call in flight at once (the rank's cancel function runs, which aborts the
  * request there) and the request ends with RT_FINISH_ABORT. FINISH_STOP (EOS or a stop id) is
