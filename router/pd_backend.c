@@ -54,6 +54,7 @@ typedef struct pd_req {
     int32_t *out_ids;        /* the ids relayed, n_ids of them (n_ids < n_out: out of memory) */
     uint32_t n_ids, ids_cap;
     uint32_t continues;      /* continuations on another decode rank so far */
+    uint32_t suffixes;       /* request ids used past the first ("-c1".."-cN") */
     outcome out;             /* what the calls brought (the request thread's) */
     struct pd_req *next;
 } pd_req;
@@ -438,7 +439,7 @@ static di_status continue_decode(pd_req *q, uint32_t blocks, rk_pick *r, rt_fini
     int32_t *p0 = q->prompt;
     uint32_t max0 = q->req.max_tokens;
     q->prompt = p, q->req.prompt = p, q->req.n_prompt = n, q->req.max_tokens = max0 - done;
-    snprintf(q->id + q->id_len, sizeof q->id - q->id_len, "-c%u", q->continues);
+    snprintf(q->id + q->id_len, sizeof q->id - q->id_len, "-c%u", ++q->suffixes);
     if (q->out.pre)
         di__prefill__prefill_reply__free_unpacked(q->out.pre, NULL);
     q->out = (outcome){0};
@@ -469,6 +470,31 @@ static di_status continue_decode(pd_req *q, uint32_t blocks, rk_pick *r, rt_fini
     if (st != DI_OK)
         di_fail(err, st, "%.150s; continuing: %.150s", why, e.msg[0] ? e.msg : di_status_str(st));
     return st;
+}
+
+/* Deletes the handoff objects of this request's ids (its own, then "-c1".."-cN") from the
+ * store: after an abort between a prefill's reply and the decode call, or a decode that ended
+ * before loading it, no rank would, and the store would hold them until their TTL. A handoff
+ * a decode rank took is gone already; deleting it again does nothing. */
+static void drop_handoffs(pd_req *q)
+{
+    pd_backend *b = q->b;
+    if (!b->cfg.store)
+        return;
+    char id[sizeof q->id];
+    pthread_mutex_lock(&b->store_mu);
+    for (uint32_t k = 0; b->have_geometry && k <= q->suffixes; k++) {
+        snprintf(id, sizeof id, "%.*s", (int)q->id_len, q->id);
+        if (k)
+            snprintf(id + q->id_len, sizeof id - q->id_len, "-c%u", k);
+        kvkey key;
+        di_error e = {0};
+        if (kvkey_handoff(b->model_id, id, &key, &e) == DI_OK &&
+            kvc_delete1(b->cfg.store, KVKEY_HANDOFF, &key, &e) != DI_OK && e.code != DI_ENOENT &&
+            b->cfg.log)
+            di_log(b->cfg.log, DI_LOG_DEBUG, "request %s: deleting its handoff: %s", id, e.msg);
+    }
+    pthread_mutex_unlock(&b->store_mu);
 }
 
 static void run(pd_req *q)
@@ -519,6 +545,9 @@ static void run(pd_req *q)
     if (o->pre)
         di__prefill__prefill_reply__free_unpacked(o->pre, NULL);
     q->cb.on_finish(q->cb.ud, reason, cached, instance, st, st == DI_OK ? "" : err.msg);
+    /* after the finish: the client does not wait for the store */
+    if (reason == RT_FINISH_ABORT || reason == RT_FINISH_ERROR || q->suffixes > 0)
+        drop_handoffs(q);
 }
 
 static void *req_thread(void *arg)

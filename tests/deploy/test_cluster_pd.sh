@@ -153,13 +153,19 @@ if "$client" storm --http "${router_http#http://}" --key-file "$api_key_file" --
 else
   bad "storm: $(cat "$work/storm.json") $(head -n 5 "$work/storm.err")"
 fi
-# The services finish their cancels asynchronously: give them a few seconds.
-for _ in $(seq 1 100); do
-  [ "$(gauges)" = "0 0 " ] && [ "$(store)" = "0 0" ] && [ "$(loads)" = "$before" ] && break
+# The services finish their cancels asynchronously: give them some seconds, and say when each
+# part was free (seconds after the last request ended).
+t1=$(date +%s.%N)
+since() { awk -v a="$t1" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}'; }
+g_at= s_at= l_at=
+for _ in $(seq 1 150); do
+  [ -n "$g_at" ] || { [ "$(gauges)" = "0 0 " ] && g_at=$(since); }
+  [ -n "$s_at" ] || { [ "$(store)" = "0 0" ] && s_at=$(since); }
+  [ -n "$l_at" ] || { [ "$(loads)" = "$before" ] && l_at=$(since); }
+  [ -n "$g_at" ] && [ -n "$s_at" ] && [ -n "$l_at" ] && break
   sleep 0.2
 done
-t1=$(date +%s.%N)
-note "cancels: $cancels requests, $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s until everything was free"
+note "cancels: $cancels requests in $(awk -v a="$t0" -v b="$t1" 'BEGIN{printf "%.1f", b-a}') s; free after: router gauges ${g_at:-never} s, store ${s_at:-never} s, ranks ${l_at:-never} s"
 [ "$(gauges)" = "0 0 " ] && ok "router: running 0, waiting 0" || bad "router gauges running/waiting: $(gauges)"
 [ "$(store)" = "0 0" ] && ok "store: 0 leases, 0 handoffs" || bad "store: leases, handoffs = $(store)"
 after=$(loads)

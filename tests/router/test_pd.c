@@ -40,6 +40,13 @@ typedef struct fake {
     atomic_int bad_handoff; /* decode calls whose handoff or first token was wrong */
 } fake;
 
+/* When set, the fake prefill stores a handoff object under the request's real handoff key,
+ * as di-prefill does, and keeps the last request id. */
+static kvc_client *g_store;
+static kvc_store_info g_info;
+static pthread_mutex_t g_rid_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_rid[64];
+
 static int32_t tok_of(uint64_t seed, const uint32_t *p, size_t n, uint32_t i)
 {
     uint64_t h = seed * 31 + i * 7;
@@ -95,6 +102,18 @@ static void *prefill_job(void *arg)
         di__prefill__prefill_request__free_unpacked(r, NULL);
         rpc_call_finish(call, (di_status)atomic_load(&f->fail), NULL, 0, "injected failure");
         return NULL;
+    }
+    if (g_store) {
+        kvkey hk;
+        uint8_t *obj = malloc(4224);
+        cr_assert_eq(kvkey_handoff(g_info.geometry.model_id, r->request_id, &hk, NULL), DI_OK);
+        th_fill_object(obj, 4224, KV_HANDOFF_MAGIC, &g_info.geometry, &hk, 0);
+        di_error pe = {0};
+        cr_assert_eq(kvc_put1(g_store, KVKEY_HANDOFF, &hk, obj, 4224, &pe), DI_OK, "%s", pe.msg);
+        free(obj);
+        pthread_mutex_lock(&g_rid_mu);
+        snprintf(g_rid, sizeof g_rid, "%s", r->request_id);
+        pthread_mutex_unlock(&g_rid_mu);
     }
     Di__Engine__Token first = DI__ENGINE__TOKEN__INIT;
     first.id = (uint32_t)tok_of(r->sampling->seed, r->prompt, r->n_prompt, 0);
@@ -634,6 +653,78 @@ Test(pd, a_decode_rank_that_dies_mid_stream_continues_on_another_from_the_store,
     kvc_close(c);
     th_store_stop(&st);
     free(p);
+}
+
+/* Whether the store holds a handoff for request id rid. */
+static bool handoff_stored(kvc_client *c, const char *rid)
+{
+    kvkey hk;
+    cr_assert_eq(kvkey_handoff(g_info.geometry.model_id, rid, &hk, NULL), DI_OK);
+    uint8_t buf[4224];
+    uint64_t n = 0;
+    di_error e = {0};
+    di_status st = kvc_get1(c, KVKEY_HANDOFF, &hk, buf, sizeof buf, &n, &e);
+    cr_assert(st == DI_OK || st == DI_ENOENT, "%s", e.msg);
+    return st == DI_OK;
+}
+
+Test(pd, a_handoff_no_decode_took_is_deleted_from_the_store, .timeout = 90)
+{
+    char dir[256];
+    th_tmpdir(dir);
+    th_store st;
+    static const char *const store_args[] = {
+        "--block-bytes", "4224", "--window-bytes", "8320", "--handoff-max-bytes", "16512",
+        "--dram-bytes", "8MiB", "--memtable-bytes", "2MiB", NULL};
+    th_store_start(&st, dir, store_args);
+    kvc_client *c = th_client(&st, NULL), *fc = th_client(&st, NULL);
+    di_error e = {0};
+    cr_assert_eq(kvc_info(c, &g_info, &e), DI_OK, "%s", e.msg);
+    g_store = fc;
+    reset_fakes();
+    fake_start(&P1, PL_PREFILL, 0);
+    fake_start(&D1, PL_DECODE, 0);
+    rk_table *t = ranks_new(100);
+    add(t, &P1);
+    add(t, &D1);
+    polls(t, 2);
+    pd_config pc = {.ranks = t, .store = c, .prefill_timeout_ms = 5000,
+                    .decode_timeout_ms = 20000, .block_tokens = 128};
+    pd_backend *b = NULL;
+    cr_assert_eq(pd_new(&pc, &b, &e), DI_OK, "%s", e.msg);
+    /* A decode rank that refuses the request before loading anything: the router deletes the
+     * handoff. A finished request's handoff is left to the decode rank (it took it). */
+    atomic_store(&D1.fail, DI_EINVAL);
+    seen s;
+    cr_assert_eq(gen(b, &s, 10, NULL), DI_OK);
+    wait_for(&s, 0);
+    cr_assert_eq(s.reason, RT_FINISH_ERROR);
+    char rid[64];
+    pthread_mutex_lock(&g_rid_mu);
+    snprintf(rid, sizeof rid, "%s", g_rid);
+    pthread_mutex_unlock(&g_rid_mu);
+    cr_assert(rid[0]);
+    bool gone = false;
+    for (int i = 0; i < 400 && !(gone = !handoff_stored(c, rid)); i++)
+        usleep(5000); /* deleted right after the finish */
+    cr_assert(gone, "the handoff of %s is still in the store", rid);
+    atomic_store(&D1.fail, 0);
+    cr_assert_eq(gen(b, &s, 10, NULL), DI_OK);
+    wait_for(&s, 0);
+    cr_assert_eq(s.reason, RT_FINISH_LENGTH, "%s", s.msg);
+    pthread_mutex_lock(&g_rid_mu);
+    snprintf(rid, sizeof rid, "%s", g_rid);
+    pthread_mutex_unlock(&g_rid_mu);
+    usleep(200000);
+    cr_assert(handoff_stored(c, rid), "a finished request's handoff was deleted");
+    g_store = NULL;
+    pd_free(b);
+    rk_free(t);
+    fake_stop(&P1);
+    fake_stop(&D1);
+    kvc_close(fc);
+    kvc_close(c);
+    th_store_stop(&st);
 }
 
 Test(pd, ranks_that_miss_heartbeats_leave_rotation_and_come_back, .timeout = 90)
