@@ -18,6 +18,8 @@
  *      decoded there for the rest of max_tokens with the same seed; on_continue says so
  *      (at most twice a request). Otherwise the request ends with an error
  *      that says why it was not continued.
+ * A request that ends aborted or failed (or was continued) has the handoff objects of its ids
+ * deleted from the store afterwards (one no decode rank took would stay until its TTL).
  * abort cancels the call in flight at once (the rank's cancel function runs, which aborts the
  * request there) and the request ends with RT_FINISH_ABORT. FINISH_STOP (EOS or a stop id) is
  * reported as RT_FINISH_EOS without the token.
