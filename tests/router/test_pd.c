@@ -554,19 +554,49 @@ static fake *stop_the_busy_decode(void)
     return f;
 }
 
-Test(pd, a_decode_rank_that_dies_mid_stream_continues_on_another_from_the_store, .timeout = 90)
+/* A small real di-kvstore in a fresh directory; its Info in g_info. Returns a client. */
+static kvc_client *store_up(th_store *st)
 {
-    char dir[256];
-    th_tmpdir(dir);
-    th_store st;
-    static const char *const store_args[] = {
+    static const char *const args[] = {
         "--block-bytes", "4224", "--window-bytes", "8320", "--handoff-max-bytes", "16512",
         "--dram-bytes", "8MiB", "--memtable-bytes", "2MiB", NULL};
-    th_store_start(&st, dir, store_args);
-    kvc_client *c = th_client(&st, NULL);
-    kvc_store_info info;
+    char dir[256];
+    th_tmpdir(dir);
+    th_store_start(st, dir, args);
+    kvc_client *c = th_client(st, NULL);
     di_error e = {0};
-    cr_assert_eq(kvc_info(c, &info, &e), DI_OK, "%s", e.msg);
+    cr_assert_eq(kvc_info(c, &g_info, &e), DI_OK, "%s", e.msg);
+    return c;
+}
+
+/* Fresh fakes P1, D1 (and D2 when two_decode), a table polling every 100 ms with them, and a
+ * backend with the store client c. */
+static rk_table *store_rig(kvc_client *c, bool two_decode, pd_backend **b)
+{
+    reset_fakes();
+    fake_start(&P1, PL_PREFILL, 0);
+    fake_start(&D1, PL_DECODE, 0);
+    if (two_decode)
+        fake_start(&D2, PL_DECODE, 0);
+    rk_table *t = ranks_new(100);
+    add(t, &P1);
+    add(t, &D1);
+    if (two_decode)
+        add(t, &D2);
+    polls(t, 2);
+    pd_config pc = {.ranks = t, .store = c, .prefill_timeout_ms = 5000,
+                    .decode_timeout_ms = 20000, .block_tokens = 128};
+    di_error e = {0};
+    cr_assert_eq(pd_new(&pc, b, &e), DI_OK, "%s", e.msg);
+    return t;
+}
+
+Test(pd, a_decode_rank_that_dies_mid_stream_continues_on_another_from_the_store, .timeout = 90)
+{
+    th_store st;
+    kvc_client *c = store_up(&st);
+    kvc_store_info info = g_info;
+    di_error e = {0};
     uint32_t bt = info.geometry.block_tokens;
     size_t n = 2 * (size_t)bt + 5;
     int32_t *p = malloc((n + 64) * sizeof *p);
@@ -580,19 +610,8 @@ Test(pd, a_decode_rank_that_dies_mid_stream_continues_on_another_from_the_store,
     cr_assert_eq(kvc_put1(c, KVKEY_BLOCK, &key, obj, 4224, &e), DI_OK, "%s", e.msg);
     free(obj);
 
-    reset_fakes();
-    fake_start(&P1, PL_PREFILL, 0);
-    fake_start(&D1, PL_DECODE, 0);
-    fake_start(&D2, PL_DECODE, 0);
-    rk_table *t = ranks_new(100);
-    add(t, &P1);
-    add(t, &D1);
-    add(t, &D2);
-    polls(t, 2);
-    pd_config pc = {.ranks = t, .store = c, .prefill_timeout_ms = 5000,
-                    .decode_timeout_ms = 20000, .block_tokens = 128};
     pd_backend *b = NULL;
-    cr_assert_eq(pd_new(&pc, &b, &e), DI_OK, "%s", e.msg);
+    rk_table *t = store_rig(c, true, &b);
     atomic_store(&D1.delay_ms, 20);
     atomic_store(&D2.delay_ms, 20);
 
@@ -670,28 +689,11 @@ static bool handoff_stored(kvc_client *c, const char *rid)
 
 Test(pd, a_handoff_no_decode_took_is_deleted_from_the_store, .timeout = 90)
 {
-    char dir[256];
-    th_tmpdir(dir);
     th_store st;
-    static const char *const store_args[] = {
-        "--block-bytes", "4224", "--window-bytes", "8320", "--handoff-max-bytes", "16512",
-        "--dram-bytes", "8MiB", "--memtable-bytes", "2MiB", NULL};
-    th_store_start(&st, dir, store_args);
-    kvc_client *c = th_client(&st, NULL), *fc = th_client(&st, NULL);
-    di_error e = {0};
-    cr_assert_eq(kvc_info(c, &g_info, &e), DI_OK, "%s", e.msg);
+    kvc_client *c = store_up(&st), *fc = th_client(&st, NULL);
     g_store = fc;
-    reset_fakes();
-    fake_start(&P1, PL_PREFILL, 0);
-    fake_start(&D1, PL_DECODE, 0);
-    rk_table *t = ranks_new(100);
-    add(t, &P1);
-    add(t, &D1);
-    polls(t, 2);
-    pd_config pc = {.ranks = t, .store = c, .prefill_timeout_ms = 5000,
-                    .decode_timeout_ms = 20000, .block_tokens = 128};
     pd_backend *b = NULL;
-    cr_assert_eq(pd_new(&pc, &b, &e), DI_OK, "%s", e.msg);
+    rk_table *t = store_rig(c, false, &b);
     /* A decode rank that refuses the request before loading anything: the router deletes the
      * handoff. A finished request's handoff is left to the decode rank (it took it). */
     atomic_store(&D1.fail, DI_EINVAL);
