@@ -267,6 +267,18 @@ static void on_token(void *ud, const rt_gen_token *t)
     pthread_mutex_unlock(&g->mu);
 }
 
+/* The request continues on another decode rank: a stream gets an event saying so. */
+static void on_continue(void *ud, const char *from, const char *to, uint32_t n_done)
+{
+    gen *g = ud;
+    pthread_mutex_lock(&g->mu);
+    if (g->req.stream && !g->stopped && !g->finished) {
+        out_append(g, oai_continued_sse(&g->req, g->id, g->created, from, to, n_done));
+        pthread_cond_broadcast(&g->cv);
+    }
+    pthread_mutex_unlock(&g->mu);
+}
+
 /* Observes a finished request in the metrics (instance: the rank, or NULL). */
 static void record(gen *g, const char *instance)
 {
@@ -484,7 +496,7 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
                      .seed = g->req.seed,
                      .top_logprobs = g->req.logprobs ? g->req.top_logprobs : 0,
                      .ignore_eos = g->req.ignore_eos};
-    rt_gen_cb cb = {on_token, on_finish, g};
+    rt_gen_cb cb = {on_token, on_finish, g, on_continue};
     di_error de = {0};
     g->refs = 2;
     pthread_mutex_lock(&a->mu);

@@ -55,6 +55,10 @@ typedef struct rt_gen_cb {
     void (*on_finish)(void *ud, rt_finish reason, uint32_t cached_tokens, const char *instance,
                       di_status st, const char *msg);
     void *ud;
+    /* Optional (NULL: not told). The rank `from` failed after n_done tokens and the request
+     * continues on `to` ("HOST:PORT" each); the tokens that follow come from there. Called
+     * between on_token calls, before on_finish. */
+    void (*on_continue)(void *ud, const char *from, const char *to, uint32_t n_done);
 } rt_gen_cb;
 
 typedef struct rt_backend {

@@ -139,6 +139,20 @@ static void on_token(void *ud, const rt_gen_token *t)
     free(text);
 }
 
+/* The request continues on another decode rank: one message with `continued` says so. */
+static void on_continue(void *ud, const char *from, const char *to, uint32_t n_done)
+{
+    gsess *s = ud;
+    Di__Router__Continued c = DI__ROUTER__CONTINUED__INIT;
+    c.from_instance = (char *)(from ? from : "");
+    c.to_instance = (char *)(to ? to : "");
+    c.after_tokens = n_done;
+    Di__Router__GenerateReply m = DI__ROUTER__GENERATE_REPLY__INIT;
+    m.text = (char *)"";
+    m.continued = &c;
+    send_reply(s, &m);
+}
+
 static void on_finish(void *ud, rt_finish reason, uint32_t cached, const char *instance,
                       di_status st, const char *msg)
 {
@@ -281,7 +295,7 @@ static di_status generate_start(void *svc, const rpc_request *rq, rpc_call *call
                      .seed = s->req.seed,
                      .top_logprobs = s->req.logprobs ? s->req.top_logprobs : 0,
                      .ignore_eos = s->req.ignore_eos};
-    rt_gen_cb cb = {on_token, on_finish, s};
+    rt_gen_cb cb = {on_token, on_finish, s, on_continue};
     uint64_t handle = 0;
     di_error be = {0};
     s->refs = 2;

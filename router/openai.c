@@ -358,6 +358,8 @@ static di_status parse_sampling(json_t *root, const oai_limits *lim, oai_request
     }
     if (get_bool(root, "ignore_eos", &r->ignore_eos, err) < 0)
         return DI_EINVAL;
+    if (get_bool(root, "return_tokens_as_token_ids", &r->tokens_as_ids, err) < 0)
+        return DI_EINVAL;
     return parse_stop(root, r, err);
 }
 
@@ -521,36 +523,52 @@ static json_t *bytes_array(const char *text)
     return a;
 }
 
+/* How a token is named in logprobs: its text, or "token_id:ID" with return_tokens_as_token_ids
+ * (vLLM's extension). buf holds the latter. */
+static const char *tok_name(bool as_ids, int32_t id, const char *text, char buf[24])
+{
+    if (!as_ids)
+        return text;
+    snprintf(buf, 24, "token_id:%d", (int)id);
+    return buf;
+}
+
 /* Chat's logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs": [...]}]}. */
-static json_t *chat_logprobs(const oai_token *toks, size_t n)
+static json_t *chat_logprobs(const oai_token *toks, size_t n, bool as_ids)
 {
     json_t *content = json_array();
+    char nb[24];
     for (size_t i = 0; content && i < n; i++) {
         json_t *tops = json_array();
         for (size_t k = 0; tops && k < toks[i].n_top; k++)
-            json_array_append_new(tops, json_pack("{s:s,s:o,s:o}", "token", toks[i].top[k].text,
+            json_array_append_new(tops, json_pack("{s:s,s:o,s:o}", "token",
+                                                  tok_name(as_ids, toks[i].top[k].id,
+                                                           toks[i].top[k].text, nb),
                                                   "logprob", lp_real(toks[i].top[k].logprob),
                                                   "bytes", bytes_array(toks[i].top[k].text)));
         json_array_append_new(content,
-                              json_pack("{s:s,s:o,s:o,s:o}", "token", toks[i].text, "logprob",
-                                        lp_real(toks[i].logprob), "bytes",
+                              json_pack("{s:s,s:o,s:o,s:o}", "token",
+                                        tok_name(as_ids, toks[i].id, toks[i].text, nb),
+                                        "logprob", lp_real(toks[i].logprob), "bytes",
                                         bytes_array(toks[i].text), "top_logprobs", tops));
     }
     return json_pack("{s:o}", "content", content);
 }
 
 /* Completions' legacy logprobs: tokens, token_logprobs, top_logprobs (maps), text_offset. */
-static json_t *completion_logprobs(const oai_token *toks, size_t n, size_t offset0)
+static json_t *completion_logprobs(const oai_token *toks, size_t n, size_t offset0, bool as_ids)
 {
     json_t *tokens = json_array(), *lps = json_array(), *tops = json_array(),
            *offs = json_array();
     size_t off = offset0;
+    char nb[24];
     for (size_t i = 0; i < n; i++) {
-        json_array_append_new(tokens, json_string(toks[i].text));
+        json_array_append_new(tokens, json_string(tok_name(as_ids, toks[i].id, toks[i].text, nb)));
         json_array_append_new(lps, lp_real(toks[i].logprob));
         json_t *m = json_object();
         for (size_t k = 0; k < toks[i].n_top; k++)
-            json_object_set_new(m, toks[i].top[k].text, lp_real(toks[i].top[k].logprob));
+            json_object_set_new(m, tok_name(as_ids, toks[i].top[k].id, toks[i].top[k].text, nb),
+                                lp_real(toks[i].top[k].logprob));
         json_array_append_new(tops, m);
         json_array_append_new(offs, json_integer((json_int_t)off));
         off += strlen(toks[i].text);
@@ -605,8 +623,8 @@ char *oai_response_json(const oai_request *req, const char *id, int64_t created,
     bool chat = req->kind == OAI_CHAT;
     json_t *o = envelope(req, id, created, chat ? "chat.completion" : "text_completion");
     json_t *lp = !req->logprobs ? json_null()
-                 : chat         ? chat_logprobs(toks, n_toks)
-                                : completion_logprobs(toks, n_toks, 0);
+                 : chat         ? chat_logprobs(toks, n_toks, req->tokens_as_ids)
+                                : completion_logprobs(toks, n_toks, 0, req->tokens_as_ids);
     json_t *choice = chat ? json_pack("{s:i,s:{s:s,s:s},s:o,s:o}", "index", 0, "message", "role",
                                       "assistant", "content", text, "logprobs", lp,
                                       "finish_reason", finish_value(finish))
@@ -628,8 +646,8 @@ char *oai_chunk_sse(const oai_request *req, const char *id, int64_t created, boo
     bool chat = req->kind == OAI_CHAT;
     json_t *o = envelope(req, id, created, chat ? "chat.completion.chunk" : "text_completion");
     json_t *lp = !req->logprobs ? json_null()
-                 : chat         ? chat_logprobs(toks, n_toks)
-                                : completion_logprobs(toks, n_toks, 0);
+                 : chat         ? chat_logprobs(toks, n_toks, req->tokens_as_ids)
+                                : completion_logprobs(toks, n_toks, 0, req->tokens_as_ids);
     json_t *choice;
     if (chat) {
         json_t *d = first ? json_pack("{s:s,s:s}", "role", "assistant", "content", delta)
@@ -658,6 +676,20 @@ char *oai_usage_sse(const oai_request *req, const char *id, int64_t created,
     if (o) {
         json_object_set_new(o, "choices", json_array());
         json_object_set_new(o, "usage", usage_obj(usage));
+    }
+    return dump_and_free(o, true);
+}
+
+char *oai_continued_sse(const oai_request *req, const char *id, int64_t created,
+                        const char *from, const char *to, uint32_t after_tokens)
+{
+    json_t *o = envelope(req, id, created,
+                         req->kind == OAI_CHAT ? "chat.completion.chunk" : "text_completion");
+    if (o) {
+        json_object_set_new(o, "choices", json_array());
+        json_object_set_new(o, "continued",
+                            json_pack("{s:s,s:s,s:I}", "from", from ? from : "", "to",
+                                      to ? to : "", "after_tokens", (json_int_t)after_tokens));
     }
     return dump_and_free(o, true);
 }

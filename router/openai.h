@@ -69,6 +69,8 @@ typedef struct oai_request {
     bool logprobs;            /* report the chosen token's logprob */
     uint32_t top_logprobs;    /* alternatives per token, 0..20 */
     bool ignore_eos;          /* keep going past EOS up to max_tokens */
+    bool tokens_as_ids;       /* return_tokens_as_token_ids (vLLM): logprobs name tokens
+                                 "token_id:ID" instead of their text */
     bool stream;              /* answer as server-sent events */
     bool include_usage;       /* stream_options.include_usage: a final usage chunk */
 } oai_request;
@@ -156,6 +158,12 @@ char *oai_chunk_sse(const oai_request *req, const char *id, int64_t created, boo
  * malloc'd, NULL when out of memory. */
 char *oai_usage_sse(const oai_request *req, const char *id, int64_t created,
                     const oai_usage *usage);
+
+/* The event that says the request continues on another decode rank: choices [] and
+ * "continued": {"from", "to" ("HOST:PORT"), "after_tokens" (tokens sent before)}. malloc'd,
+ * NULL when out of memory. */
+char *oai_continued_sse(const oai_request *req, const char *id, int64_t created,
+                        const char *from, const char *to, uint32_t after_tokens);
 
 /* {"error": {"message", "type", "param", "code"}}, malloc'd; NULL when out of memory. */
 char *oai_error_json(const oai_error *err);

@@ -13,6 +13,8 @@
 #include "decode.pb-c.h"
 #include "prefill.pb-c.h"
 
+#define PD_MAX_CONTINUES 2 /* continuations of one request on another decode rank */
+
 struct pd_backend {
     pd_config cfg;
     pthread_mutex_t mu;      /* guards the list, the counters and every request's cur/aborted */
@@ -47,14 +49,21 @@ typedef struct pd_req {
     long prefill_rank;       /* rank index of the prefill call in flight, -1: none (b->mu) */
     bool rank_lost;          /* that call was cancelled because its rank left rotation */
     char id[64];
+    size_t id_len;           /* length of the first id; a continuation appends "-cN" */
     uint32_t n_out;          /* tokens relayed */
+    int32_t *out_ids;        /* the ids relayed, n_ids of them (n_ids < n_out: out of memory) */
+    uint32_t n_ids, ids_cap;
+    uint32_t continues;      /* continuations on another decode rank so far */
+    uint32_t suffixes;       /* request ids used past the first ("-c1".."-cN") */
     outcome out;             /* what the calls brought (the request thread's) */
     struct pd_req *next;
 } pd_req;
 
 /* ---- the store: cached tokens of a prompt ---- */
 
-static uint32_t cached_tokens(pd_backend *b, const int32_t *p, size_t n)
+/* Tokens of the prompt's leading full blocks the store holds; 0 without a store or when the
+ * lookup fails (logged at debug). */
+static uint32_t store_lookup(pd_backend *b, const int32_t *p, size_t n)
 {
     if (!b->cfg.store)
         return 0;
@@ -83,10 +92,18 @@ static uint32_t cached_tokens(pd_backend *b, const int32_t *p, size_t n)
         free(keys);
         free(win);
     }
-    b->store_hits += cached;
     pthread_mutex_unlock(&b->store_mu);
     if (e.msg[0] && b->cfg.log)
         di_log(b->cfg.log, DI_LOG_DEBUG, "store lookup: %s (counting 0 cached tokens)", e.msg);
+    return cached;
+}
+
+static uint32_t cached_tokens(pd_backend *b, const int32_t *p, size_t n)
+{
+    uint32_t cached = store_lookup(b, p, n);
+    pthread_mutex_lock(&b->store_mu);
+    b->store_hits += cached;
+    pthread_mutex_unlock(&b->store_mu);
     return cached;
 }
 
@@ -147,6 +164,16 @@ static void relay(pd_req *q, const Di__Engine__Token *tk)
         t.top_ids[k] = (int32_t)tk->top[k]->id;
         t.top_lps[k] = tk->top[k]->logprob;
         t.n_top++;
+    }
+    if (q->n_ids == q->n_out) { /* kept for a continuation's prefill */
+        if (q->n_ids == q->ids_cap) {
+            uint32_t cap = q->ids_cap ? 2 * q->ids_cap : 64;
+            int32_t *v = realloc(q->out_ids, cap * sizeof *v);
+            if (v)
+                q->out_ids = v, q->ids_cap = cap;
+        }
+        if (q->n_ids < q->ids_cap)
+            q->out_ids[q->n_ids++] = t.id;
     }
     q->n_out++;
     q->cb.on_token(q->cb.ud, &t);
@@ -325,6 +352,151 @@ static rt_finish finish_of(Di__Engine__Finish f)
                                                      : RT_FINISH_LENGTH;
 }
 
+/* Decode on rank r with the prefill reply in q->out. DI_OK with *reason; else err names the
+ * rank and the tokens relayed so far. */
+static di_status decode_on(pd_req *q, const rk_pick *r, uint32_t blocks, rt_finish *reason,
+                           di_error *err)
+{
+    pd_backend *b = q->b;
+    outcome *o = &q->out;
+    size_t n;
+    uint8_t *buf = pack_decode(q, o->pre, &n);
+    di_error e = {0};
+    di_status st = buf ? run_call(q, r->client, "/di.decode.Decode/Decode", buf, n,
+                                  b->cfg.decode_timeout_ms, on_decode_msg, &e)
+                       : di_fail(&e, DI_ENOMEM, "cannot build the decode request");
+    free(buf);
+    bool preempted = st == DI_OK && o->finish == DI__ENGINE__FINISH__FINISH_PREEMPTED;
+    if (st == DI_OK && o->finish == DI__ENGINE__FINISH__FINISH_NONE)
+        st = di_fail(&e, DI_EPROTO, "the decode stream ended without a finish");
+    if (st == DI_OK && o->finish == DI__ENGINE__FINISH__FINISH_ERROR)
+        st = di_fail(&e, DI_EINTERNAL, "the decode rank reported an error");
+    if (preempted)
+        st = di_fail(&e, DI_EFULL, "the decode rank preempted the request (out of KV blocks)");
+    bool cancelled = st == DI_ECANCELED || is_aborted(q);
+    /* A cancel of ours or a preemption is not the rank's fault. */
+    rk_decode_done(b->cfg.ranks, (size_t)r->idx, blocks, st == DI_OK || cancelled || preempted);
+    if (st == DI_OK)
+        *reason = finish_of(o->finish);
+    else
+        di_fail(err, st, "decode rank %s after %u tokens: %s", r->addr, q->n_out,
+                e.msg[0] ? e.msg : di_status_str(st));
+    return st;
+}
+
+/* A decode failure a continuation may repair: the rank failed, died or preempted the request,
+ * not the caller (abort, deadline) nor the request itself (EINVAL). */
+static bool may_continue(pd_req *q, di_status st)
+{
+    return st != DI_ECANCELED && st != DI_ETIMEDOUT && st != DI_EINVAL && !is_aborted(q) &&
+           q->continues < PD_MAX_CONTINUES && q->n_out >= 1;
+}
+
+/* The decode rank *r failed after q->n_out tokens (err says how). When the store holds the
+ * prompt's KV (at least its first block) and another decode rank can take the request, the
+ * prompt plus the tokens relayed so far is prefilled again (the prefill rank loads what the
+ * store has) and decoded there with the rest of max_tokens; the seed stream is keyed by
+ * position, so the draws go on where they were. Returns DI_OK with *reason and *r the new
+ * rank, or a failure with err (the first failure's message, and why it was not continued). */
+static di_status continue_decode(pd_req *q, uint32_t blocks, rk_pick *r, rt_finish *reason,
+                                 di_error *err)
+{
+    pd_backend *b = q->b;
+    di_status failed = err->code != DI_OK ? err->code : DI_EINTERNAL;
+    char why[sizeof err->msg];
+    snprintf(why, sizeof why, "%s", err->msg);
+    uint32_t done = q->n_out;
+    q->continues++;
+    if (done >= q->req.max_tokens) { /* every token is out: only the finish was lost */
+        *reason = RT_FINISH_LENGTH;
+        return DI_OK;
+    }
+    const char *why_not = NULL; /* why it cannot be continued: then no more tries */
+    uint32_t hit = 0;
+    rk_pick next = {.idx = -1};
+    size_t n0 = q->req.n_prompt, n = n0 + done;
+    int32_t *p = NULL;
+    if (q->n_ids != done)
+        why_not = "out of memory";
+    else if ((hit = store_lookup(b, q->prompt, q->req.n_prompt)) == 0)
+        why_not = "the store holds none of the prompt's KV";
+    else if ((next = rk_pick_decode(b->cfg.ranks, blocks, (size_t)r->idx)).idx < 0)
+        why_not = "no other decode rank can take it";
+    else if ((p = malloc(n * sizeof *p)) == NULL)
+        why_not = "out of memory";
+    if (why_not) {
+        if (next.idx >= 0) /* the pick's reservation back */
+            rk_decode_done(b->cfg.ranks, (size_t)next.idx, blocks, true);
+        q->continues = PD_MAX_CONTINUES;
+        return di_fail(err, failed, "%.250s; not continued: %s", why, why_not);
+    }
+    memcpy(p, q->prompt, n0 * sizeof *p);
+    memcpy(p + n0, q->out_ids, done * sizeof *p);
+    if (b->cfg.log)
+        di_log(b->cfg.log, DI_LOG_INFO, "request %s: %s; continuing on decode rank %s "
+               "(the store holds %u prompt tokens)", q->id, why, next.addr, hit);
+    /* The continuation is a request of its own: prompt + tokens so far, the rest to make. */
+    int32_t *p0 = q->prompt;
+    uint32_t max0 = q->req.max_tokens;
+    q->prompt = p, q->req.prompt = p, q->req.n_prompt = n, q->req.max_tokens = max0 - done;
+    snprintf(q->id + q->id_len, sizeof q->id - q->id_len, "-c%u", ++q->suffixes);
+    if (q->out.pre)
+        di__prefill__prefill_reply__free_unpacked(q->out.pre, NULL);
+    q->out = (outcome){0};
+    rk_pick pre = {.idx = -1};
+    di_error e = {0};
+    bool decoded = false;
+    di_status st = do_prefill(q, hit, &q->out, &pre, &e);
+    if (st == DI_OK) {
+        if (q->cb.on_continue)
+            q->cb.on_continue(q->cb.ud, r->addr, next.addr, done);
+        *r = next;
+        Di__Engine__Finish f = q->out.pre->finish;
+        if (f != DI__ENGINE__FINISH__FINISH_STOP)
+            relay(q, q->out.pre->first);
+        if (f != DI__ENGINE__FINISH__FINISH_NONE)
+            *reason = finish_of(f);
+        else if (q->req.max_tokens <= 1)
+            *reason = RT_FINISH_LENGTH;
+        else if (!q->out.pre->handoff)
+            st = di_fail(&e, DI_EPROTO, "prefill rank %s: no handoff manifest", pre.addr);
+        else if (!is_aborted(q))
+            st = decode_on(q, r, blocks, reason, &e), decoded = true;
+    }
+    if (!decoded) /* the pick's reservation back; no call was made, nothing to judge */
+        rk_decode_done(b->cfg.ranks, (size_t)next.idx, blocks, true);
+    q->prompt = p0, q->req.prompt = p0, q->req.n_prompt = n0, q->req.max_tokens = max0;
+    free(p);
+    if (st != DI_OK)
+        di_fail(err, st, "%.150s; continuing: %.150s", why, e.msg[0] ? e.msg : di_status_str(st));
+    return st;
+}
+
+/* Deletes the handoff objects of this request's ids (its own, then "-c1".."-cN") from the
+ * store: after an abort between a prefill's reply and the decode call, or a decode that ended
+ * before loading it, no rank would, and the store would hold them until their TTL. A handoff
+ * a decode rank took is gone already; deleting it again does nothing. */
+static void drop_handoffs(pd_req *q)
+{
+    pd_backend *b = q->b;
+    if (!b->cfg.store)
+        return;
+    char id[sizeof q->id];
+    pthread_mutex_lock(&b->store_mu);
+    for (uint32_t k = 0; b->have_geometry && k <= q->suffixes; k++) {
+        snprintf(id, sizeof id, "%.*s", (int)q->id_len, q->id);
+        if (k)
+            snprintf(id + q->id_len, sizeof id - q->id_len, "-c%u", k);
+        kvkey key;
+        di_error e = {0};
+        if (kvkey_handoff(b->model_id, id, &key, &e) == DI_OK &&
+            kvc_delete1(b->cfg.store, KVKEY_HANDOFF, &key, &e) != DI_OK && e.code != DI_ENOENT &&
+            b->cfg.log)
+            di_log(b->cfg.log, DI_LOG_DEBUG, "request %s: deleting its handoff: %s", id, e.msg);
+    }
+    pthread_mutex_unlock(&b->store_mu);
+}
+
 static void run(pd_req *q)
 {
     pd_backend *b = q->b;
@@ -353,30 +525,15 @@ static void run(pd_req *q)
         uint32_t bt = b->cfg.block_tokens;
         uint32_t blocks = (uint32_t)((q->req.n_prompt + q->req.max_tokens + bt - 1) / bt);
         dec_rank = rk_pick_decode(b->cfg.ranks, blocks, SIZE_MAX);
-        if (dec_rank.idx < 0) {
+        if (dec_rank.idx < 0)
             st = di_fail(&err, DI_EUNAVAIL, "no decode rank can take the request (%u blocks)",
                          blocks);
-        } else {
+        else
+            st = decode_on(q, &dec_rank, blocks, &reason, &err);
+        while (st != DI_OK && may_continue(q, st))
+            st = continue_decode(q, blocks, &dec_rank, &reason, &err);
+        if (dec_rank.idx >= 0)
             instance = dec_rank.addr;
-            size_t n;
-            uint8_t *buf = pack_decode(q, o->pre, &n);
-            di_error e = {0};
-            st = buf ? run_call(q, dec_rank.client, "/di.decode.Decode/Decode", buf, n,
-                                b->cfg.decode_timeout_ms, on_decode_msg, &e)
-                     : di_fail(&e, DI_ENOMEM, "cannot build the decode request");
-            free(buf);
-            if (st == DI_OK && o->finish == DI__ENGINE__FINISH__FINISH_NONE)
-                st = di_fail(&e, DI_EPROTO, "the decode stream ended without a finish");
-            if (st == DI_OK && o->finish == DI__ENGINE__FINISH__FINISH_ERROR)
-                st = di_fail(&e, DI_EINTERNAL, "the decode rank reported an error");
-            bool cancelled = st == DI_ECANCELED || is_aborted(q);
-            rk_decode_done(b->cfg.ranks, (size_t)dec_rank.idx, blocks, st == DI_OK || cancelled);
-            if (st == DI_OK)
-                reason = finish_of(o->finish);
-            else
-                di_fail(&err, st, "decode rank %s after %u tokens: %s", dec_rank.addr,
-                        q->n_out, e.msg[0] ? e.msg : di_status_str(st));
-        }
     }
     if (is_aborted(q) && (st != DI_OK || reason == RT_FINISH_ERROR))
         st = DI_OK, reason = RT_FINISH_ABORT;
@@ -388,6 +545,9 @@ static void run(pd_req *q)
     if (o->pre)
         di__prefill__prefill_reply__free_unpacked(o->pre, NULL);
     q->cb.on_finish(q->cb.ud, reason, cached, instance, st, st == DI_OK ? "" : err.msg);
+    /* after the finish: the client does not wait for the store */
+    if (reason == RT_FINISH_ABORT || reason == RT_FINISH_ERROR || q->suffixes > 0)
+        drop_handoffs(q);
 }
 
 static void *req_thread(void *arg)
@@ -403,6 +563,7 @@ static void *req_thread(void *arg)
         }
     b->running--;
     free(q->prompt);
+    free(q->out_ids);
     free(q);
     pthread_cond_broadcast(&b->cv);
     pthread_mutex_unlock(&b->mu);
@@ -431,8 +592,9 @@ static di_status pd_generate(void *self, const rt_gen_req *req, const rt_gen_cb 
     q->cb = *cb;
     pthread_mutex_lock(&b->mu);
     q->handle = ++b->next_handle;
-    snprintf(q->id, sizeof q->id, "rt-%016llx-%llu", (unsigned long long)b->nonce,
-             (unsigned long long)q->handle);
+    int idn = snprintf(q->id, sizeof q->id, "rt-%016llx-%llu", (unsigned long long)b->nonce,
+                       (unsigned long long)q->handle);
+    q->id_len = idn > 0 && (size_t)idn < sizeof q->id ? (size_t)idn : strlen(q->id);
     pthread_attr_t at;
     pthread_attr_init(&at);
     pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);

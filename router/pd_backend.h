@@ -11,9 +11,15 @@
  *      rank; the failed rank's call counts against its health.
  *   3. The first token is relayed; unless it ended the request, Decode streams on the decode
  *      rank placement picks (with the blocks prompt + max_tokens need), under
- *      --decode-timeout, and every token is relayed as it arrives. A decode rank that fails or
- *      dies mid-stream ends the request with an error (continuing on another rank from the
- *      store is not done).
+ *      --decode-timeout, and every token is relayed as it arrives.
+ *   4. A decode rank that fails, dies or preempts the request mid-stream: when the store holds
+ *      the prompt's first block at least and another decode rank can take the request, the
+ *      prompt plus the tokens relayed so far is prefilled again (request id + "-cN") and
+ *      decoded there for the rest of max_tokens with the same seed; on_continue says so
+ *      (at most twice a request). Otherwise the request ends with an error
+ *      that says why it was not continued.
+ * A request that ends aborted or failed (or was continued) has the handoff objects of its ids
+ * deleted from the store afterwards (one no decode rank took would stay until its TTL).
  * abort cancels the call in flight at once (the rank's cancel function runs, which aborts the
  * request there) and the request ends with RT_FINISH_ABORT. FINISH_STOP (EOS or a stop id) is
  * reported as RT_FINISH_EOS without the token.

@@ -298,6 +298,58 @@ Test(openai, responses_carry_logprobs_at_full_precision)
     oai_request_free(&r);
 }
 
+Test(openai, tokens_as_ids_name_tokens_and_alternatives_by_id)
+{
+    const char *b = "{\"prompt\":[1,2],\"logprobs\":1,\"return_tokens_as_token_ids\":true}";
+    oai_request r;
+    oai_error e = {0};
+    cr_assert_eq(oai_parse(OAI_COMPLETION, b, strlen(b), &LIM, &r, &e), DI_OK, "%s", e.message);
+    cr_assert(r.tokens_as_ids);
+    oai_top top0[1] = {{11, "x", -2.5f}};
+    oai_token toks[2] = {{10, "He", -0.25f, top0, 1}, {12, "llo", -1.0f, NULL, 0}};
+    oai_usage u = {2, 2, 0};
+    char *js = oai_response_json(&r, "cmpl-1", 1, "Hello", toks, 2, "length", &u);
+    json_t *o = json_loads(js, 0, NULL);
+    cr_assert_not_null(o, "%s", js);
+    json_t *lp = json_object_get(json_array_get(json_object_get(o, "choices"), 0), "logprobs");
+    cr_expect_str_eq(json_string_value(json_array_get(json_object_get(lp, "tokens"), 0)),
+                     "token_id:10");
+    cr_expect_str_eq(json_string_value(json_array_get(json_object_get(lp, "tokens"), 1)),
+                     "token_id:12");
+    json_t *tops = json_array_get(json_object_get(lp, "top_logprobs"), 0);
+    cr_expect(json_float(json_object_get(tops, "token_id:11")) == -2.5f, "%s", js);
+    /* the text offsets still count the text */
+    cr_expect_eq(json_integer_value(json_array_get(json_object_get(lp, "text_offset"), 1)), 2);
+    json_decref(o);
+    free(js);
+    oai_request_free(&r);
+    const char *bad = "{\"prompt\":[1],\"return_tokens_as_token_ids\":1}";
+    cr_expect_eq(oai_parse(OAI_COMPLETION, bad, strlen(bad), &LIM, &r, &e), DI_EINVAL);
+    cr_expect_str_eq(e.param, "return_tokens_as_token_ids");
+}
+
+Test(openai, the_continued_event_names_both_ranks)
+{
+    const char *b = "{\"prompt\":[1,2],\"stream\":true}";
+    oai_request r;
+    oai_error e = {0};
+    cr_assert_eq(oai_parse(OAI_COMPLETION, b, strlen(b), &LIM, &r, &e), DI_OK, "%s", e.message);
+    char *c = oai_continued_sse(&r, "cmpl-1", 5, "127.0.0.1:1", "127.0.0.1:2", 9);
+    cr_assert_not_null(c);
+    cr_assert(strncmp(c, "data: ", 6) == 0 && strcmp(c + strlen(c) - 2, "\n\n") == 0, "%s", c);
+    json_t *o = json_loads(c + 6, JSON_DISABLE_EOF_CHECK, NULL);
+    cr_assert_not_null(o, "%s", c);
+    cr_expect_str_eq(json_string_value(json_object_get(o, "object")), "text_completion");
+    cr_expect_eq(json_array_size(json_object_get(o, "choices")), 0);
+    json_t *k = json_object_get(o, "continued");
+    cr_expect_str_eq(json_string_value(json_object_get(k, "from")), "127.0.0.1:1");
+    cr_expect_str_eq(json_string_value(json_object_get(k, "to")), "127.0.0.1:2");
+    cr_expect_eq(json_integer_value(json_object_get(k, "after_tokens")), 9);
+    json_decref(o);
+    free(c);
+    oai_request_free(&r);
+}
+
 Test(openai, chat_chunks_and_usage_event)
 {
     const char *b = "{\"messages\":[{\"role\":\"user\",\"content\":\"a\"}],\"stream\":true,"

@@ -1,8 +1,9 @@
 /* The prefill/decode backend and the rank table against fake di-prefill and di-decode servers
  * (small gRPC servers here that implement the protos with deterministic tokens): relaying,
  * the handoff passed from prefill to decode, the retry of a failed prefill on another rank,
- * abort reaching the downstream call at once, a decode rank dying mid-stream, and ranks that
- * stop answering heartbeats, leave rotation and come back. */
+ * abort reaching the downstream call at once, a decode rank dying mid-stream (an error, or a
+ * continuation on another decode rank when a real di-kvstore holds the prompt's first block),
+ * and ranks that stop answering heartbeats, leave rotation and come back. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -11,11 +12,15 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "common/kvfmt/kv_keys.h"
+#include "common/kvfmt/kv_layout.h"
 #include "common/util/clock.h"
 #include "decode.pb-c.h"
 #include "prefill.pb-c.h"
 #include "proc.h"
 #include "router/pd_backend.h"
+#include "tests/kvstore/harness.h"
+#include "tests/kvstore/helpers.h"
 
 #define ENGINE_TOKEN "engine-token-0123456789"
 
@@ -34,6 +39,13 @@ typedef struct fake {
     atomic_int tokens;      /* decode tokens sent */
     atomic_int bad_handoff; /* decode calls whose handoff or first token was wrong */
 } fake;
+
+/* When set, the fake prefill stores a handoff object under the request's real handoff key,
+ * as di-prefill does, and keeps the last request id. */
+static kvc_client *g_store;
+static kvc_store_info g_info;
+static pthread_mutex_t g_rid_mu = PTHREAD_MUTEX_INITIALIZER;
+static char g_rid[64];
 
 static int32_t tok_of(uint64_t seed, const uint32_t *p, size_t n, uint32_t i)
 {
@@ -90,6 +102,18 @@ static void *prefill_job(void *arg)
         di__prefill__prefill_request__free_unpacked(r, NULL);
         rpc_call_finish(call, (di_status)atomic_load(&f->fail), NULL, 0, "injected failure");
         return NULL;
+    }
+    if (g_store) {
+        kvkey hk;
+        uint8_t *obj = malloc(4224);
+        cr_assert_eq(kvkey_handoff(g_info.geometry.model_id, r->request_id, &hk, NULL), DI_OK);
+        th_fill_object(obj, 4224, KV_HANDOFF_MAGIC, &g_info.geometry, &hk, 0);
+        di_error pe = {0};
+        cr_assert_eq(kvc_put1(g_store, KVKEY_HANDOFF, &hk, obj, 4224, &pe), DI_OK, "%s", pe.msg);
+        free(obj);
+        pthread_mutex_lock(&g_rid_mu);
+        snprintf(g_rid, sizeof g_rid, "%s", r->request_id);
+        pthread_mutex_unlock(&g_rid_mu);
     }
     Di__Engine__Token first = DI__ENGINE__TOKEN__INIT;
     first.id = (uint32_t)tok_of(r->sampling->seed, r->prompt, r->n_prompt, 0);
@@ -267,6 +291,9 @@ typedef struct seen {
     di_status st;
     char msg[320];
     char instance[64];
+    int continues;                   /* on_continue calls */
+    char from[64], to[64];           /* the last one's ranks */
+    uint32_t after;                  /* and its tokens so far */
 } seen;
 
 static void on_token(void *ud, const rt_gen_token *t)
@@ -294,22 +321,40 @@ static void on_finish(void *ud, rt_finish reason, uint32_t cached, const char *i
     pthread_mutex_unlock(&s->mu);
 }
 
+static void on_continue(void *ud, const char *from, const char *to, uint32_t n_done)
+{
+    seen *s = ud;
+    pthread_mutex_lock(&s->mu);
+    s->continues++;
+    snprintf(s->from, sizeof s->from, "%s", from);
+    snprintf(s->to, sizeof s->to, "%s", to);
+    s->after = n_done;
+    pthread_mutex_unlock(&s->mu);
+}
+
 static const uint32_t PROMPT[] = {5, 6, 7, 8, 9};
 
-static di_status gen(pd_backend *b, seen *s, uint32_t max_tokens, uint64_t *handle)
+/* Starts a request for p[0..n) (seed 99). */
+static di_status gen_prompt(pd_backend *b, seen *s, const int32_t *p, size_t n,
+                            uint32_t max_tokens, uint64_t *handle)
 {
     memset(s, 0, sizeof *s);
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    int32_t p[5];
-    for (int i = 0; i < 5; i++)
-        p[i] = (int32_t)PROMPT[i];
-    rt_gen_req r = {.prompt = p, .n_prompt = 5, .max_tokens = max_tokens, .temperature = 1,
+    rt_gen_req r = {.prompt = p, .n_prompt = n, .max_tokens = max_tokens, .temperature = 1,
                     .top_p = 1, .top_k = -1, .seed = 99};
-    rt_gen_cb cb = {on_token, on_finish, s};
+    rt_gen_cb cb = {on_token, on_finish, s, on_continue};
     di_error e = {0};
     uint64_t h;
     return pd_backend_iface(b).generate(b, &r, &cb, handle ? handle : &h, &e);
+}
+
+static di_status gen(pd_backend *b, seen *s, uint32_t max_tokens, uint64_t *handle)
+{
+    int32_t p[5];
+    for (int i = 0; i < 5; i++)
+        p[i] = (int32_t)PROMPT[i];
+    return gen_prompt(b, s, p, 5, max_tokens, handle);
 }
 
 /* Waits for the end (or for n tokens when n > 0); returns the seconds waited. */
@@ -329,13 +374,14 @@ static double wait_for(seen *s, size_t n)
     return (double)(di_mono_ns() - t0) * 1e-9;
 }
 
-static fake P1, P2, D1;
+static fake P1, P2, D1, D2;
 
 static void reset_fakes(void)
 {
     memset(&P1, 0, sizeof P1);
     memset(&P2, 0, sizeof P2);
     memset(&D1, 0, sizeof D1);
+    memset(&D2, 0, sizeof D2);
 }
 
 /* Fresh fakes (P2 too when two_prefill), a table polling every 100 ms with P1 (P2) and D1
@@ -364,6 +410,7 @@ static void teardown(rk_table *t, pd_backend *b)
     fake_stop(&P1);
     fake_stop(&P2);
     fake_stop(&D1);
+    fake_stop(&D2);
 }
 
 Test(pd, relays_prefill_then_decode_tokens, .timeout = 60)
@@ -496,6 +543,190 @@ Test(pd, a_decode_rank_that_dies_mid_stream_ends_with_an_error, .timeout = 60)
     cr_assert_eq(s.st, DI_EFULL, "%s: %s", di_status_str(s.st), s.msg);
     cr_assert_eq(s.n, 1); /* prefill's token only */
     teardown(t, b);
+}
+
+/* Stops the decode fake running the request (the one with a call); returns it. */
+static fake *stop_the_busy_decode(void)
+{
+    fake *f = atomic_load(&D1.calls) ? &D1 : atomic_load(&D2.calls) ? &D2 : NULL;
+    cr_assert_not_null(f, "no decode rank has the request");
+    fake_stop(f);
+    return f;
+}
+
+/* A small real di-kvstore in a fresh directory; its Info in g_info. Returns a client. */
+static kvc_client *store_up(th_store *st)
+{
+    static const char *const args[] = {
+        "--block-bytes", "4224", "--window-bytes", "8320", "--handoff-max-bytes", "16512",
+        "--dram-bytes", "8MiB", "--memtable-bytes", "2MiB", NULL};
+    char dir[256];
+    th_tmpdir(dir);
+    th_store_start(st, dir, args);
+    kvc_client *c = th_client(st, NULL);
+    di_error e = {0};
+    cr_assert_eq(kvc_info(c, &g_info, &e), DI_OK, "%s", e.msg);
+    return c;
+}
+
+/* Fresh fakes P1, D1 (and D2 when two_decode), a table polling every 100 ms with them, and a
+ * backend with the store client c. */
+static rk_table *store_rig(kvc_client *c, bool two_decode, pd_backend **b)
+{
+    reset_fakes();
+    fake_start(&P1, PL_PREFILL, 0);
+    fake_start(&D1, PL_DECODE, 0);
+    if (two_decode)
+        fake_start(&D2, PL_DECODE, 0);
+    rk_table *t = ranks_new(100);
+    add(t, &P1);
+    add(t, &D1);
+    if (two_decode)
+        add(t, &D2);
+    polls(t, 2);
+    pd_config pc = {.ranks = t, .store = c, .prefill_timeout_ms = 5000,
+                    .decode_timeout_ms = 20000, .block_tokens = 128};
+    di_error e = {0};
+    cr_assert_eq(pd_new(&pc, b, &e), DI_OK, "%s", e.msg);
+    return t;
+}
+
+Test(pd, a_decode_rank_that_dies_mid_stream_continues_on_another_from_the_store, .timeout = 90)
+{
+    th_store st;
+    kvc_client *c = store_up(&st);
+    kvc_store_info info = g_info;
+    di_error e = {0};
+    uint32_t bt = info.geometry.block_tokens;
+    size_t n = 2 * (size_t)bt + 5;
+    int32_t *p = malloc((n + 64) * sizeof *p);
+    for (size_t i = 0; i < n; i++)
+        p[i] = (int32_t)(100 + (i * 7919) % 50000);
+    kvkey key;
+    size_t nk;
+    cr_assert_eq(kvkey_chain(info.geometry.model_id, bt, p, n, &key, 1, &nk, &e), DI_OK);
+    uint8_t *obj = malloc(4224); /* the prompt's first block is in the store */
+    th_fill_object(obj, 4224, KV_BLOCK_MAGIC, &info.geometry, &key, 0);
+    cr_assert_eq(kvc_put1(c, KVKEY_BLOCK, &key, obj, 4224, &e), DI_OK, "%s", e.msg);
+    free(obj);
+
+    pd_backend *b = NULL;
+    rk_table *t = store_rig(c, true, &b);
+    atomic_store(&D1.delay_ms, 20);
+    atomic_store(&D2.delay_ms, 20);
+
+    seen s;
+    const uint32_t max = 40;
+    cr_assert_eq(gen_prompt(b, &s, p, n, max, NULL), DI_OK);
+    wait_for(&s, 5);
+    fake *dead = stop_the_busy_decode(), *live = dead == &D1 ? &D2 : &D1;
+    wait_for(&s, 0);
+    cr_assert_eq(s.finishes, 1);
+    cr_assert_eq(s.reason, RT_FINISH_LENGTH, "%d: %s", s.reason, s.msg);
+    cr_assert_eq(s.n, max, "%zu tokens", s.n);
+    cr_assert_eq(s.continues, 1);
+    cr_assert_str_eq(s.from, dead->addr);
+    cr_assert_str_eq(s.to, live->addr);
+    cr_assert_str_eq(s.instance, live->addr);
+    uint32_t k = s.after;
+    cr_assert(k >= 5 && k < max, "continued after %u tokens", k);
+    cr_assert_eq(atomic_load(&P1.calls), 2, "one prefill, one for the continuation");
+    cr_assert_eq(atomic_load(&live->bad_handoff), 0);
+    /* Before the failure: the request's own tokens; after it: those of a request for the
+     * prompt plus the k tokens sent (the fakes' tokens are a function of the prompt), with
+     * the rest of max_tokens. */
+    uint32_t up[4096];
+    cr_assert_lt(n + max, 4096);
+    for (size_t i = 0; i < n; i++)
+        up[i] = (uint32_t)p[i];
+    for (uint32_t i = 0; i < k; i++)
+        cr_assert_eq(s.ids[i], tok_of(99, up, n, i), "token %u", i);
+    for (uint32_t i = 0; i < k; i++)
+        up[n + i] = (uint32_t)s.ids[i];
+    for (uint32_t i = k; i < max; i++)
+        cr_assert_eq(s.ids[i], tok_of(99, up, n + k, i - k), "token %u after the move", i);
+
+    /* The dead rank back; a prompt whose blocks the store lacks: an error that says why. */
+    fake_start(dead, PL_DECODE, dead->port);
+    size_t di = (size_t)(dead == &D1 ? 1 : 2);
+    for (int i = 0; i < 1000 && rk_health(t, di) != PL_HEALTHY; i++)
+        usleep(10000);
+    cr_assert_eq(rk_health(t, di), PL_HEALTHY);
+    atomic_store(&D1.calls, 0);
+    atomic_store(&D2.calls, 0);
+    p[0] ^= 1;
+    cr_assert_eq(gen_prompt(b, &s, p, n, max, NULL), DI_OK);
+    wait_for(&s, 5);
+    stop_the_busy_decode();
+    wait_for(&s, 0);
+    cr_assert_eq(s.reason, RT_FINISH_ERROR);
+    cr_assert_eq(s.continues, 0);
+    cr_assert(strstr(s.msg, "not continued: the store holds none"), "%s", s.msg);
+    cr_assert_lt(s.n, max);
+
+    pd_free(b);
+    rk_free(t);
+    fake_stop(&P1);
+    fake_stop(&D1);
+    fake_stop(&D2);
+    kvc_close(c);
+    th_store_stop(&st);
+    free(p);
+}
+
+/* Whether the store holds a handoff for request id rid. */
+static bool handoff_stored(kvc_client *c, const char *rid)
+{
+    kvkey hk;
+    cr_assert_eq(kvkey_handoff(g_info.geometry.model_id, rid, &hk, NULL), DI_OK);
+    uint8_t buf[4224];
+    uint64_t n = 0;
+    di_error e = {0};
+    di_status st = kvc_get1(c, KVKEY_HANDOFF, &hk, buf, sizeof buf, &n, &e);
+    cr_assert(st == DI_OK || st == DI_ENOENT, "%s", e.msg);
+    return st == DI_OK;
+}
+
+Test(pd, a_handoff_no_decode_took_is_deleted_from_the_store, .timeout = 90)
+{
+    th_store st;
+    kvc_client *c = store_up(&st), *fc = th_client(&st, NULL);
+    g_store = fc;
+    pd_backend *b = NULL;
+    rk_table *t = store_rig(c, false, &b);
+    /* A decode rank that refuses the request before loading anything: the router deletes the
+     * handoff. A finished request's handoff is left to the decode rank (it took it). */
+    atomic_store(&D1.fail, DI_EINVAL);
+    seen s;
+    cr_assert_eq(gen(b, &s, 10, NULL), DI_OK);
+    wait_for(&s, 0);
+    cr_assert_eq(s.reason, RT_FINISH_ERROR);
+    char rid[64];
+    pthread_mutex_lock(&g_rid_mu);
+    snprintf(rid, sizeof rid, "%s", g_rid);
+    pthread_mutex_unlock(&g_rid_mu);
+    cr_assert(rid[0]);
+    bool gone = false;
+    for (int i = 0; i < 400 && !(gone = !handoff_stored(c, rid)); i++)
+        usleep(5000); /* deleted right after the finish */
+    cr_assert(gone, "the handoff of %s is still in the store", rid);
+    atomic_store(&D1.fail, 0);
+    cr_assert_eq(gen(b, &s, 10, NULL), DI_OK);
+    wait_for(&s, 0);
+    cr_assert_eq(s.reason, RT_FINISH_LENGTH, "%s", s.msg);
+    pthread_mutex_lock(&g_rid_mu);
+    snprintf(rid, sizeof rid, "%s", g_rid);
+    pthread_mutex_unlock(&g_rid_mu);
+    usleep(200000);
+    cr_assert(handoff_stored(c, rid), "a finished request's handoff was deleted");
+    g_store = NULL;
+    pd_free(b);
+    rk_free(t);
+    fake_stop(&P1);
+    fake_stop(&D1);
+    kvc_close(fc);
+    kvc_close(c);
+    th_store_stop(&st);
 }
 
 Test(pd, ranks_that_miss_heartbeats_leave_rotation_and_come_back, .timeout = 90)

@@ -41,7 +41,7 @@ static void run(pd_backend *b, const int32_t *tokens, size_t n)
     done d = {0};
     rt_gen_req r = {.prompt = tokens, .n_prompt = n, .max_tokens = 4, .temperature = 1,
                     .top_p = 1, .top_k = -1};
-    rt_gen_cb cb = {on_token, on_finish, &d};
+    rt_gen_cb cb = {on_token, on_finish, &d, NULL};
     uint64_t h;
     di_error e = {0};
     cr_assert_eq(pd_backend_iface(b).generate(b, &r, &cb, &h, &e), DI_OK, "%s", e.msg);
