@@ -413,6 +413,8 @@ static void info_from(kvc_client *c, const Di__Kvstore__ConnectReply *r)
     in->object_bytes[KVKEY_HANDOFF] = r->handoff_max_bytes;
     snprintf(in->durability, sizeof(in->durability), "%s", r->durability ? r->durability : "?");
     in->lease_max_ms = r->lease_max_ms;
+    for (size_t c = 0; c < r->n_ttl_ms && c < KVKEY_CLASS_COUNT; c++)
+        in->ttl_ms[c] = r->ttl_ms[c];
 }
 
 /* The paths a store offers (a store that names none offers UCX only). */

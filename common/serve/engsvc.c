@@ -173,6 +173,37 @@ static void on_output(void *ud, const engine_output *o)
     }
 }
 
+/* The store that holds a handoff and when it expires at the latest: its TTL counts from the
+ * commit, which came before now. Decode names the cause of a miss from them. */
+static void handoff_expiry(engsvc *s, Di__Prefill__HandoffManifest *man)
+{
+    kvc_store_info si;
+    di_error err;
+    if (kvc_info(s->cfg.kv, &si, &err) != DI_OK)
+        return;
+    man->store_id = si.store_id;
+    if (si.ttl_ms[KVKEY_HANDOFF])
+        man->handoff_expires_ms = di_wall_ms() + si.ttl_ms[KVKEY_HANDOFF];
+}
+
+/* DECODE: why the handoff is not in the store, from its manifest. */
+static di_status handoff_missing(engsvc *s, const sreq *r, di_error *err)
+{
+    kvc_store_info si;
+    di_error ie;
+    uint64_t now = di_wall_ms();
+    if (r->hstore && kvc_info(s->cfg.kv, &si, &ie) == DI_OK && si.store_id != r->hstore)
+        return di_fail(err, DI_ENOENT, "the handoff is not in the store: the store restarted "
+                       "after prefill put it there (store %016llx, then %016llx)",
+                       (unsigned long long)r->hstore, (unsigned long long)si.store_id);
+    if (r->hexpires_ms && now >= r->hexpires_ms)
+        return di_fail(err, DI_ENOENT, "the handoff expired in the store (its handoff TTL) "
+                       "%llu ms before decode asked for it",
+                       (unsigned long long)(now - r->hexpires_ms));
+    return di_fail(err, DI_ENOENT, "the handoff is not in the store (expired, or already "
+                   "taken)");
+}
+
 /* PREFILL: the handoff into the store, then the reply. */
 static void prefill_handoff(engsvc *s, sreq *r)
 {
@@ -249,6 +280,7 @@ static void prefill_handoff(engsvc *s, sreq *r)
         man.block_keys = keys;
         man.handoff_key = (ProtobufCBinaryData){32, key.b};
         man.handoff_bytes = bytes;
+        handoff_expiry(s, &man);
         Di__Prefill__PrefillReply rep = DI__PREFILL__PREFILL_REPLY__INIT;
         rep.request_id = r->rid;
         rep.first = &tok;
@@ -311,10 +343,11 @@ static di_status decode_fetch(engsvc *s, sreq *r, di_error *err)
     uint64_t cap = r->hbytes, bytes = 0, t0 = di_mono_ns();
     di_status st = kvc_get1(s->cfg.kv, KVKEY_HANDOFF, &key, r->hobj, cap, &bytes, err);
     if (st == DI_ENOENT)
-        return di_fail(err, DI_ENOENT, "the handoff is not in the store (expired, or already "
-                       "taken)");
-    if (st != DI_OK)
+        return handoff_missing(s, r, err);
+    if (st != DI_OK) {
+        di_error_prefix(err, "pulling the handoff from the store: ");
         return st;
+    }
     st = kv_handoff_read(&s->g, r->hobj, bytes, key.b, &r->h, err);
     if (st != DI_OK)
         return st;
@@ -349,11 +382,13 @@ static di_status decode_fetch(engsvc *s, sreq *r, di_error *err)
     for (uint32_t i0 = 0; st == DI_OK && i0 < r->n_full; i0 += KVC_MAX_BATCH) {
         uint32_t k = r->n_full - i0 < KVC_MAX_BATCH ? r->n_full - i0 : KVC_MAX_BATCH;
         st = kvc_get(s->cfg.kv, items + i0, k, err);
+        if (st != DI_OK)
+            di_error_prefix(err, "pulling blocks %u..%u from the store: ", i0, i0 + k - 1);
         for (uint32_t i = i0; st == DI_OK && i < i0 + k; i++) {
             if (items[i].status != DI_OK) {
                 st = items[i].status;
                 *err = items[i].error;
-                di_error_prefix(err, "block %u: ", i);
+                di_error_prefix(err, "block %u from the store: ", i);
             }
             r->bsz[i] = items[i].bytes;
         }
@@ -456,8 +491,10 @@ static void publish_load(engsvc *s)
     s->total_blocks = sched_usable_blocks(q);
     s->free_slots = sched_free_slots(q);
     s->total_slots = sched_get_config(q)->num_slots;
-    s->prefill_tps = s->prefill_ns ? s->prefill_tokens / (s->prefill_ns / 1e9) : 0;
-    s->decode_ms = s->decode_steps ? s->decode_ns / 1e6 / s->decode_steps : 0;
+    uint64_t now = di_mono_ns();
+    double steps_per_s = loadrate_per_s(&s->decode_rate, now);
+    s->prefill_tps = loadrate_per_s(&s->prefill_rate, now);
+    s->decode_ms = steps_per_s > 0 ? 1e3 / steps_per_s : 0;
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -517,13 +554,10 @@ static void *engine_main(void *arg)
                 st = engine_flush(s->e, &err);
             uint64_t dt = di_mono_ns() - t0;
             const sched_stats *ss = sched_get_stats(engine_sched(s->e));
-            if (ss->prefill_tokens > p0) {
-                s->prefill_tokens += ss->prefill_tokens - p0;
-                s->prefill_ns += dt;
-            } else if (ss->decode_steps > d0) {
-                s->decode_steps += ss->decode_steps - d0;
-                s->decode_ns += dt;
-            }
+            if (ss->prefill_tokens > p0)
+                loadrate_add(&s->prefill_rate, t0 + dt, (double)(ss->prefill_tokens - p0), dt);
+            else if (ss->decode_steps > d0)
+                loadrate_add(&s->decode_rate, t0 + dt, (double)(ss->decode_steps - d0), dt);
             if (st != DI_OK) { /* the engine is unusable: fail everything, refuse the rest */
                 if (s->cfg.log)
                     di_log(s->cfg.log, DI_LOG_ERROR, "engine step failed: %s", err.msg);

@@ -14,6 +14,7 @@
 #include "common/model/runner_exec.h"
 #include "common/net/engine.pb-c.h"
 #include "common/serve/engsvc.h"
+#include "common/serve/loadrate.h"
 
 #define RID_MAX 128u
 #define MAX_REQUEST_BYTES (64u << 20)
@@ -52,6 +53,9 @@ typedef struct sreq {
     int32_t first_tok;
     uint8_t hkey[KVKEY_BYTES];  /* the handoff's key and size, from the manifest */
     uint64_t hbytes;
+    uint64_t hexpires_ms;       /* the manifest's latest expiry of the handoff (wall clock,
+                                   ms since the epoch); 0 = not given */
+    uint64_t hstore;            /* the manifest's store_id; 0 = not given */
     void *hobj;                 /* the handoff object */
     kv_handoff h;
     void **blocks;              /* [n_full] full blocks */
@@ -84,8 +88,9 @@ struct engsvc {
     uint64_t queued_prompt_tokens;
     uint32_t running, waiting, free_blocks, total_blocks, free_slots, total_slots;
     double prefill_tps, decode_ms;
-    /* measured by the engine thread */
-    uint64_t prefill_tokens, prefill_ns, decode_steps, decode_ns;
+    /* measured by the engine thread over the last LOADRATE_WINDOW_S seconds */
+    loadrate prefill_rate;      /* prompt tokens per second of prefill steps */
+    loadrate decode_rate;       /* decode steps per second of decode steps */
 };
 
 /* Frees a request record (NULL-safe). */
