@@ -406,3 +406,9 @@ void *abort_later(void *arg)
                &err));
     return NULL;
 }
+
+uint32_t rig_cancels(void)
+{
+    const char *env = getenv("DI_DISAGG_CANCELS");
+    return env ? (uint32_t)atoi(env) : 200;
+}

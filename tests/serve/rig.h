@@ -124,5 +124,7 @@ typedef struct aborter {
 } aborter;
 
 void *abort_later(void *arg);
+/* How many cancels a cancel test makes: DI_DISAGG_CANCELS, 200 by default. */
+uint32_t rig_cancels(void);
 
 #endif

@@ -199,13 +199,11 @@ Test(disagg, store_killed_then_back)
 
 /* Aborts at random moments (queued, between chunks, handing off, loading, decoding) and
  * streams cancelled mid-way leak nothing. DI_DISAGG_CANCELS sets how many (default 200). */
-
 Test(disagg, random_cancels_leak_nothing)
 {
     rig r = {0};
     rig_start(&r, "5");
-    const char *env = getenv("DI_DISAGG_CANCELS");
-    uint32_t n = env ? (uint32_t)atoi(env) : 200;
+    uint32_t n = rig_cancels();
     rpc_client *pc = client(&r.prefill), *dc = client(&r.decode);
     uint32_t ids[700], seed = 12345, served = 0, aborted = 0;
     for (uint32_t i = 0; i < n; i++) {
