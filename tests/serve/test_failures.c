@@ -53,12 +53,12 @@ static json_int_t stats_int(const rig *r, const char *key)
 
 /* ---- a handoff expired by the store's TTL ---- */
 
-/* The store keeps handoffs 2 s: a decode that asks for one 3 s after prefill stored it gets
+/* The store keeps handoffs 3 s: a decode that asks for one 5 s after prefill stored it gets
  * NOT_FOUND naming the expiry (and the decode rank logs it once); one that asks at once is
  * served. The store counts the expiration and holds no handoff; neither rank holds anything. */
 Test(failures, a_handoff_expired_by_ttl_is_refused_naming_the_expiry)
 {
-    static const char *const ttl[] = {"--ttl-handoff", "2s", NULL};
+    static const char *const ttl[] = {"--ttl-handoff", "3s", NULL};
     rig r = {.store_extra = ttl};
     rig_start(&r, "5");
     rpc_client *pc = client(&r.prefill), *dc = client(&r.decode);
@@ -71,7 +71,7 @@ Test(failures, a_handoff_expired_by_ttl_is_refused_naming_the_expiry)
     cr_assert_not_null(pr, "%s", err.msg);
     cr_assert(pr->handoff->handoff_expires_ms > 0 && pr->handoff->store_id,
               "the manifest names the store and the handoff's expiry");
-    sleep(3);
+    sleep(5);
     st = decode_all(dc, "ttl-late", ids, 300, pr, 8, &got, &err);
     cr_assert_eq(st, DI_ENOENT, "%s: %s", di_status_name(st), err.msg);
     cr_assert_eq(got, 0);
