@@ -257,9 +257,15 @@ di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
     return DI_OK;
 }
 
+/* Closes the UCX endpoint. After a failed one (a transfer past its deadline, a peer lost) the
+ * worker goes too: the requests of a transfer cut by a store that died never complete there,
+ * and a new endpoint on that worker to the restarted store stalled its transfers. */
 static void drop_transport(kvc_client *c)
 {
+    int failed = c->peer && ucxt_peer_failed(c->peer);
     c->peer = ucxt_peer_close(c->peer);
+    if (failed)
+        c->ucx = ucxt_destroy(c->ucx);
     c->connected = 0;
 }
 
