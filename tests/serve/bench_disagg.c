@@ -15,7 +15,6 @@
 #include <string.h>
 
 #include "common/util/clock.h"
-#include "tests/kvstore/helpers.h"
 #include "tests/serve/rig.h"
 
 TestSuite(disagg_bench, .init = rig_setup, .fini = rig_teardown, .timeout = 900);
@@ -80,30 +79,20 @@ static void pull_vs_memcpy(kvc_client *c, kvc_item *items, uint32_t n, uint8_t *
 
 Test(disagg_bench, kv_pull_of_a_16k_prompt_next_to_memcpy)
 {
-    char dir[300];
-    snprintf(dir, sizeof dir, "%s/store", g_dir);
-    const char *args[] = {"--geometry", "v41-flash", "--nextn", "5", "--dram-bytes", "1GiB",
-                          "--durability", "none", NULL};
     th_store store = {0};
-    th_store_start(&store, dir, args);
+    flash_store_start(&store, "store");
     kvc_client *ucx = client_on(&store, KVC_PATH_UCX);
     kvc_store_info info;
     di_error err;
     cr_assert_eq(kvc_info(ucx, &info, &err), DI_OK, "%s", err.msg);
     const kv_geometry *g = &info.geometry;
-    enum { NB = 129 };
-    size_t bb = kv_block_bytes(g), wb = kv_window_state_bytes(g), total = NB * bb + wb;
+    enum { NB = FLASH_16K_BLOCKS };
+    size_t bb = kv_block_bytes(g), wb = kv_window_state_bytes(g), total = flash_16k_bytes(g);
     kvc_item items[NB + 1];
     uint8_t *src = aligned_alloc(64, (total + 63) / 64 * 64);
     uint8_t *dst = aligned_alloc(64, (total + 63) / 64 * 64);
     cr_assert(src && dst);
-    for (uint32_t i = 0; i <= NB; i++) {
-        bool win = i == NB;
-        items[i] = (kvc_item){.cls = win ? KVKEY_WINDOW : KVKEY_BLOCK, .key = th_key(1000 + i),
-                              .buf = src + (size_t)i * bb, .cap = win ? wb : bb};
-        th_fill_object(items[i].buf, items[i].cap, win ? KV_WINDOW_MAGIC : KV_BLOCK_MAGIC, g,
-                       &items[i].key, i);
-    }
+    flash_16k_items(g, items, src);
     cr_assert_eq(kvc_put(ucx, items, NB + 1, &err), DI_OK, "%s", err.msg);
     for (uint32_t i = 0; i <= NB; i++)
         cr_assert_eq(items[i].status, DI_OK, "put %u: %s", i, items[i].error.msg);

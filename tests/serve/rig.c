@@ -5,6 +5,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdbool.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -411,4 +412,32 @@ uint32_t rig_cancels(void)
 {
     const char *env = getenv("DI_DISAGG_CANCELS");
     return env ? (uint32_t)atoi(env) : 200;
+}
+
+/* ---- the KV of a 16,384-token V4.1-Flash prompt ---- */
+
+void flash_store_start(th_store *s, const char *name)
+{
+    char dir[300];
+    snprintf(dir, sizeof dir, "%s/%s", g_dir, name);
+    const char *args[] = {"--geometry", "v41-flash", "--nextn", "5", "--dram-bytes", "1GiB",
+                          "--durability", "none", NULL};
+    th_store_start(s, dir, args);
+}
+
+size_t flash_16k_bytes(const kv_geometry *g)
+{
+    return FLASH_16K_BLOCKS * kv_block_bytes(g) + kv_window_state_bytes(g);
+}
+
+void flash_16k_items(const kv_geometry *g, kvc_item *items, uint8_t *buf)
+{
+    size_t bb = kv_block_bytes(g), wb = kv_window_state_bytes(g);
+    for (uint32_t i = 0; i <= FLASH_16K_BLOCKS; i++) {
+        bool win = i == FLASH_16K_BLOCKS;
+        items[i] = (kvc_item){.cls = win ? KVKEY_WINDOW : KVKEY_BLOCK, .key = th_key(1000 + i),
+                              .buf = buf + (size_t)i * bb, .cap = win ? wb : bb};
+        th_fill_object(items[i].buf, items[i].cap, win ? KV_WINDOW_MAGIC : KV_BLOCK_MAGIC, g,
+                       &items[i].key, i);
+    }
 }

@@ -124,6 +124,19 @@ typedef struct aborter {
 } aborter;
 
 void *abort_later(void *arg);
+/* ---- the KV of a 16,384-token V4.1-Flash prompt ---- */
+
+/* What decode pulls for it: 128 full blocks, the partial 129th, and the window state. */
+#define FLASH_16K_BLOCKS 129u
+
+/* Starts a di-kvstore of V4.1-Flash geometry (1 GiB of DRAM, durability none) in g_dir/name. */
+void flash_store_start(th_store *s, const char *name);
+/* The bytes of those objects. */
+size_t flash_16k_bytes(const kv_geometry *g);
+/* items[0..FLASH_16K_BLOCKS]: the blocks and then the window state, each written (a valid
+ * object under its own key) into buf of flash_16k_bytes(g) bytes, one after the other. */
+void flash_16k_items(const kv_geometry *g, kvc_item *items, uint8_t *buf);
+
 /* How many cancels a cancel test makes: DI_DISAGG_CANCELS, 200 by default. */
 uint32_t rig_cancels(void);
 

@@ -17,7 +17,6 @@
 #include <unistd.h>
 
 #include "common/util/clock.h"
-#include "tests/kvstore/helpers.h"
 #include "tests/serve/rig.h"
 
 TestSuite(failures, .init = rig_setup, .fini = rig_teardown, .timeout = 600);
@@ -464,38 +463,24 @@ static void *pull_loop(void *arg)
  * pulls again within 20 s. Five kills. */
 Test(failures, the_store_killed_while_kv_bytes_move_fails_the_pull_in_its_deadline)
 {
-    char dir[300];
-    snprintf(dir, sizeof dir, "%s/flash", g_dir);
-    const char *args[] = {"--geometry", "v41-flash", "--nextn", "5", "--dram-bytes", "1GiB",
-                          "--durability", "none", NULL};
     th_store store = {0};
-    th_store_start(&store, dir, args);
+    flash_store_start(&store, "flash");
     kvc_client *c = th_client_deadline(&store, NULL, 3000);
     kvc_store_info info;
     di_error err;
     cr_assert_eq(kvc_info(c, &info, &err), DI_OK, "%s", err.msg);
-    const kv_geometry *g = &info.geometry;
-    enum { NB = 129 };
-    size_t bb = kv_block_bytes(g), wb = kv_window_state_bytes(g), total = NB * bb + wb;
-    static kvc_item items[NB + 1];
-    uint8_t *buf = malloc(total);
+    static kvc_item items[FLASH_16K_BLOCKS + 1];
+    uint8_t *buf = malloc(flash_16k_bytes(&info.geometry));
     cr_assert(buf);
     uint32_t seed = 99;
     for (int kill_no = 0; kill_no < 5; kill_no++) {
-        for (uint32_t i = 0; i <= NB; i++) {
-            bool win = i == NB;
-            items[i] = (kvc_item){.cls = win ? KVKEY_WINDOW : KVKEY_BLOCK,
-                                  .key = th_key(1000 + i), .buf = buf + (size_t)i * bb,
-                                  .cap = win ? wb : bb};
-            th_fill_object(items[i].buf, items[i].cap, win ? KV_WINDOW_MAGIC : KV_BLOCK_MAGIC,
-                           g, &items[i].key, i);
-        }
+        flash_16k_items(&info.geometry, items, buf);
         /* the same client after a restart: its first puts may fail, their Connect refused for
          * up to about 6 s after the store is back (gRPC's channel; not explained yet), and
          * without a new UCX worker it did not work again within 20 s */
         uint64_t t_put = di_mono_ns(), t_until = t_put + 20000000000ull;
         di_status pst;
-        while (((pst = kvc_put(c, items, NB + 1, &err)) == DI_EUNAVAIL || pst == DI_ETIMEDOUT) &&
+        while (((pst = kvc_put(c, items, FLASH_16K_BLOCKS + 1, &err)) == DI_EUNAVAIL || pst == DI_ETIMEDOUT) &&
                di_mono_ns() < t_until) {
             cr_log_info("put %.0f ms after the restart: %s", (double)(di_mono_ns() - t_put) / 1e6,
                         err.msg);
@@ -505,7 +490,7 @@ Test(failures, the_store_killed_while_kv_bytes_move_fails_the_pull_in_its_deadli
         if (kill_no)
             cr_log_info("the client worked again %.0f ms after the restart",
                         (double)(di_mono_ns() - t_put) / 1e6);
-        puller p = {.c = c, .items = items, .n = NB + 1};
+        puller p = {.c = c, .items = items, .n = FLASH_16K_BLOCKS + 1};
         pthread_t th;
         cr_assert_eq(pthread_create(&th, NULL, pull_loop, &p), 0);
         uint64_t until = di_mono_ns() + 30000000000ull;
