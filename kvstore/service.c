@@ -300,6 +300,10 @@ static di_status h_connect(void *svc, const rpc_request *req, rpc_reply *r, di_e
     rep.max_batch = KVC_MAX_BATCH;
     rep.lease_max_ms = s->cfg.lease_max_ms;
     rep.durability = (char *)kvdisk_durability_name(s->cfg.durability);
+    kvs_stats st;
+    kvs_get_stats(s->cfg.store, &st);
+    rep.n_ttl_ms = KVKEY_CLASS_COUNT;
+    rep.ttl_ms = st.ttl_ms;
     return pack(&rep.base, r, err);
 }
 

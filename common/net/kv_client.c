@@ -257,9 +257,15 @@ di_status kvc_open(const kvc_options *o, kvc_client **out, di_error *err)
     return DI_OK;
 }
 
+/* Closes the UCX endpoint. After a failed one (a transfer past its deadline, a peer lost) the
+ * worker goes too: the requests of a transfer cut by a store that died never complete there,
+ * and a new endpoint on that worker to the restarted store stalled its transfers. */
 static void drop_transport(kvc_client *c)
 {
+    int failed = c->peer && ucxt_peer_failed(c->peer);
     c->peer = ucxt_peer_close(c->peer);
+    if (failed)
+        c->ucx = ucxt_destroy(c->ucx);
     c->connected = 0;
 }
 
@@ -413,6 +419,8 @@ static void info_from(kvc_client *c, const Di__Kvstore__ConnectReply *r)
     in->object_bytes[KVKEY_HANDOFF] = r->handoff_max_bytes;
     snprintf(in->durability, sizeof(in->durability), "%s", r->durability ? r->durability : "?");
     in->lease_max_ms = r->lease_max_ms;
+    for (size_t c = 0; c < r->n_ttl_ms && c < KVKEY_CLASS_COUNT; c++)
+        in->ttl_ms[c] = r->ttl_ms[c];
 }
 
 /* The paths a store offers (a store that names none offers UCX only). */

@@ -109,6 +109,8 @@ typedef struct kvc_store_info {
     uint64_t object_bytes[KVKEY_CLASS_COUNT]; /* block, window; handoff maximum */
     char durability[8];         /* "none", "wal", "fsync" */
     uint32_t lease_max_ms;
+    uint64_t ttl_ms[KVKEY_CLASS_COUNT]; /* TTL per class at connect time, ms; 0 = never (or a
+                                           store that does not say) */
     uint32_t data_paths;        /* KVC_PATHS_* the store offers */
     kvc_data_path path;         /* the one this client uses (UCX or GRPC) */
 } kvc_store_info;

@@ -279,11 +279,13 @@ static void publish_load(engsvc *s)
     s->total_blocks = sched_usable_blocks(q);
     s->free_slots = sched_free_slots(q);
     s->total_slots = sched_get_config(q)->num_slots;
-    s->prefill_tps = s->prefill_ns ? s->prefill_tokens / (s->prefill_ns / 1e9) : 0;
+    uint64_t now = di_mono_ns();
+    double steps_per_s = loadrate_per_s(&s->decode_rate, now);
+    s->prefill_tps = loadrate_per_s(&s->prefill_rate, now);
     kvcache_stats ks = kvcache_get_stats(s->kc);
     s->computed_prompt_tokens = s->prefill_tokens;
     s->store_failures = s->call_failures + ks.load_failures + ks.store_failures;
-    s->decode_ms = s->decode_steps ? s->decode_ns / 1e6 / s->decode_steps : 0;
+    s->decode_ms = steps_per_s > 0 ? 1e3 / steps_per_s : 0;
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -363,11 +365,10 @@ static void *engine_main(void *arg)
             const sched_stats *ss = sched_get_stats(engine_sched(s->e));
             if (ss->prefill_tokens > p0) {
                 s->prefill_tokens += ss->prefill_tokens - p0;
-                s->prefill_ns += dt;
-            } else if (ss->decode_steps > d0) {
-                s->decode_steps += ss->decode_steps - d0;
-                s->decode_ns += dt;
+                loadrate_add(&s->prefill_rate, t0 + dt, (double)(ss->prefill_tokens - p0), dt);
             }
+            else if (ss->decode_steps > d0)
+                loadrate_add(&s->decode_rate, t0 + dt, (double)(ss->decode_steps - d0), dt);
             if (st != DI_OK) { /* the engine is unusable: fail everything, refuse the rest */
                 if (s->cfg.log)
                     di_log(s->cfg.log, DI_LOG_ERROR, "engine step failed: %s", err.msg);

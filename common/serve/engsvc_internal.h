@@ -15,6 +15,7 @@
 #include "common/net/engine.pb-c.h"
 #include "common/serve/engsvc.h"
 #include "common/serve/kvcache.h"
+#include "common/serve/loadrate.h"
 
 #define RID_MAX 128u
 #define MAX_REQUEST_BYTES (64u << 20)
@@ -56,6 +57,9 @@ typedef struct sreq {
     int32_t first_tok;
     uint8_t hkey[KVKEY_BYTES];  /* the handoff's key and size, from the manifest */
     uint64_t hbytes;
+    uint64_t hexpires_ms;       /* the manifest's latest expiry of the handoff (wall clock,
+                                   ms since the epoch); 0 = not given */
+    uint64_t hstore;            /* the manifest's store_id; 0 = not given */
     void *hobj;                 /* the handoff object */
     kv_handoff h;
     void **blocks;              /* [n_full] full blocks */
@@ -89,12 +93,15 @@ struct engsvc {
     uint32_t running, waiting, free_blocks, total_blocks, free_slots, total_slots;
     double prefill_tps, decode_ms;
     uint64_t cached_prompt_tokens, computed_prompt_tokens, store_failures;
-    /* measured by the engine thread */
-    uint64_t prefill_tokens, prefill_ns, decode_steps, decode_ns;
+    /* counted by the engine thread */
+    uint64_t prefill_tokens;     /* prompt tokens prefilled since start */
     uint64_t call_failures;     /* the service's own store calls that failed for good */
     kvcache *kc;                /* the KV cache in the store and the transfer thread */
     engine_executor rx;         /* the runner as an executor (wrapped for the cache's copies) */
     bool kv_note;               /* (mu) a transfer job finished: take the events */
+    /* measured by the engine thread over the last LOADRATE_WINDOW_S seconds */
+    loadrate prefill_rate;      /* prompt tokens per second of prefill steps */
+    loadrate decode_rate;       /* decode steps per second of decode steps */
 };
 
 /* Frees a request record (NULL-safe). */

@@ -210,6 +210,8 @@ static di_status decode_fields(const engsvc *s, const Di__Decode__DecodeRequest 
                        r->max_tokens);
     r->first_tok = (int32_t)m->first->id;
     r->hbytes = h->handoff_bytes;
+    r->hexpires_ms = h->handoff_expires_ms;
+    r->hstore = h->store_id;
     memcpy(r->hkey, h->handoff_key.data, KVKEY_BYTES);
     r->hobj = aligned_alloc(8, (h->handoff_bytes + 7) / 8 * 8);
     if (!r->hobj)

@@ -37,6 +37,8 @@ typedef struct svc_call {
     uint32_t first;            /* HANDOFF: the first one to put (those below came from the
                                   store as the prompt's hit: not copied, not put again) */
     void **bufs;               /* [n_full] the block objects (NULL below first) */
+    uint64_t store_id;         /* HANDOFF: the store that took it (0: unknown) */
+    uint64_t expires_ms;       /* HANDOFF: its latest expiry, wall clock (0: unknown) */
     di_status st;              /* the request's outcome (when the calls went through) */
     di_error err;
 } svc_call;
@@ -91,8 +93,36 @@ static di_status call_handoff(svc_call *c, kvc_client *kv, di_error *err)
     else if (it.status != DI_OK) {
         c->st = it.status;
         c->err = it.error;
+    } else {
+        /* the store that holds it and when it expires at the latest: its TTL counts from
+         * the commit, which came before now; decode names the cause of a miss from them */
+        kvc_store_info si;
+        di_error ie;
+        if (kvc_info(kv, &si, &ie) == DI_OK) {
+            c->store_id = si.store_id;
+            if (si.ttl_ms[KVKEY_HANDOFF])
+                c->expires_ms = di_wall_ms() + si.ttl_ms[KVKEY_HANDOFF];
+        }
     }
     return DI_OK;
+}
+
+/* DECODE: why the handoff is not in the store, from its manifest. */
+static di_status handoff_missing(kvc_client *kv, const sreq *r, di_error *err)
+{
+    kvc_store_info si;
+    di_error ie;
+    uint64_t now = di_wall_ms();
+    if (r->hstore && kvc_info(kv, &si, &ie) == DI_OK && si.store_id != r->hstore)
+        return di_fail(err, DI_ENOENT, "the handoff is not in the store: the store restarted "
+                       "after prefill put it there (store %016llx, then %016llx)",
+                       (unsigned long long)r->hstore, (unsigned long long)si.store_id);
+    if (r->hexpires_ms && now >= r->hexpires_ms)
+        return di_fail(err, DI_ENOENT, "the handoff expired in the store (its handoff TTL) "
+                       "%llu ms before decode asked for it",
+                       (unsigned long long)(now - r->hexpires_ms));
+    return di_fail(err, DI_ENOENT, "the handoff is not in the store (expired, or already "
+                   "taken)");
 }
 
 /* The handoff and its blocks into r, checked against the request. */
@@ -112,11 +142,12 @@ static di_status call_pull(svc_call *c, kvc_client *kv, di_error *err)
     kvc_item it = {.cls = KVKEY_HANDOFF, .buf = r->hobj, .cap = r->hbytes};
     memcpy(it.key.b, r->hkey, KVKEY_BYTES);
     di_status st = kvc_get(kv, &it, 1, err);
-    if (st != DI_OK)
+    if (st != DI_OK) {
+        di_error_prefix(err, "pulling the handoff from the store: ");
         return st;
+    }
     if (it.status == DI_ENOENT) {
-        c->st = di_fail(&c->err, DI_ENOENT, "the handoff is not in the store (expired, or "
-                        "already taken)");
+        c->st = handoff_missing(kv, r, &c->err);
         return DI_OK;
     }
     if (it.status != DI_OK) {
@@ -163,11 +194,13 @@ static di_status call_pull(svc_call *c, kvc_client *kv, di_error *err)
     for (uint32_t i0 = 0; st == DI_OK && c->st == DI_OK && i0 < n_full; i0 += KVC_MAX_BATCH) {
         uint32_t k = n_full - i0 < KVC_MAX_BATCH ? n_full - i0 : KVC_MAX_BATCH;
         st = kvc_get(kv, items + i0, k, err);
+        if (st != DI_OK)
+            di_error_prefix(err, "pulling blocks %u..%u from the store: ", i0, i0 + k - 1);
         for (uint32_t i = i0; st == DI_OK && c->st == DI_OK && i < i0 + k; i++) {
             if (items[i].status != DI_OK) {
                 c->st = items[i].status;
                 c->err = items[i].error;
-                di_error_prefix(&c->err, "block %u: ", i);
+                di_error_prefix(&c->err, "block %u from the store: ", i);
             }
             r->bsz[i] = items[i].bytes;
         }
@@ -196,9 +229,10 @@ static di_status run_call(void *ctx, kvc_client *kv, di_error *err)
 
 /* ---- submitting (engine thread) -------------------------------------------------------- */
 
-static di_status submit(engsvc *s, svc_call *c, xfer_kind kind, uint64_t id, di_error *err)
+static di_status submit(engsvc *s, svc_call *c, xfer_kind kind, uint64_t id,
+                        const xfer_job_opts *o, di_error *err)
 {
-    return kvcache_call(s->kc, kind, id, run_call, c, c, NULL, err);
+    return kvcache_call(s->kc, kind, id, run_call, c, c, o, err);
 }
 
 void engsvc_drop_handoff(engsvc *s, const sreq *r)
@@ -209,7 +243,7 @@ void engsvc_drop_handoff(engsvc *s, const sreq *r)
         return;
     *c = (svc_call){.kind = CALL_DELETE, .s = s};
     if (kvkey_handoff(s->g.model_id, r->rid, &c->key, &err) != DI_OK ||
-        submit(s, c, XFER_STORE, 0, &err) != DI_OK) {
+        submit(s, c, XFER_STORE, 0, NULL, &err) != DI_OK) {
         s->call_failures++;
         call_free(c); /* it expires with its TTL */
     }
@@ -248,7 +282,10 @@ void engsvc_handoff_submit(engsvc *s, sreq *r)
     di_error rel;
     engine_release(s->e, r->id, &rel); /* the KV is in host memory (or lost) */
     r->in_engine = false;
-    if (st == DI_OK && (st = submit(s, c, XFER_STORE, r->id, &err)) == DI_OK) {
+    /* one attempt: the caller waits on it, behind the prompt's block puts (which have had
+     * their attempts when the store is down); the router retries a failed prefill elsewhere */
+    static const xfer_job_opts once = {.max_attempts = 1};
+    if (st == DI_OK && (st = submit(s, c, XFER_STORE, r->id, &once, &err)) == DI_OK) {
         r->job_out = true;
         return;
     }
@@ -265,7 +302,7 @@ di_status engsvc_pull_submit(engsvc *s, sreq *r, di_error *err)
     if (!c)
         return di_fail(err, DI_ENOMEM, "pull");
     *c = (svc_call){.kind = CALL_PULL, .s = s, .r = r};
-    di_status st = submit(s, c, XFER_LOAD, r->id, err);
+    di_status st = submit(s, c, XFER_LOAD, r->id, NULL, err);
     if (st != DI_OK) {
         free(c);
         return st;
@@ -293,6 +330,8 @@ static void handoff_reply(engsvc *s, sreq *r, svc_call *c)
     man.block_keys = keys;
     man.handoff_key = (ProtobufCBinaryData){32, c->key.b};
     man.handoff_bytes = c->bytes;
+    man.store_id = c->store_id;
+    man.handoff_expires_ms = c->expires_ms;
     Di__Prefill__PrefillReply rep = DI__PREFILL__PREFILL_REPLY__INIT;
     rep.request_id = r->rid;
     rep.first = &tok;

@@ -42,8 +42,10 @@ static void teardown(void)
     th_rmtree(g_dir);
 }
 
-/* Timeouts: the cases take 2 to 18 s each (two at a time) on a lightly loaded 2-core machine;
- * 240 s (360 s for the demo model) leaves room for a loaded one. */
+/* Timeouts: the cases take 2 to 12 s each (two at a time; 41 s and 18 s of CPU for the binary)
+ * on the 2-core machine at a load average of 13; 240 s (360 s for the demo model) leaves 20x.
+ * What kept them long: every run built the tiny model's random weights again (now they load
+ * the checkpoint the test made once) and a 5,000-token prompt (2,048 now). */
 TestSuite(generate_kvstore, .init = setup, .fini = teardown, .timeout = 240);
 
 /* ---- prompts ---- */
@@ -275,13 +277,25 @@ static kvkey block_key_of(const kv_geometry *g, const ids *p, uint32_t j)
     return keys[j];
 }
 
-#define TINY "--config tiny --max-tokens 8"
+/* The tiny model as every run here loads it: di-mkmodel's checkpoint of tiny at seed 0 (the
+ * weights --config tiny builds, and the checkpoint the store is started on), made once per
+ * test, not built again by every run. */
+static const char *tiny(void)
+{
+    static char args[400];
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "test -d %s/ckpt-tiny || %s/tools/mkmodel/di-mkmodel --quiet tiny "
+             "%s/ckpt-tiny > /dev/null", g_dir, build_root(), g_dir);
+    cr_assert_eq(system(cmd), 0, "%s", cmd);
+    snprintf(args, sizeof args, "--model %s/ckpt-tiny --max-tokens 8", g_dir);
+    return args;
+}
 
 /* The reference: tiny at temperature 0 without a store, logits in base.jsonl. */
 static void baseline(gen_res *r, const ids *p)
 {
     const ids *pp[] = {p};
-    gen(r, pp, 1, TINY " --temperature 0 --yoco compact --dump-logits %s/base.jsonl", g_dir);
+    gen(r, pp, 1, "%s --temperature 0 --yoco compact --dump-logits %s/base.jsonl", tiny(), g_dir);
     gen_ok(r);
 }
 
@@ -365,11 +379,11 @@ Test(generate_kvstore, a_prompt_sharing_a_prefix_with_an_earlier_one_reuses_its_
     ids_append(&b, &tail, 0, 300);
     const ids *pa[] = {&a}, *pb[] = {&b};
     gen_res first, base, warm;
-    gen(&first, pa, 1, TINY " --temperature 0 --kvstore %s", s.target);
+    gen(&first, pa, 1, "%s --temperature 0 --kvstore %s", tiny(), s.target);
     gen_ok(&first);
     baseline(&base, &b);
-    gen(&warm, pb, 1, TINY " --temperature 0 --kvstore %s --dump-logits %s/warm.jsonl", s.target,
-        g_dir);
+    gen(&warm, pb, 1, "%s --temperature 0 --kvstore %s --dump-logits %s/warm.jsonl", tiny(),
+        s.target, g_dir);
     gen_ok(&warm);
     same_dump("base.jsonl", "warm.jsonl", "shared prefix");
     same_tokens(&base, &warm, "shared prefix");
@@ -392,8 +406,8 @@ Test(generate_kvstore, the_next_turn_resumes_after_the_stored_response)
     ids_make(&more, 150, 4, 4096);
     const ids *pp[] = {&p};
     gen_res r1, base, warm;
-    gen(&r1, pp, 1, "--config tiny --max-tokens 200 --ignore-eos --temperature 0 --kvstore %s",
-        s.target);
+    gen(&r1, pp, 1, "--model %s/ckpt-tiny --max-tokens 200 --ignore-eos --temperature 0 "
+        "--kvstore %s", g_dir, s.target);
     gen_ok(&r1);
     json_t *toks = json_object_get(json_array_get(json_object_get(r1.json, "requests"), 0),
                                    "tokens");
@@ -404,8 +418,8 @@ Test(generate_kvstore, the_next_turn_resumes_after_the_stored_response)
     ids_append(&q, &more, 0, 150);
     const ids *pq[] = {&q};
     baseline(&base, &q);
-    gen(&warm, pq, 1, TINY " --temperature 0 --kvstore %s --dump-logits %s/warm.jsonl", s.target,
-        g_dir);
+    gen(&warm, pq, 1, "%s --temperature 0 --kvstore %s --dump-logits %s/warm.jsonl", tiny(),
+        s.target, g_dir);
     gen_ok(&warm);
     same_dump("base.jsonl", "warm.jsonl", "next turn");
     same_tokens(&base, &warm, "next turn");
@@ -482,7 +496,7 @@ Test(generate_kvstore, a_missing_window_state_costs_128_tokens_or_a_full_prefill
     const ids *pp[] = {&p};
     gen_res base, r1, r2, r3, r4;
     baseline(&base, &p);
-    gen(&r1, pp, 1, TINY " --temperature 0 --kvstore %s --kvstore-window-every 1", s.target);
+    gen(&r1, pp, 1, "%s --temperature 0 --kvstore %s --kvstore-window-every 1", tiny(), s.target);
     gen_ok(&r1);
     cr_assert_eq(kv_stat(&r1, "windows_stored"), 3, "window states at 128, 256 and 384");
     /* the window state at 256 (keyed by block 1) is lost */
@@ -491,7 +505,7 @@ Test(generate_kvstore, a_missing_window_state_costs_128_tokens_or_a_full_prefill
     di_error e;
     cr_assert_eq(kvc_delete1(c, KVKEY_WINDOW, &k1, &e), DI_OK, "%s", e.msg);
     kvc_close(c);
-    gen(&r2, pp, 1, TINY " --temperature 0 --kvstore %s --dump-logits %s/r2.jsonl", s.target,
+    gen(&r2, pp, 1, "%s --temperature 0 --kvstore %s --dump-logits %s/r2.jsonl", tiny(), s.target,
         g_dir);
     gen_ok(&r2);
     same_dump("base.jsonl", "r2.jsonl", "resume one block back");
@@ -503,8 +517,8 @@ Test(generate_kvstore, a_missing_window_state_costs_128_tokens_or_a_full_prefill
     snprintf(cmd, sizeof cmd, "%s/kvstore/di-kvctl --target %s evict --class window --all "
              "> %s/evict.out 2>&1", build_root(), s.target, g_dir);
     cr_assert_eq(system(cmd), 0, "%s", cmd);
-    gen(&r3, pp, 1, TINY " --temperature 0 --kvstore %s --kvstore-replay --dump-logits "
-        "%s/r3.jsonl", s.target, g_dir);
+    gen(&r3, pp, 1, "%s --temperature 0 --kvstore %s --kvstore-replay --dump-logits "
+        "%s/r3.jsonl", tiny(), s.target, g_dir);
     gen_ok(&r3);
     cr_assert_eq(stat_of(&r3, "prefill_tokens"), 420 - 256 + 128, "a 128-token replay");
     cr_assert_eq(kv_stat(&r3, "replay_tokens"), 128);
@@ -530,7 +544,7 @@ Test(generate_kvstore, a_missing_window_state_costs_128_tokens_or_a_full_prefill
               "%.3g)", d0, scale);
     cr_assert(dc < 0.5 * scale, "replay off by %.3g over the rows with the same inputs (logits "
               "up to %.3g)", dc, scale);
-    gen(&r4, pp, 1, TINY " --temperature 0 --kvstore %s --dump-logits %s/r4.jsonl", s.target,
+    gen(&r4, pp, 1, "%s --temperature 0 --kvstore %s --dump-logits %s/r4.jsonl", tiny(), s.target,
         g_dir);
     gen_ok(&r4);
     same_dump("base.jsonl", "r4.jsonl", "no window state at all");
@@ -576,8 +590,8 @@ Test(generate_kvstore, a_store_that_is_down_or_frozen_costs_one_warning_and_noth
     const ids *pp[] = {&p};
     gen_res base, down, frozen;
     baseline(&base, &p);
-    gen(&down, pp, 1, TINY " --temperature 0 --kvstore 127.0.0.1:%d --kvstore-deadline 300ms "
-        "--dump-logits %s/down.jsonl", free_port(), g_dir);
+    gen(&down, pp, 1, "%s --temperature 0 --kvstore 127.0.0.1:%d --kvstore-deadline 300ms "
+        "--dump-logits %s/down.jsonl", tiny(), free_port(), g_dir);
     gen_ok(&down);
     one_warning(&down, "connecting failed");
     same_dump("base.jsonl", "down.jsonl", "store down");
@@ -590,8 +604,8 @@ Test(generate_kvstore, a_store_that_is_down_or_frozen_costs_one_warning_and_noth
     th_store s;
     store_start(&s, "tiny", NULL);
     cr_assert_eq(kill(s.pid, SIGSTOP), 0);
-    gen(&frozen, pp, 1, TINY " --temperature 0 --kvstore %s --kvstore-deadline 300ms "
-        "--dump-logits %s/frozen.jsonl", s.target, g_dir);
+    gen(&frozen, pp, 1, "%s --temperature 0 --kvstore %s --kvstore-deadline 300ms "
+        "--dump-logits %s/frozen.jsonl", tiny(), s.target, g_dir);
     cr_assert_eq(kill(s.pid, SIGCONT), 0);
     gen_ok(&frozen);
     one_warning(&frozen, "Deadline");
@@ -605,25 +619,26 @@ Test(generate_kvstore, a_store_that_is_down_or_frozen_costs_one_warning_and_noth
 /* The store dies after the prompts were looked up and their cached prefixes read, before the
  * first put: the cached prompt still resumes from what it read, the put fails with one line,
  * and both outputs are those of a run without a store. The first prompt is long and uncached,
- * so its prefill (the time before the first put) is long against the reaction to the line that
- * says the prompts were looked up. */
+ * so its prefill (the time before the first put: seconds for 2,048 tokens) is long against the
+ * reaction to the line that says the prompts were looked up (milliseconds). */
 Test(generate_kvstore, a_store_killed_mid_run_costs_one_warning_and_nothing_else)
 {
     th_store s;
     store_start(&s, "tiny", NULL);
     ids cached, longp;
     ids_make(&cached, 420, 7, 4096);
-    ids_make(&longp, 5000, 8, 4096);
+    ids_make(&longp, 2048, 8, 4096);
     const ids *pc[] = {&cached}, *both[] = {&longp, &cached};
     gen_res fill, base;
-    gen(&fill, pc, 1, TINY " --temperature 0 --kvstore %s", s.target);
+    gen(&fill, pc, 1, "%s --temperature 0 --kvstore %s", tiny(), s.target);
     gen_ok(&fill);
-    gen(&base, both, 2, TINY " --temperature 0 --yoco compact");
+    gen(&base, both, 2, "%s --temperature 0 --yoco compact", tiny());
     gen_ok(&base);
     char path[512], cmd[4096];
     write_ids("both.txt", both, 2, path);
-    snprintf(cmd, sizeof cmd, "exec %s/tools/generate/di-generate --json --ids-file %s " TINY
-             " --temperature 0 --kvstore %s > %s/out", build_root(), path, s.target, g_dir);
+    snprintf(cmd, sizeof cmd, "exec %s/tools/generate/di-generate --json --ids-file %s %s "
+             "--temperature 0 --kvstore %s > %s/out", build_root(), path, tiny(), s.target,
+             g_dir);
     int pipefd[2];
     cr_assert_eq(pipe(pipefd), 0);
     pid_t pid = fork();
@@ -658,7 +673,7 @@ Test(generate_kvstore, a_store_killed_mid_run_costs_one_warning_and_nothing_else
     gen_ok(&run);
     same_tokens(&base, &run, "store killed mid-run");
     cr_assert(strstr(all, "prompt 2: 256 of 420 tokens from the KV store"), "%s", all);
-    cr_assert_eq(stat_of(&run, "prefill_tokens"), 5000 + 420 - 256,
+    cr_assert_eq(stat_of(&run, "prefill_tokens"), 2048 + 420 - 256,
                  "the cached prompt resumed from what was read before the store died");
     const char *w = strstr(all, "warning:");
     cr_assert(w && !strstr(w + 1, "warning:"), "one warning expected:\n%s", all);
@@ -706,13 +721,13 @@ Test(generate_kvstore, a_corrupt_or_wrong_object_is_computed_instead_and_replace
     const ids *pp[] = {&p};
     gen_res base, r1, r2, r3, r4, r5;
     baseline(&base, &p);
-    gen(&r1, pp, 1, TINY " --temperature 0 --kvstore %s", s.target);
+    gen(&r1, pp, 1, "%s --temperature 0 --kvstore %s", tiny(), s.target);
     gen_ok(&r1);
     th_store_stop(&s);
     kvkey k0 = block_key_of(&g, &p, 0), k1 = block_key_of(&g, &p, 1);
     corrupt_on_disk(&s, &g, KVKEY_BLOCK, &k1);
     th_store_restart(&s);
-    gen(&r2, pp, 1, TINY " --temperature 0 --kvstore %s --dump-logits %s/r2.jsonl", s.target,
+    gen(&r2, pp, 1, "%s --temperature 0 --kvstore %s --dump-logits %s/r2.jsonl", tiny(), s.target,
         g_dir);
     gen_ok(&r2);
     cr_assert_eq(count_lines(r2.err), 1, "[%s] prefill %lld stored %lld", r2.err, stat_of(&r2, "prefill_tokens"), kv_stat(&r2, "blocks_stored"));
@@ -722,7 +737,7 @@ Test(generate_kvstore, a_corrupt_or_wrong_object_is_computed_instead_and_replace
     same_dump("base.jsonl", "r2.jsonl", "corrupt block");
     cr_assert_eq(stat_of(&r2, "prefill_tokens"), 420, "no window state below block 1");
     cr_assert_eq(kv_stat(&r2, "blocks_stored"), 2, "blocks 1 and 2 stored again");
-    gen(&r3, pp, 1, TINY " --temperature 0 --kvstore %s", s.target);
+    gen(&r3, pp, 1, "%s --temperature 0 --kvstore %s", tiny(), s.target);
     gen_ok(&r3);
     cr_assert_eq(stat_of(&r3, "prefill_tokens"), 420 - 256, "the replaced block is used");
     /* a sound object under block 0's key that holds positions 128-255 */
@@ -737,14 +752,14 @@ Test(generate_kvstore, a_corrupt_or_wrong_object_is_computed_instead_and_replace
     memcpy(forged, &h, sizeof h);
     cr_assert_eq(kvc_put1(c, KVKEY_BLOCK, &k0, forged, bb, &e), DI_OK, "%s", e.msg);
     free(forged);
-    gen(&r4, pp, 1, TINY " --temperature 0 --kvstore %s --dump-logits %s/r4.jsonl", s.target,
+    gen(&r4, pp, 1, "%s --temperature 0 --kvstore %s --dump-logits %s/r4.jsonl", tiny(), s.target,
         g_dir);
     gen_ok(&r4);
     cr_assert_eq(count_lines(r4.err), 1, "%s", r4.err);
     cr_assert(strstr(r4.err, "block 0: block starts at position 128, expected 0"), "%s", r4.err);
     same_dump("base.jsonl", "r4.jsonl", "wrong block");
     cr_assert_eq(stat_of(&r4, "prefill_tokens"), 420);
-    gen(&r5, pp, 1, TINY " --temperature 0 --kvstore %s --dump-logits %s/r5.jsonl", s.target,
+    gen(&r5, pp, 1, "%s --temperature 0 --kvstore %s --dump-logits %s/r5.jsonl", tiny(), s.target,
         g_dir);
     gen_ok(&r5);
     cr_assert_str_eq(r5.err, "");
@@ -770,7 +785,7 @@ Test(generate_kvstore, the_blocks_written_are_found_by_kvctl_inspect_of_the_same
     ids_make(&p, 420, 10, 4096);
     const ids *pp[] = {&p};
     gen_res r;
-    gen(&r, pp, 1, TINY " --temperature 0 --kvstore %s", s.target);
+    gen(&r, pp, 1, "%s --temperature 0 --kvstore %s", tiny(), s.target);
     gen_ok(&r);
     char *list = ids_str(&p), cmd[32768];
     snprintf(cmd, sizeof cmd, "%s/kvstore/di-kvctl --json --target %s inspect --ids %s > "
@@ -812,21 +827,22 @@ Test(generate_kvstore, the_engine_token_comes_from_its_file_or_the_environment)
     ids_make(&p, 420, 11, 4096);
     const ids *pp[] = {&p};
     gen_res r1, r2, r3, bad;
-    gen(&r1, pp, 1, TINY " --temperature 0 --kvstore %s --kvstore-token-file %s", s.target, tok);
+    gen(&r1, pp, 1, "%s --temperature 0 --kvstore %s --kvstore-token-file %s", tiny(), s.target,
+        tok);
     gen_ok(&r1);
     cr_assert_str_eq(r1.err, "");
     cr_assert_eq(kv_stat(&r1, "blocks_stored"), 3);
     setenv("DI_KVSTORE_TOKEN", "engine-secret-1", 1);
-    gen(&r2, pp, 1, TINY " --temperature 0 --kvstore %s", s.target);
+    gen(&r2, pp, 1, "%s --temperature 0 --kvstore %s", tiny(), s.target);
     unsetenv("DI_KVSTORE_TOKEN");
     gen_ok(&r2);
     cr_assert_eq(stat_of(&r2, "prefill_tokens"), 420 - 256);
-    gen(&bad, pp, 1, TINY " --temperature 0 --kvstore %s", s.target);
+    gen(&bad, pp, 1, "%s --temperature 0 --kvstore %s", tiny(), s.target);
     gen_ok(&bad);
     one_warning(&bad, "connecting failed");
     same_tokens(&r1, &bad, "without the token");
-    gen(&r3, pp, 1, TINY " --temperature 0 --kvstore %s --kvstore-token-file %s/none", s.target,
-        g_dir);
+    gen(&r3, pp, 1, "%s --temperature 0 --kvstore %s --kvstore-token-file %s/none", tiny(),
+        s.target, g_dir);
     cr_assert_eq(r3.rc, 2, "a missing token file is bad input");
     cr_assert(strstr(r3.err, "--kvstore-token-file"), "%s", r3.err);
     gen_free(&r1);
@@ -857,7 +873,7 @@ Test(generate_kvstore, bad_store_options_are_refused_with_one_line)
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         gen_res r;
-        gen(&r, pp, 1, TINY " %s", cases[i].args);
+        gen(&r, pp, 1, "%s %s", tiny(), cases[i].args);
         cr_assert_eq(r.rc, 2, "%s: exit %d", cases[i].args, r.rc);
         cr_assert_eq(count_lines(r.err), 1, "%s: %s", cases[i].args, r.err);
         cr_assert(strstr(r.err, cases[i].msg), "%s: %s", cases[i].args, r.err);
