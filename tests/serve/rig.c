@@ -140,7 +140,8 @@ Di__Engine__Load get_load(const proc *p, const char *svc)
 
 void engine_start(proc *p, const char *exe, const char *name, const rig *r)
 {
-    const char *args[] = {"--config", "tiny", "--weights-seed", SEED, "--kvstore",
+    const char *args[] = {"--config", r->config ? r->config : "tiny", "--weights-seed", SEED,
+                          "--kvstore",
                           r->store.target, "--chunk", CHUNK, "--threads", "1", "--nextn",
                           r->nextn, "--blocks", r->blocks ? r->blocks : "256",
                           "--kvstore-deadline", r->kv_deadline ? r->kv_deadline : "2s", "--drain",
@@ -154,12 +155,13 @@ void rig_start(rig *r, const char *nextn)
     char dir[300];
     snprintf(dir, sizeof dir, "%s/store", g_dir);
     /* the store's model id covers the weights: it is started on the checkpoint of the
-     * engines' random weights (config tiny, seed 0), manifest included */
+     * engines' random weights (config tiny unless r->config, seed 0), manifest included */
+    const char *config = r->config ? r->config : "tiny";
     static char ckpt[300];
     char cmd[1024];
-    snprintf(ckpt, sizeof ckpt, "%s/ckpt-tiny", g_dir);
-    snprintf(cmd, sizeof cmd, "test -d %s || %s/tools/mkmodel/di-mkmodel --quiet tiny %s "
-             "> /dev/null", ckpt, build_root(), ckpt);
+    snprintf(ckpt, sizeof ckpt, "%s/ckpt-%s", g_dir, config);
+    snprintf(cmd, sizeof cmd, "test -d %s || %s/tools/mkmodel/di-mkmodel --quiet %s %s "
+             "> /dev/null", ckpt, build_root(), config, ckpt);
     cr_assert_eq(system(cmd), 0, "%s", cmd);
     const char *args[40] = {"--model", ckpt};
     int n = 2;

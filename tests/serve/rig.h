@@ -47,6 +47,7 @@ typedef struct rig {
     th_store store;
     proc prefill, decode;
     const char *nextn;
+    const char *config;             /* the model config of the store and both ranks; NULL: tiny */
     const char *drain;              /* --drain of both ranks; NULL: 20s */
     const char *blocks;             /* --blocks of both ranks; NULL: 256 */
     const char *kv_deadline;        /* --kvstore-deadline of both ranks; NULL: 2s */

@@ -63,8 +63,9 @@ static void compare_runs(const rig *r, const char *sampling, uint32_t salt)
     snprintf(prompts, sizeof prompts, "%s/prompts-%u.txt", g_dir, salt);
     write_prompts(prompts, salt);
     gen_res local, remote;
-    gen(&local, "--config tiny --weights-seed " SEED " --chunk " CHUNK " --threads 1 --nextn %s "
-        "--ids-file %s --max-tokens 10 --ignore-eos %s", r->nextn, prompts, sampling);
+    gen(&local, "--config %s --weights-seed " SEED " --chunk " CHUNK " --threads 1 --nextn %s "
+        "--ids-file %s --max-tokens 10 --ignore-eos %s", r->config ? r->config : "tiny",
+        r->nextn, prompts, sampling);
     cr_assert_eq(local.rc, 0, "local run: %s", local.err);
     gen(&remote, "--prefill %s --decode %s --ids-file %s --max-tokens 10 --ignore-eos %s",
         r->prefill.target, r->decode.target, prompts, sampling);
@@ -98,6 +99,16 @@ Test(disagg, drafts_off_equal_local_runs)
     rig_start(&r, "0");
     compare_runs(&r, "--temperature 0 --seed 1", 4);
     compare_runs(&r, "--temperature 0.8 --seed 99", 5);
+    assert_clean(&r);
+    rig_stop(&r);
+}
+
+/* The same on the `small` config (wider, more layers and experts than tiny). */
+Test(disagg, small_model_equals_local_runs)
+{
+    rig r = {.config = "small"};
+    rig_start(&r, "5");
+    compare_runs(&r, "--temperature 0.8 --seed 21 --logprobs 2", 6);
     assert_clean(&r);
     rig_stop(&r);
 }
