@@ -487,15 +487,7 @@ static void generate(api_ctx *a, oai_kind kind, const http_request *rq, http_rep
     g->t0_ns = di_mono_ns();
     snprintf(g->id, sizeof g->id, "%s-%016llx", kind == OAI_CHAT ? "chatcmpl" : "cmpl",
              (unsigned long long)atomic_fetch_add(&a->next_id, 1));
-    rt_gen_req br = {.prompt = g->req.prompt_ids.v,
-                     .n_prompt = g->req.prompt_ids.n,
-                     .max_tokens = g->req.max_tokens,
-                     .temperature = g->req.temperature,
-                     .top_p = g->req.top_p,
-                     .top_k = g->req.top_k,
-                     .seed = g->req.seed,
-                     .top_logprobs = g->req.logprobs ? g->req.top_logprobs : 0,
-                     .ignore_eos = g->req.ignore_eos};
+    rt_gen_req br = oai_gen_req(&g->req);
     rt_gen_cb cb = {on_token, on_finish, g, on_continue};
     di_error de = {0};
     g->refs = 2;

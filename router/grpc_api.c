@@ -286,15 +286,7 @@ static di_status generate_start(void *svc, const rpc_request *rq, rpc_call *call
     first.request_id = s->id;
     send_reply(s, &first);
     rpc_call_on_cancel(call, on_cancel, s);
-    rt_gen_req br = {.prompt = s->req.prompt_ids.v,
-                     .n_prompt = s->req.prompt_ids.n,
-                     .max_tokens = s->req.max_tokens,
-                     .temperature = s->req.temperature,
-                     .top_p = s->req.top_p,
-                     .top_k = s->req.top_k,
-                     .seed = s->req.seed,
-                     .top_logprobs = s->req.logprobs ? s->req.top_logprobs : 0,
-                     .ignore_eos = s->req.ignore_eos};
+    rt_gen_req br = oai_gen_req(&s->req);
     rt_gen_cb cb = {on_token, on_finish, s, on_continue};
     uint64_t handle = 0;
     di_error be = {0};

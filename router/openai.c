@@ -711,3 +711,16 @@ char *oai_error_sse(const oai_error *err)
 {
     return dump_and_free(error_obj(err), true);
 }
+
+rt_gen_req oai_gen_req(const oai_request *r)
+{
+    return (rt_gen_req){.prompt = r->prompt_ids.v,
+                        .n_prompt = r->prompt_ids.n,
+                        .max_tokens = r->max_tokens,
+                        .temperature = r->temperature,
+                        .top_p = r->top_p,
+                        .top_k = r->top_k,
+                        .seed = r->seed,
+                        .top_logprobs = r->logprobs ? r->top_logprobs : 0,
+                        .ignore_eos = r->ignore_eos};
+}

@@ -27,6 +27,7 @@
 #include <stdint.h>
 
 #include "common/tokenizer/tokenizer.h"
+#include "router/backend.h"
 #include "common/util/status.h"
 
 #define OAI_MAX_STOP 4             /* stop strings a request may give (OpenAI's limit) */
@@ -74,6 +75,9 @@ typedef struct oai_request {
     bool stream;              /* answer as server-sent events */
     bool include_usage;       /* stream_options.include_usage: a final usage chunk */
 } oai_request;
+
+/* The generation a checked request asks the backend for (its prompt ids borrowed from r). */
+rt_gen_req oai_gen_req(const oai_request *r);
 
 /* A request failure in OpenAI's shape. */
 typedef struct oai_error {

@@ -666,6 +666,7 @@ static di_status run_device_planned(cuda_ctx *c, const kern_moe_experts *p,
     pl.n_groups = kern_moe_max_groups(P, E, cap);
     pl.aligned = tab->aligned, pl.aligned16 = tab->aligned16;
     pl.shared_grouped = p->shared_inter && T <= CUDA_MOE_GROUP_ROWS &&
+                        !c->batch_invariant && /* the mode: one path at every row count */
                         cuda_moe_grouped_fits(c, T, p->dim, p->shared_inter);
     if (pl.shared_grouped) {
         const kern_expert *sh = &p->shared;
