@@ -493,10 +493,11 @@ static di_status build_segments(ep_moe *m, uint32_t layer, const kern_moe_expert
     if (NP && (st = m->be->ops.copy_rows(m->be->ctx, &cp)) != DI_OK)
         return di_fail(err, st, "layer %u: gathering %zu rows", layer, NP);
     for (uint32_t d = 0; d < W; d++)
-        m->be->ops.to_host(m->be->ctx,
-                           m->seg[d].p + sizeof(seg_hdr) + (size_t)m->cnt[d] * sizeof(pair_rec),
-                           (uint8_t *)m->xg.p + (size_t)m->first[d] * row_bytes,
-                           (size_t)m->cnt[d] * row_bytes);
+        if (m->cnt[d])
+            m->be->ops.to_host(m->be->ctx, m->seg[d].p + sizeof(seg_hdr) +
+                                               (size_t)m->cnt[d] * sizeof(pair_rec),
+                               (uint8_t *)m->xg.p + (size_t)m->first[d] * row_bytes,
+                               (size_t)m->cnt[d] * row_bytes);
     return DI_OK;
 }
 
@@ -516,8 +517,10 @@ di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_e
     int32_t *ids = (int32_t *)m->meta.p, *src_row = ids + NP, *pos = src_row + NP;
     float *wts = (float *)(pos + NP);
     /* the gate's choice, on the host (a device backend copies it back) */
-    m->be->ops.to_host(m->be->ctx, ids, p->ids, NP * 4);
-    m->be->ops.to_host(m->be->ctx, wts, p->weights, NP * 4);
+    if (NP) {
+        m->be->ops.to_host(m->be->ctx, ids, p->ids, NP * 4);
+        m->be->ops.to_host(m->be->ctx, wts, p->weights, NP * 4);
+    }
     memset(m->nth, 0, m->E * sizeof(uint32_t));
     memset(m->cnt, 0, W * sizeof(uint32_t));
     /* where each pair goes: the n-th token of an expert to its copy n mod copies */
@@ -547,8 +550,10 @@ di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_e
     if ((st = bbuf_reserve(m, &m->outs, NP * row_bytes, err)) != DI_OK)
         return st;
     for (uint32_t d = 0; d < W; d++)
-        m->be->ops.from_host(m->be->ctx, (uint8_t *)m->outs.p + (size_t)m->first[d] * row_bytes,
-                             m->recv[d].data, m->recv[d].len);
+        if (m->recv[d].len)
+            m->be->ops.from_host(m->be->ctx,
+                                 (uint8_t *)m->outs.p + (size_t)m->first[d] * row_bytes,
+                                 m->recv[d].data, m->recv[d].len);
     uint16_t *sh = NULL;
     if (T && p->shared_inter && (st = shared_expert(m, p, &sh, err)) != DI_OK)
         return st;
