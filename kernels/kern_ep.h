@@ -40,6 +40,8 @@ typedef struct kern_ep_ops {
     /* host memory the backend copies from and to at full speed (pinned); NULL on failure */
     void *(*host_alloc)(void *ctx, size_t bytes);
     void (*host_free)(void *ctx, void *p);
+    /* the message of the backend's last failed op, or NULL (the CPU backend keeps none) */
+    const char *(*last_error)(void *ctx);
 } kern_ep_ops;
 
 /* The C twin of the combine. DI_EINVAL for a pos out of range (nothing written then). */

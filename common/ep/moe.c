@@ -108,6 +108,13 @@ static int ebuf_reserve(ebuf *b, size_t need)
     return 0;
 }
 
+/* The backend's message of its last failure. */
+static const char *be_msg(const ep_moe *m)
+{
+    const char *msg = m->xo.last_error ? m->xo.last_error(m->xo.ctx) : NULL;
+    return msg && *msg ? msg : "the backend gave no message";
+}
+
 /* b at least `need` bytes of backend memory. */
 static di_status bbuf_reserve(ep_moe *m, bbuf *b, size_t need, di_error *err)
 {
@@ -374,7 +381,8 @@ static di_status serve_segment(ep_moe *m, uint32_t src, const seg_hdr *h, const 
                           .weights = m->swt.p, .experts = &m->views[(size_t)h->layer * m->S],
                           .swiglu_limit = m->swiglu_limit, .y = m->sy.p};
     if ((st = ops->moe_experts(m->be->ctx, &q)) != DI_OK)
-        return di_fail(err, st, "layer %u: experts of %u pairs from rank %u", h->layer, n, src);
+        return di_fail(err, st, "layer %u: experts of %u pairs from rank %u: %s", h->layer, n,
+                       src, be_msg(m));
     ops->to_host(m->be->ctx, m->out[src].p, m->sy.p, rb);
     m->out[src].len = rb;
     m->stats.pairs_served += n;
@@ -452,7 +460,7 @@ static di_status shared_expert(ep_moe *m, const kern_moe_experts *p, uint16_t **
     if (st == DI_OK)
         st = ops->linear_fp8(m->be->ctx, &l2);
     if (st != DI_OK)
-        return di_fail(err, st, "shared expert of %zu rows", T);
+        return di_fail(err, st, "shared expert of %zu rows: %s", T, be_msg(m));
     *o = y;
     return DI_OK;
 }
@@ -491,7 +499,7 @@ static di_status build_segments(ep_moe *m, uint32_t layer, const kern_moe_expert
                          .src_stride = row_bytes, .rows = src_row, .dst = m->xg.p,
                          .dst_stride = row_bytes};
     if (NP && (st = m->be->ops.copy_rows(m->be->ctx, &cp)) != DI_OK)
-        return di_fail(err, st, "layer %u: gathering %zu rows", layer, NP);
+        return di_fail(err, st, "layer %u: gathering %zu rows: %s", layer, NP, be_msg(m));
     for (uint32_t d = 0; d < W; d++)
         if (m->cnt[d])
             m->be->ops.to_host(m->be->ctx, m->seg[d].p + sizeof(seg_hdr) +
@@ -577,7 +585,7 @@ di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_e
     kern_ep_combine c = {.n_rows = T, .dim = D, .top_k = K, .n_outs = (uint32_t)NP,
                          .outs = m->outs.p, .pos = pos, .shared = sh, .y = p->y};
     if (T && (st = m->xo.combine(m->xo.ctx, &c)) != DI_OK)
-        return di_fail(err, st, "layer %u: combining %u rows", layer, T);
+        return di_fail(err, st, "layer %u: combining %u rows: %s", layer, T, be_msg(m));
     return DI_OK;
 }
 
@@ -646,7 +654,7 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
                                      .src = m->slot_mem[(size_t)l * S + (uint32_t)local],
                                      .src_stride = m->blob, .dst = b, .dst_stride = m->blob};
                 if ((st = m->be->ops.copy_rows(m->be->ctx, &cp)) != DI_OK)
-                    st = di_fail(err, st, "layer %u: copying expert %d", l, e);
+                    st = di_fail(err, st, "layer %u: copying expert %d: %s", l, e, be_msg(m));
                 continue;
             }
             uint32_t src = old->copies[old->copy_start[e]] / S;

@@ -23,9 +23,10 @@
  * (the guard). Experts that change slots move: a rank whose new slot needs an expert it does
  * not hold receives its weights from the lowest rank that held it, in one all-to-all.
  *
- * Weights. Each rank keeps its own slots' routed experts in buffers of its own, copied from
- * the checkpoint at start (the other experts are never read) and from other ranks after a
- * re-plan. The shared expert and the draft stages' MoE run on every rank.
+ * Weights. Each rank keeps its own slots' routed experts in buffers of the backend's memory,
+ * copied from the checkpoint at start (loaded with ep_moe_keep_expert, the checkpoint holds
+ * only those) and from other ranks after a re-plan. The shared expert and the draft stages'
+ * MoE run on every rank.
  *
  * Backends. The experts' weights, the rows and the outputs live in the backend's memory; the
  * transport is the group's (CPU sockets). On a device backend (kern_backend.device_memory)

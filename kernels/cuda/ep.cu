@@ -80,6 +80,11 @@ static void ep_host_free(void *ctx, void *p)
         cudaFreeHost(p);
 }
 
+static const char *ep_last_error(void *ctx)
+{
+    return ((const cuda_ctx *)ctx)->last.msg;
+}
+
 di_status kern_ep_ops_cuda(const kern_backend *be, kern_ep_ops *out, di_error *err)
 {
     if (!be || !be->ctx || !be->name || strcmp(be->name, "cuda") != 0 || !out)
@@ -89,5 +94,6 @@ di_status kern_ep_ops_cuda(const kern_backend *be, kern_ep_ops *out, di_error *e
     out->combine = ep_combine;
     out->host_alloc = ep_host_alloc;
     out->host_free = ep_host_free;
+    out->last_error = ep_last_error;
     return DI_OK;
 }

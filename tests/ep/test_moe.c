@@ -255,6 +255,58 @@ Test(ep_moe, refuses_a_device_backend_and_a_model_without_experts)
     fixture_free(&f);
 }
 
+/* A backend whose experts or whose combine fail: the layer fails with the op's code and names
+ * what failed with the backend's message. */
+static di_status failing_experts(void *ctx, const kern_moe_experts *p)
+{
+    (void)ctx, (void)p;
+    return DI_ENOMEM;
+}
+
+static di_status failing_combine(void *ctx, const kern_ep_combine *p)
+{
+    (void)ctx, (void)p;
+    return DI_EINTERNAL;
+}
+
+static const char *a_message(void *ctx)
+{
+    (void)ctx;
+    return "device lost";
+}
+
+Test(ep_moe, a_failing_backend_op_fails_the_layer_with_its_message)
+{
+    fixture f;
+    fixture_init(&f);
+    ep_group *g = solo();
+    ep_moe *m;
+    di_error e;
+    kern_backend be = f.be;
+    be.ops.moe_experts = failing_experts;
+    kern_ep_ops xo;
+    kern_ep_ops_host(&xo);
+    xo.last_error = a_message;
+    ep_moe_options o = {.group = g, .be = &be, .dev_ops = &xo, .w = &f.w};
+    cr_assert_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    static call c;
+    static uint16_t y[TMAX * D];
+    make_call(&f, 1, 5, 3, &c, y);
+    cr_expect_eq(ep_moe_layer(m, 1, &c.p, &e), DI_ENOMEM);
+    cr_expect(strstr(e.msg, "layer 1: experts of") && strstr(e.msg, "device lost"), "%s", e.msg);
+    ep_moe_free(m);
+    be.ops.moe_experts = f.be.ops.moe_experts;
+    xo.combine = failing_combine;
+    cr_assert_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    cr_expect_eq(ep_moe_layer(m, 1, &c.p, &e), DI_EINTERNAL);
+    cr_expect(strstr(e.msg, "layer 1: combining 5 rows: device lost"), "%s", e.msg);
+    /* after a failed layer the step of a group of one still ends */
+    cr_expect_eq(ep_moe_step_end(m, &e), DI_OK, "%s", e.msg);
+    ep_moe_free(m);
+    ep_group_close(g);
+    fixture_free(&f);
+}
+
 Test(ep_moe, the_filter_keeps_the_start_up_slots_experts)
 {
     model_config c = {.n_routed_experts = 8};
