@@ -4,7 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/cpu/numfmt.h"
+#include "kernels/kern_ep.h"
 
 /* A dispatch segment: seg_hdr, then n_pairs pair_rec, then n_pairs rows [n_pairs, dim] bf16.
  * A combine segment: the served pairs' outputs [n_pairs, dim] bf16, in dispatch order. */
@@ -23,15 +23,29 @@ typedef struct pair_rec {
 /* One part of an expert's weights inside its slot's buffer. */
 enum { PART_W1, PART_W1S, PART_W3, PART_W3S, PART_W2, PART_W2S, PARTS };
 
-/* Growable byte buffer. */
+/* Host buffer, pinned through the ep ops (kern_ep.h) so that the backend copies at full
+ * speed; grows keeping its bytes. */
+typedef struct hbuf {
+    uint8_t *p;
+    size_t len, cap;
+} hbuf;
+
+/* Host scratch (malloc). */
 typedef struct ebuf {
     uint8_t *p;
     size_t len, cap;
 } ebuf;
 
+/* Backend-memory scratch (kern_ops.alloc); grows without keeping its bytes. */
+typedef struct bbuf {
+    void *p;
+    size_t cap;
+} bbuf;
+
 struct ep_moe {
     ep_group *g;
     const kern_backend *be;
+    kern_ep_ops xo;                 /* combine and pinned memory of the backend */
     const model_weights *w;
     uint32_t rank, world;
     uint32_t E, K, D, inter, L, S;  /* experts, top-k, dim, expert width, layers, slots/rank */
@@ -39,7 +53,7 @@ struct ep_moe {
     size_t part_off[PARTS], part_len[PARTS];
     size_t blob;                    /* bytes of one expert's weights in a slot */
     ep_placement *place;            /* [L] */
-    uint8_t **slot_mem;             /* [L * S] this rank's slot buffers */
+    uint8_t **slot_mem;             /* [L * S] this rank's slot buffers (backend memory) */
     kern_expert *views;             /* [L * S] views into them */
     uint32_t interval;              /* eplb_interval */
     uint32_t win_steps;             /* steps in the window so far */
@@ -47,15 +61,37 @@ struct ep_moe {
     uint64_t *step_counts;          /* [L][S] pairs this rank's slots served this step */
     ep_moe_stats stats;
     /* scratch */
-    ebuf *seg;                      /* [world] dispatch segments being built */
-    ebuf *out;                      /* [world] combine segments being built */
+    hbuf *seg;                      /* [world] dispatch segments being built */
+    hbuf *out;                      /* [world] combine segments being built */
     ep_buf *send, *recv;            /* [world] */
-    uint32_t *nth, *cnt;            /* [E], [world] */
-    ebuf pairs;                     /* per pair: destination, index there */
+    uint32_t *nth, *cnt, *first;    /* [E], [world], [world] (first pair of each destination) */
+    ebuf pairs;                     /* per pair: destination, index there, slot */
+    ebuf meta;                      /* host ids, weights, gather rows, combine positions */
     ebuf served;                    /* ids and weights of a served segment */
-    ebuf shared;                    /* shared expert scratch */
-    ebuf acc;                       /* [dim] double */
+    bbuf xg;                        /* [pairs, dim] rows gathered by destination */
+    bbuf sx, sid, swt, sy;          /* a served segment: rows, slots, weights, outputs */
+    bbuf outs;                      /* [pairs, dim] the outputs that came back */
+    bbuf shared;                    /* shared expert scratch */
 };
+
+static int hbuf_reserve(ep_moe *m, hbuf *b, size_t need)
+{
+    if (need <= b->cap)
+        return 0;
+    size_t c = b->cap ? b->cap : 4096;
+    while (c < need)
+        c *= 2;
+    uint8_t *n = m->xo.host_alloc(m->xo.ctx, c);
+    if (!n)
+        return -1;
+    if (b->len)
+        memcpy(n, b->p, b->len);
+    if (b->p)
+        m->xo.host_free(m->xo.ctx, b->p);
+    b->p = n;
+    b->cap = c;
+    return 0;
+}
 
 static int ebuf_reserve(ebuf *b, size_t need)
 {
@@ -70,6 +106,39 @@ static int ebuf_reserve(ebuf *b, size_t need)
     b->p = n;
     b->cap = c;
     return 0;
+}
+
+/* The backend's message of its last failure. */
+static const char *be_msg(const ep_moe *m)
+{
+    const char *msg = m->xo.last_error ? m->xo.last_error(m->xo.ctx) : NULL;
+    return msg && *msg ? msg : "the backend gave no message";
+}
+
+/* b at least `need` bytes of backend memory. */
+static di_status bbuf_reserve(ep_moe *m, bbuf *b, size_t need, di_error *err)
+{
+    if (need <= b->cap && b->p)
+        return DI_OK;
+    size_t c = b->cap ? b->cap : 4096;
+    while (c < need)
+        c *= 2;
+    if (b->p)
+        m->be->ops.free(m->be->ctx, b->p);
+    b->cap = 0;
+    if (!(b->p = m->be->ops.alloc(m->be->ctx, c)))
+        return di_fail(err, DI_ENOMEM, "%zu bytes of %s memory for the exchange", c,
+                       m->be->name);
+    b->cap = c;
+    return DI_OK;
+}
+
+static void bbuf_free(ep_moe *m, bbuf *b)
+{
+    if (b->p)
+        m->be->ops.free(m->be->ctx, b->p);
+    b->p = NULL;
+    b->cap = 0;
 }
 
 static size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
@@ -98,23 +167,41 @@ static void set_view(ep_moe *m, uint32_t layer, uint32_t s)
     v->w2_scale = b + m->part_off[PART_W2S];
 }
 
-/* Copies expert e of the checkpoint into a new slot buffer. */
+/* A slot buffer of backend memory. */
+static uint8_t *slot_alloc(ep_moe *m)
+{
+    return m->be->ops.alloc(m->be->ctx, m->blob);
+}
+
+static void slot_free(ep_moe *m, uint8_t *b)
+{
+    if (b)
+        m->be->ops.free(m->be->ctx, b);
+}
+
+/* Copies expert e of the checkpoint into a new slot buffer (through host scratch). */
 static di_status load_slot(ep_moe *m, uint32_t layer, uint32_t e, uint8_t **out, di_error *err)
 {
     const model_expert_weights *x = &m->w->layers[layer].ffn.experts[e];
-    uint8_t *b = aligned_alloc(64, m->blob);
-    if (!b)
+    if (ebuf_reserve(&m->meta, m->blob) != 0)
         return di_fail(err, DI_ENOMEM, "expert slot of %zu bytes", m->blob);
+    memset(m->meta.p, 0, m->blob);
     for (int p = 0; p < PARTS; p++) {
         const model_tensor *t = part_tensor(x, p);
         const void *src = p % 2 ? (const void *)t->scale : t->data;
-        if (part_bytes(t, p) != m->part_len[p] || !src) {
-            free(b);
+        if (t->fmt == MODEL_WFMT_NONE)
+            return di_fail(err, DI_EINVAL, "layer %u expert %u: not loaded (the checkpoint was "
+                           "loaded for another rank)", layer, e);
+        if (part_bytes(t, p) != m->part_len[p] || !src)
             return di_fail(err, DI_EINVAL, "layer %u expert %u: weights of another shape than "
-                           "expert 0's", layer, e);
-        }
-        memcpy(b + m->part_off[p], src, m->part_len[p]);
+                           "the first's", layer, e);
+        memcpy(m->meta.p + m->part_off[p], src, m->part_len[p]);
     }
+    uint8_t *b = slot_alloc(m);
+    if (!b)
+        return di_fail(err, DI_ENOMEM, "expert slot of %zu bytes of %s memory", m->blob,
+                       m->be->name);
+    m->be->ops.from_host(m->be->ctx, b, m->meta.p, m->blob);
     *out = b;
     return DI_OK;
 }
@@ -126,12 +213,12 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
     if (!o || !o->group || !o->be || !o->w || !out)
         return di_fail(err, DI_EINVAL, "expert parallelism: group, backend and weights are "
                        "required");
-    if (o->be->device_memory)
-        return di_fail(err, DI_EUNSUPPORTED, "expert parallelism over the CPU exchange needs a "
-                       "host-memory backend; backend %s keeps tensors on the device",
-                       o->be->name);
+    if (o->be->device_memory && !o->dev_ops)
+        return di_fail(err, DI_EINVAL, "expert parallelism: backend %s keeps tensors on the "
+                       "device and needs its exchange ops (kern_ep.h)", o->be->name);
     const model_config *c = &o->w->config;
-    if (c->n_routed_experts == 0 || c->n_layers == 0 || !o->w->layers[0].ffn.experts)
+    if (c->n_routed_experts == 0 || c->n_layers == 0 || !o->w->layers[0].ffn.experts ||
+        c->dim % 32 || c->moe_inter_dim % 32)
         return di_fail(err, DI_EINVAL, "expert parallelism: the model has no routed experts");
     if (c->n_activated_experts == 0 || c->n_activated_experts > 64)
         return di_fail(err, DI_EINVAL, "expert parallelism: top-%u routing (1..64)",
@@ -141,6 +228,10 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
         return di_fail(err, DI_ENOMEM, "expert parallelism");
     m->g = o->group;
     m->be = o->be;
+    if (o->dev_ops)
+        m->xo = *o->dev_ops;
+    else
+        kern_ep_ops_host(&m->xo);
     m->w = o->w;
     m->rank = ep_group_rank(o->group);
     m->world = ep_group_world(o->group);
@@ -160,10 +251,12 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
     m->S = (m->E + R) / m->world;
     m->stats.slots_per_rank = m->S;
     m->stats.redundant = R;
-    const model_expert_weights *x0 = &o->w->layers[0].ffn.experts[0];
+    /* FP4 [inter, dim] (w1, w3) and [dim, inter] (w2), UE8M0 scales per 32 of a row */
+    size_t wb = (size_t)m->inter * m->D / 2, sb = (size_t)m->inter * m->D / 32;
+    const size_t len[PARTS] = {wb, sb, wb, sb, wb, sb};
     for (int p = 0; p < PARTS; p++) {
         m->part_off[p] = m->blob;
-        m->part_len[p] = part_bytes(part_tensor(x0, p), p);
+        m->part_len[p] = len[p];
         m->blob += align64(m->part_len[p]);
     }
     size_t LS = (size_t)m->L * m->S, W = m->world;
@@ -173,14 +266,15 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
     m->step_counts = calloc(LS, sizeof(uint64_t));
     m->window = calloc((size_t)(m->interval ? m->interval : 1) * m->L * W * m->S,
                        sizeof(uint64_t));
-    m->seg = calloc(W, sizeof(ebuf));
-    m->out = calloc(W, sizeof(ebuf));
+    m->seg = calloc(W, sizeof(hbuf));
+    m->out = calloc(W, sizeof(hbuf));
     m->send = calloc(W, sizeof(ep_buf));
     m->recv = calloc(W, sizeof(ep_buf));
     m->nth = calloc(m->E, sizeof(uint32_t));
     m->cnt = calloc(W, sizeof(uint32_t));
+    m->first = calloc(W, sizeof(uint32_t));
     if (!m->place || !m->slot_mem || !m->views || !m->step_counts || !m->window || !m->seg ||
-        !m->out || !m->send || !m->recv || !m->nth || !m->cnt) {
+        !m->out || !m->send || !m->recv || !m->nth || !m->cnt || !m->first) {
         ep_moe_free(m);
         return di_fail(err, DI_ENOMEM, "expert parallelism tables");
     }
@@ -196,6 +290,7 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
                 set_view(m, l, s);
         }
     }
+    m->stats.slot_bytes = (uint64_t)LS * m->blob;
     if (st != DI_OK) {
         ep_moe_free(m);
         return st;
@@ -211,13 +306,16 @@ void ep_moe_free(ep_moe *m)
     for (uint32_t l = 0; m->place && l < m->L; l++)
         ep_placement_free(&m->place[l]);
     for (size_t i = 0; m->slot_mem && i < (size_t)m->L * m->S; i++)
-        free(m->slot_mem[i]);
+        slot_free(m, m->slot_mem[i]);
     for (uint32_t r = 0; r < m->world; r++) {
-        if (m->seg)
-            free(m->seg[r].p);
-        if (m->out)
-            free(m->out[r].p);
+        if (m->seg && m->seg[r].p)
+            m->xo.host_free(m->xo.ctx, m->seg[r].p);
+        if (m->out && m->out[r].p)
+            m->xo.host_free(m->xo.ctx, m->out[r].p);
     }
+    bbuf *bb[] = {&m->xg, &m->sx, &m->sid, &m->swt, &m->sy, &m->outs, &m->shared};
+    for (size_t i = 0; i < sizeof bb / sizeof bb[0]; i++)
+        bbuf_free(m, bb[i]);
     free(m->place);
     free(m->slot_mem);
     free(m->views);
@@ -229,10 +327,10 @@ void ep_moe_free(ep_moe *m)
     free(m->recv);
     free(m->nth);
     free(m->cnt);
+    free(m->first);
     free(m->pairs.p);
+    free(m->meta.p);
     free(m->served.p);
-    free(m->shared.p);
-    free(m->acc.p);
     free(m);
 }
 
@@ -245,16 +343,16 @@ const ep_placement *ep_moe_placement(const ep_moe *m, uint32_t layer)
 
 /* ---- one round ---- */
 
-/* Runs the pairs of one received dispatch segment on this rank's slots; appends their outputs
- * to m->out[src]. */
+/* Runs the pairs of one received dispatch segment on this rank's slots; their outputs become
+ * m->out[src]. The rows, slots and weights go to backend memory, the outputs come back. */
 static di_status serve_segment(ep_moe *m, uint32_t src, const seg_hdr *h, const uint8_t *body,
                                di_error *err)
 {
     uint32_t n = h->n_pairs;
     const pair_rec *recs = (const pair_rec *)body;
     const uint16_t *rows = (const uint16_t *)(body + (size_t)n * sizeof(pair_rec));
-    if (ebuf_reserve(&m->served, (size_t)n * 8) != 0 ||
-        ebuf_reserve(&m->out[src], (size_t)n * m->D * 2) != 0)
+    size_t row_bytes = (size_t)m->D * 2, rb = (size_t)n * row_bytes;
+    if (ebuf_reserve(&m->served, (size_t)n * 8) != 0 || hbuf_reserve(m, &m->out[src], rb) != 0)
         return di_fail(err, DI_ENOMEM, "serving %u pairs", n);
     int32_t *ids = (int32_t *)m->served.p;
     float *wts = (float *)(m->served.p + (size_t)n * 4);
@@ -266,16 +364,27 @@ static di_status serve_segment(ep_moe *m, uint32_t src, const seg_hdr *h, const 
         wts[i] = recs[i].weight;
         m->step_counts[(size_t)h->layer * m->S + recs[i].slot]++;
     }
+    di_status st;
+    if ((st = bbuf_reserve(m, &m->sx, rb, err)) != DI_OK ||
+        (st = bbuf_reserve(m, &m->sid, (size_t)n * 4, err)) != DI_OK ||
+        (st = bbuf_reserve(m, &m->swt, (size_t)n * 4, err)) != DI_OK ||
+        (st = bbuf_reserve(m, &m->sy, rb, err)) != DI_OK)
+        return st;
+    const kern_ops *ops = &m->be->ops;
+    ops->from_host(m->be->ctx, m->sx.p, rows, rb);
+    ops->from_host(m->be->ctx, m->sid.p, ids, (size_t)n * 4);
+    ops->from_host(m->be->ctx, m->swt.p, wts, (size_t)n * 4);
     /* the one-rank kernel with one expert a row and no shared expert: y is each pair's
      * expert output, exactly (bf16 -> double -> bf16) */
     kern_moe_experts q = {.n_rows = n, .dim = m->D, .inter = m->inter, .shared_inter = 0,
-                          .n_experts = m->S, .top_k = 1, .x = rows, .ids = ids, .weights = wts,
-                          .experts = &m->views[(size_t)h->layer * m->S],
-                          .swiglu_limit = m->swiglu_limit, .y = (uint16_t *)m->out[src].p};
-    di_status st = m->be->ops.moe_experts(m->be->ctx, &q);
-    if (st != DI_OK)
-        return di_fail(err, st, "layer %u: experts of %u pairs from rank %u", h->layer, n, src);
-    m->out[src].len = (size_t)n * m->D * 2;
+                          .n_experts = m->S, .top_k = 1, .x = m->sx.p, .ids = m->sid.p,
+                          .weights = m->swt.p, .experts = &m->views[(size_t)h->layer * m->S],
+                          .swiglu_limit = m->swiglu_limit, .y = m->sy.p};
+    if ((st = ops->moe_experts(m->be->ctx, &q)) != DI_OK)
+        return di_fail(err, st, "layer %u: experts of %u pairs from rank %u: %s", h->layer, n,
+                       src, be_msg(m));
+    ops->to_host(m->be->ctx, m->out[src].p, m->sy.p, rb);
+    m->out[src].len = rb;
     m->stats.pairs_served += n;
     return DI_OK;
 }
@@ -324,19 +433,20 @@ static di_status round_trip(ep_moe *m, bool *all_done, di_error *err)
 /* ---- the layer ---- */
 
 /* The shared expert on the rank's rows: o = W2 swiglu(W1 x, W3 x) with FP8 weights, as the
- * one-rank kernel computes it. */
+ * one-rank kernel computes it (backend memory). */
 static di_status shared_expert(ep_moe *m, const kern_moe_experts *p, uint16_t **o,
                                di_error *err)
 {
     size_t T = p->n_rows, SI = p->shared_inter;
-    if (ebuf_reserve(&m->shared, (T * SI * 3 + T * m->D) * 2) != 0)
-        return di_fail(err, DI_ENOMEM, "shared expert of %zu rows", T);
-    uint16_t *g = (uint16_t *)m->shared.p, *u = g + T * SI, *h = u + T * SI, *y = h + T * SI;
+    di_status st = bbuf_reserve(m, &m->shared, (T * SI * 3 + T * m->D) * 2, err);
+    if (st != DI_OK)
+        return st;
+    uint16_t *g = m->shared.p, *u = g + T * SI, *h = u + T * SI, *y = h + T * SI;
     const kern_ops *ops = &m->be->ops;
     kern_linear l = {.m = (uint32_t)T, .n = (uint32_t)SI, .k = m->D, .groups = 1, .x = p->x,
                      .x_stride = m->D, .w = p->shared.w1, .w_scale = p->shared.w1_scale, .y = g,
                      .y_stride = SI};
-    di_status st = ops->linear_fp8(m->be->ctx, &l);
+    st = ops->linear_fp8(m->be->ctx, &l);
     l.w = p->shared.w3, l.w_scale = p->shared.w3_scale, l.y = u;
     if (st == DI_OK)
         st = ops->linear_fp8(m->be->ctx, &l);
@@ -350,8 +460,52 @@ static di_status shared_expert(ep_moe *m, const kern_moe_experts *p, uint16_t **
     if (st == DI_OK)
         st = ops->linear_fp8(m->be->ctx, &l2);
     if (st != DI_OK)
-        return di_fail(err, st, "shared expert of %zu rows", T);
+        return di_fail(err, st, "shared expert of %zu rows: %s", T, be_msg(m));
     *o = y;
+    return DI_OK;
+}
+
+/* The dispatch segments of a layer's pairs (m->seg): header, the pairs' records, their rows.
+ * The rows are gathered by destination in backend memory (copy_rows) and copied out once a
+ * destination. dst/slot/idx as planned by the caller; m->first[d] is d's first pair in the
+ * gathered order. */
+static di_status build_segments(ep_moe *m, uint32_t layer, const kern_moe_experts *p,
+                                const uint32_t *dst, const uint32_t *slot, const uint32_t *idx,
+                                const float *wts, int32_t *src_row, di_error *err)
+{
+    uint32_t K = p->top_k, D = m->D, W = m->world;
+    size_t NP = (size_t)p->n_rows * K, row_bytes = (size_t)D * 2;
+    for (uint32_t d = 0, at = 0; d < W; d++) {
+        m->first[d] = at;
+        at += m->cnt[d];
+        size_t need = sizeof(seg_hdr) + (size_t)m->cnt[d] * (sizeof(pair_rec) + row_bytes);
+        m->seg[d].len = 0;
+        if (hbuf_reserve(m, &m->seg[d], need) != 0)
+            return di_fail(err, DI_ENOMEM, "dispatch of %u pairs", m->cnt[d]);
+        seg_hdr h = {.layer = layer, .n_pairs = m->cnt[d], .done = 0};
+        memcpy(m->seg[d].p, &h, sizeof h);
+        m->seg[d].len = need;
+    }
+    for (size_t i = 0; i < NP; i++) {
+        uint8_t *b = m->seg[dst[i]].p + sizeof(seg_hdr);
+        pair_rec r = {.slot = slot[i], .weight = wts[i]};
+        memcpy(b + (size_t)idx[i] * sizeof(pair_rec), &r, sizeof r);
+        src_row[m->first[dst[i]] + idx[i]] = (int32_t)(i / K);
+    }
+    di_status st = bbuf_reserve(m, &m->xg, NP * row_bytes, err);
+    if (st != DI_OK)
+        return st;
+    kern_copy_rows cp = {.n_rows = (uint32_t)NP, .row_bytes = row_bytes, .src = p->x,
+                         .src_stride = row_bytes, .rows = src_row, .dst = m->xg.p,
+                         .dst_stride = row_bytes};
+    if (NP && (st = m->be->ops.copy_rows(m->be->ctx, &cp)) != DI_OK)
+        return di_fail(err, st, "layer %u: gathering %zu rows: %s", layer, NP, be_msg(m));
+    for (uint32_t d = 0; d < W; d++)
+        if (m->cnt[d])
+            m->be->ops.to_host(m->be->ctx, m->seg[d].p + sizeof(seg_hdr) +
+                                               (size_t)m->cnt[d] * sizeof(pair_rec),
+                               (uint8_t *)m->xg.p + (size_t)m->first[d] * row_bytes,
+                               (size_t)m->cnt[d] * row_bytes);
     return DI_OK;
 }
 
@@ -365,14 +519,21 @@ di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_e
     const ep_placement *pl = &m->place[layer];
     uint32_t T = p->n_rows, K = p->top_k, D = m->D, W = m->world;
     size_t NP = (size_t)T * K, row_bytes = (size_t)D * 2;
-    if (ebuf_reserve(&m->pairs, NP * 12 + 12) != 0)
+    if (ebuf_reserve(&m->pairs, NP * 12 + 12) != 0 || ebuf_reserve(&m->meta, NP * 16 + 16) != 0)
         return di_fail(err, DI_ENOMEM, "%zu pairs", NP);
     uint32_t *dst = (uint32_t *)m->pairs.p, *idx = dst + NP, *slot = idx + NP;
+    int32_t *ids = (int32_t *)m->meta.p, *src_row = ids + NP, *pos = src_row + NP;
+    float *wts = (float *)(pos + NP);
+    /* the gate's choice, on the host (a device backend copies it back) */
+    if (NP) {
+        m->be->ops.to_host(m->be->ctx, ids, p->ids, NP * 4);
+        m->be->ops.to_host(m->be->ctx, wts, p->weights, NP * 4);
+    }
     memset(m->nth, 0, m->E * sizeof(uint32_t));
     memset(m->cnt, 0, W * sizeof(uint32_t));
     /* where each pair goes: the n-th token of an expert to its copy n mod copies */
     for (size_t i = 0; i < NP; i++) {
-        int32_t e = p->ids[i];
+        int32_t e = ids[i];
         if (e < 0 || (uint32_t)e >= m->E)
             return di_fail(err, DI_EINVAL, "row %zu routes to expert %d", i / K, e);
         uint32_t phys = ep_placement_pick(pl, (uint32_t)e, m->nth[e]++);
@@ -380,63 +541,51 @@ di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_e
         slot[i] = phys % m->S;
         idx[i] = m->cnt[dst[i]]++;
     }
-    for (uint32_t d = 0; d < W; d++) {
-        size_t need = sizeof(seg_hdr) + (size_t)m->cnt[d] * (sizeof(pair_rec) + row_bytes);
-        if (ebuf_reserve(&m->seg[d], need) != 0)
-            return di_fail(err, DI_ENOMEM, "dispatch of %u pairs", m->cnt[d]);
-        seg_hdr h = {.layer = layer, .n_pairs = m->cnt[d], .done = 0};
-        memcpy(m->seg[d].p, &h, sizeof h);
-        m->seg[d].len = need;
-    }
-    /* each segment: the pairs' records, then their rows */
-    for (size_t i = 0; i < NP; i++) {
-        uint8_t *b = m->seg[dst[i]].p + sizeof(seg_hdr);
-        pair_rec r = {.slot = slot[i], .weight = p->weights[i]};
-        memcpy(b + (size_t)idx[i] * sizeof(pair_rec), &r, sizeof r);
-        memcpy(b + (size_t)m->cnt[dst[i]] * sizeof(pair_rec) + (size_t)idx[i] * row_bytes,
-               p->x + (i / K) * D, row_bytes);
-    }
+    di_status st = build_segments(m, layer, p, dst, slot, idx, wts, src_row, err);
+    if (st != DI_OK)
+        return st;
     for (uint32_t d = 0; d < W; d++)
         m->send[d] = (ep_buf){m->seg[d].p, m->seg[d].len};
     m->stats.pairs_sent += NP;
     bool all_done;
-    di_status st = round_trip(m, &all_done, err);
-    if (st != DI_OK)
+    if ((st = round_trip(m, &all_done, err)) != DI_OK)
         return st;
     for (uint32_t d = 0; d < W; d++)
         if (m->recv[d].len != (uint64_t)m->cnt[d] * row_bytes)
             return di_fail(err, DI_EPROTO, "rank %u returned %llu bytes for %u pairs", d,
                            (unsigned long long)m->recv[d].len, m->cnt[d]);
+    /* the outputs, by destination in the gathered order, into backend memory */
+    if ((st = bbuf_reserve(m, &m->outs, NP * row_bytes, err)) != DI_OK)
+        return st;
+    for (uint32_t d = 0; d < W; d++)
+        if (m->recv[d].len)
+            m->be->ops.from_host(m->be->ctx,
+                                 (uint8_t *)m->outs.p + (size_t)m->first[d] * row_bytes,
+                                 m->recv[d].data, m->recv[d].len);
     uint16_t *sh = NULL;
     if (T && p->shared_inter && (st = shared_expert(m, p, &sh, err)) != DI_OK)
         return st;
-    if (ebuf_reserve(&m->acc, (size_t)D * sizeof(double)) != 0)
-        return di_fail(err, DI_ENOMEM, "combine");
-    double *acc = (double *)m->acc.p;
-    /* combine: a row's experts by ascending id, then the shared expert (the one-rank order) */
+    /* a row's outputs by ascending expert id, then the shared expert (the one-rank order) */
     for (uint32_t t = 0; t < T; t++) {
-        uint32_t order[64], n = K;
-        for (uint32_t k = 0; k < n; k++) {
+        uint32_t order[64];
+        const int32_t *e = ids + (size_t)t * K;
+        for (uint32_t k = 0; k < K; k++) {
             uint32_t j = k;
-            while (j > 0 && p->ids[(size_t)t * K + order[j - 1]] > p->ids[(size_t)t * K + k]) {
+            while (j > 0 && e[order[j - 1]] > e[k]) {
                 order[j] = order[j - 1];
                 j--;
             }
             order[j] = k;
         }
-        memset(acc, 0, (size_t)D * sizeof(double));
-        for (uint32_t k = 0; k < n; k++) {
+        for (uint32_t k = 0; k < K; k++) {
             size_t i = (size_t)t * K + order[k];
-            const uint16_t *o = (const uint16_t *)m->recv[dst[i]].data + (size_t)idx[i] * D;
-            for (uint32_t d = 0; d < D; d++)
-                acc[d] += di_bf16_to_f32(o[d]);
+            pos[(size_t)t * K + k] = (int32_t)(m->first[dst[i]] + idx[i]);
         }
-        if (sh)
-            for (uint32_t d = 0; d < D; d++)
-                acc[d] += di_bf16_to_f32(sh[(size_t)t * D + d]);
-        for (uint32_t d = 0; d < D; d++)
-            p->y[(size_t)t * D + d] = di_f32_to_bf16((float)acc[d]);
     }
+    kern_ep_combine c = {.n_rows = T, .dim = D, .top_k = K, .n_outs = (uint32_t)NP,
+                         .outs = m->outs.p, .pos = pos, .shared = sh, .y = p->y};
+    if (T && (st = m->xo.combine(m->xo.ctx, &c)) != DI_OK)
+        return di_fail(err, st, "layer %u: combining %u rows: %s", layer, T, be_msg(m));
     return DI_OK;
 }
 
@@ -464,9 +613,10 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
                 if (held || src != me)
                     continue;
                 uint32_t from = old->copies[old->copy_start[e]] % S;
-                if (ebuf_reserve(&m->seg[d], m->seg[d].len + m->blob) != 0)
+                if (hbuf_reserve(m, &m->seg[d], m->seg[d].len + m->blob) != 0)
                     return di_fail(err, DI_ENOMEM, "expert weights to move");
-                memcpy(m->seg[d].p + m->seg[d].len, m->slot_mem[(size_t)l * S + from], m->blob);
+                m->be->ops.to_host(m->be->ctx, m->seg[d].p + m->seg[d].len,
+                                   m->slot_mem[(size_t)l * S + from], m->blob);
                 m->seg[d].len += m->blob;
             }
     }
@@ -488,9 +638,10 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
         const ep_placement *old = &m->place[l];
         for (uint32_t s = 0; st == DI_OK && s < S; s++) {
             int32_t e = next[l].slot_expert[me * S + s];
-            uint8_t *b = aligned_alloc(64, m->blob);
+            uint8_t *b = slot_alloc(m);
             if (!b) {
-                st = di_fail(err, DI_ENOMEM, "expert slot");
+                st = di_fail(err, DI_ENOMEM, "expert slot of %zu bytes of %s memory", m->blob,
+                             m->be->name);
                 break;
             }
             fresh[(size_t)l * S + s] = b;
@@ -499,7 +650,11 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
                 if (old->slot_expert[me * S + k] == e)
                     local = (int32_t)k;
             if (local >= 0) {
-                memcpy(b, m->slot_mem[(size_t)l * S + (uint32_t)local], m->blob);
+                kern_copy_rows cp = {.n_rows = 1, .row_bytes = m->blob,
+                                     .src = m->slot_mem[(size_t)l * S + (uint32_t)local],
+                                     .src_stride = m->blob, .dst = b, .dst_stride = m->blob};
+                if ((st = m->be->ops.copy_rows(m->be->ctx, &cp)) != DI_OK)
+                    st = di_fail(err, st, "layer %u: copying expert %d: %s", l, e, be_msg(m));
                 continue;
             }
             uint32_t src = old->copies[old->copy_start[e]] / S;
@@ -508,7 +663,8 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
                              src);
                 break;
             }
-            memcpy(b, (const uint8_t *)m->recv[src].data + got[src], m->blob);
+            m->be->ops.from_host(m->be->ctx, b, (const uint8_t *)m->recv[src].data + got[src],
+                                 m->blob);
             got[src] += m->blob;
             m->stats.experts_moved++;
             m->stats.bytes_moved += m->blob;
@@ -519,7 +675,7 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
             st = di_fail(err, DI_EPROTO, "rank %u sent more expert weights than planned", s);
     if (st != DI_OK) {
         for (size_t i = 0; i < (size_t)m->L * S; i++)
-            free(fresh[i]);
+            slot_free(m, fresh[i]);
         free(fresh);
         free(got);
         return st;
@@ -528,7 +684,7 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
         if (!next[l].slot_expert)
             continue;
         for (uint32_t s = 0; s < S; s++) {
-            free(m->slot_mem[(size_t)l * S + s]);
+            slot_free(m, m->slot_mem[(size_t)l * S + s]);
             m->slot_mem[(size_t)l * S + s] = fresh[(size_t)l * S + s];
             set_view(m, l, s);
         }
@@ -601,7 +757,8 @@ di_status ep_moe_step_end(ep_moe *m, di_error *err)
     for (;;) {
         seg_hdr h = {.layer = UINT32_MAX, .n_pairs = 0, .done = 1};
         for (uint32_t d = 0; d < m->world; d++) {
-            if (ebuf_reserve(&m->seg[d], sizeof h) != 0)
+            m->seg[d].len = 0;
+            if (hbuf_reserve(m, &m->seg[d], sizeof h) != 0)
                 return di_fail(err, DI_ENOMEM, "exchange");
             memcpy(m->seg[d].p, &h, sizeof h);
             m->send[d] = (ep_buf){m->seg[d].p, sizeof h};
@@ -631,4 +788,22 @@ di_status ep_moe_step_end(ep_moe *m, di_error *err)
     memset(m->window, 0, (size_t)m->interval * m->L * PS * sizeof(uint64_t));
     m->win_steps = 0;
     return st;
+}
+
+/* ---- the checkpoint filter ---- */
+
+bool ep_moe_keep_expert(void *filter, const model_config *c, uint32_t layer, uint32_t expert)
+{
+    const ep_expert_filter *f = filter;
+    (void)layer; /* the start-up layout is the same for every layer */
+    uint32_t E = c->n_routed_experts, R;
+    if (E == 0 || f->world == 0 ||
+        eplb_redundant_count(E, f->min_redundant, f->world, &R, NULL) != DI_OK)
+        return true; /* ep_moe_create refuses it with the reason */
+    /* start-up layout (eplb.h): physical slot p holds expert p mod E */
+    uint32_t S = (E + R) / f->world;
+    for (uint32_t p = f->rank * S; p < (f->rank + 1) * S; p++)
+        if (p % E == expert)
+            return true;
+    return false;
 }

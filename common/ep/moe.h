@@ -23,11 +23,20 @@
  * (the guard). Experts that change slots move: a rank whose new slot needs an expert it does
  * not hold receives its weights from the lowest rank that held it, in one all-to-all.
  *
- * Weights. Each rank keeps its own slots' routed experts in buffers of its own, copied from
- * the checkpoint at start (the other experts are never read) and from other ranks after a
- * re-plan. The shared expert and the draft stages' MoE run on every rank.
+ * Weights. Each rank keeps its own slots' routed experts in buffers of the backend's memory,
+ * copied from the checkpoint at start (loaded with ep_moe_keep_expert, the checkpoint holds
+ * only those) and from other ranks after a re-plan. The shared expert and the draft stages'
+ * MoE run on every rank.
  *
- * The CPU exchange needs a host-memory backend (kern_backend.device_memory == 0).
+ * Backends. The experts' weights, the rows and the outputs live in the backend's memory; the
+ * transport is the group's (CPU sockets). On a device backend (kern_backend.device_memory)
+ * the rows for each destination are gathered on the device (copy_rows) and copied once a
+ * destination into pinned host segments; a served segment's rows, slots and weights go to the
+ * device, run with the backend's moe_experts there and their outputs come back; the outputs
+ * received go to the device and the combine (kern_ep.h) runs there, the shared expert with
+ * the backend's linear ops. A transport that moves device buffers directly (NCCL,
+ * nccl_xport.h) would take the gathered buffer and the output buffer in place of the host
+ * segments.
  */
 #ifndef DI_EP_MOE_H
 #define DI_EP_MOE_H
@@ -39,13 +48,16 @@
 #include "common/ep/place.h"
 #include "common/model/weights.h"
 #include "common/util/status.h"
+#include "kernels/kern_ep.h"
 #include "kernels/kernels.h"
 
 typedef struct ep_moe ep_moe;
 
 typedef struct ep_moe_options {
     ep_group *group;         /* the rank group (must outlive the MoE) */
-    const kern_backend *be;  /* host-memory backend that runs the experts */
+    const kern_backend *be;  /* the backend that runs the experts */
+    const kern_ep_ops *dev_ops; /* its exchange ops (kern_ep_ops_cuda); NULL: a host-memory
+                                   backend's (kern_ep_ops_host); required on a device backend */
     const model_weights *w;  /* the checkpoint: the source of this rank's slots at start */
     uint32_t min_redundant;  /* redundant slots at least (eplb_redundant_count rounds up) */
     uint32_t eplb_interval;  /* steps between re-plans; 0 = never */
@@ -65,13 +77,23 @@ typedef struct ep_moe_stats {
     uint64_t layers_kept;    /* layers the guard kept (plan not strictly better) */
     uint64_t experts_moved;  /* expert weights this rank received from others */
     uint64_t bytes_moved;    /* bytes of them */
+    uint64_t slot_bytes;     /* backend memory of this rank's expert slots (its resident
+                                routed experts: slots_per_rank x layers x one expert) */
 } ep_moe_stats;
 
 /* Creates the MoE of this rank: the start-up layout (eplb.h) of every backbone layer on
- * world x slots_per_rank slots, and this rank's slot weights. DI_EINVAL (options, a device
- * backend, a model without routed experts), DI_ENOMEM. */
+ * world x slots_per_rank slots, and this rank's slot weights, copied from w (which needs
+ * only those: ep_moe_keep_expert). DI_EINVAL (options, a device backend without dev_ops, a
+ * model without routed experts, an expert of this rank not loaded), DI_ENOMEM. */
 di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err);
-void ep_moe_free(ep_moe *m); /* NULL-safe */
+void ep_moe_free(ep_moe *m); /* NULL-safe; before the backend is closed */
+
+/* The checkpoint filter of a rank (model_load_options.keep_expert): the experts of its
+ * start-up slots. */
+typedef struct ep_expert_filter {
+    uint32_t rank, world, min_redundant;
+} ep_expert_filter;
+bool ep_moe_keep_expert(void *filter, const model_config *c, uint32_t layer, uint32_t expert);
 
 /* The forward's hook (fwd_options.moe_fn): the MoE of backbone layer `layer` on this rank's
  * rows, p as the one-rank kernel would get it (its experts table is not read). Writes p->y.

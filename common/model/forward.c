@@ -262,12 +262,15 @@ static void layer_view(resolver *rs, const model_layer_weights *src, uint32_t id
     if (rs->st == DI_OK && (L->top_k == 0 || L->top_k > L->n_experts || !f->experts))
         rs->st = di_fail(rs->err, DI_EINVAL, "%s: %u experts cannot route top-%u", what,
                          L->n_experts, L->top_k);
-    if (rs->st == DI_OK) {
+    /* expert parallelism: the hook's ranks hold the routed experts of the backbone layers (the
+     * checkpoint may have only this rank's: no table here, nothing placed on the device) */
+    bool hooked = m->opt.moe_fn && id < c->n_layers;
+    if (rs->st == DI_OK && !hooked) {
         L->experts = own(m, (size_t)L->n_experts * sizeof(kern_expert));
         if (!L->experts)
             rs->st = di_fail(rs->err, DI_ENOMEM, "%s: expert table", what);
     }
-    for (uint32_t e = 0; rs->st == DI_OK && e < L->n_experts; e++)
+    for (uint32_t e = 0; rs->st == DI_OK && !hooked && e < L->n_experts; e++)
         expert_view(rs, &f->experts[e], MODEL_WFMT_FP4_1X32, &L->experts[e], what);
     if (c->n_shared_experts)
         expert_view(rs, &f->shared, MODEL_WFMT_FP8_32X32, &L->shared, what);

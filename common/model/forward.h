@@ -84,8 +84,10 @@ typedef struct fwd_options {
     const di_logger *log;    /* debug lines; may be NULL */
     /* The routed and shared experts of the backbone layers run through this hook instead of
      * the backend's moe_experts (expert parallelism, common/ep/moe.h): it gets the layer's
-     * call after the gate and writes p->y. NULL: the backend runs them. Draft stages always
-     * run on the backend. */
+     * call after the gate and writes p->y (its experts table is NULL: the backbone layers'
+     * routed experts are neither read nor placed in backend memory, so a checkpoint loaded
+     * with only some of them will do). NULL: the backend runs them. Draft stages always run
+     * on the backend. */
     di_status (*moe_fn)(void *userdata, uint32_t layer, const kern_moe_experts *p,
                         di_error *err);
     void *moe_userdata;

@@ -186,6 +186,12 @@ typedef struct model_load_options {
     const model_config *config;      /* NULL: read dir/config.json; else use this config
                                         (the directory's config.json is then not read) */
     uint32_t hash_threads;           /* threads hashing the shards; 0 = one per online CPU */
+    /* The routed experts of the backbone layers to keep (a rank of an expert-parallel group
+     * keeps its own slots' experts); NULL keeps every one. A dropped expert's tensors are
+     * still checked (dtype, shape) and hashed with their shard, but its views stay NONE and
+     * its pages are not prefaulted. Draft stages' experts are always kept. */
+    bool (*keep_expert)(void *userdata, const model_config *c, uint32_t layer, uint32_t expert);
+    void *keep_expert_userdata;
 } model_load_options;
 
 /* A loaded checkpoint. Read-only after load; any number of threads may read it. */
@@ -202,6 +208,9 @@ typedef struct model_weights {
                                         elements of every checked tensor, scales excluded;
                                         seeded Engram rows included) */
     uint64_t bytes;                  /* data bytes of every checked tensor */
+    uint64_t expert_bytes;           /* data and scale bytes of the backbone layers' routed
+                                        experts whose views were kept (keep_expert) */
+    uint32_t experts_kept;           /* those experts, over all backbone layers */
     shard_sums_result sums;          /* the weights fingerprint (mixed into config.model_id)
                                         and how it was obtained */
     /* storage (private to the loader) */

@@ -90,6 +90,21 @@ static void report(loader *ld, const char *name, uint32_t tensors, uint64_t byte
         ld->opt->progress(ld->opt->progress_userdata, &ld->prog);
 }
 
+/* For a view inside a backbone layer's routed expert: its layer and expert. */
+static bool backbone_expert(const model_weights *w, const void *dst, uint32_t *layer,
+                            uint32_t *expert)
+{
+    const model_config *c = &w->config;
+    const uint8_t *b = (const uint8_t *)w->expert_pool, *p = dst;
+    size_t n = (size_t)c->n_layers * c->n_routed_experts;
+    if (!dst || !b || p < b || p >= b + n * sizeof(model_expert_weights))
+        return false;
+    size_t i = (size_t)(p - b) / sizeof(model_expert_weights);
+    *layer = (uint32_t)(i / c->n_routed_experts);
+    *expert = (uint32_t)(i % c->n_routed_experts);
+    return true;
+}
+
 /* Manifest callback: checks one expected tensor (and its scale) and fills the view. */
 static di_status check_spec(void *ud, const model_tensor_spec *s, di_error *err)
 {
@@ -118,6 +133,16 @@ static di_status check_spec(void *ud, const model_tensor_spec *s, di_error *err)
             return di_fail(err, DI_ECORRUPT, "missing tensor %s (the scale of %s)", sname,
                            s->name);
     }
+    uint32_t el, ee;
+    bool routed = backbone_expert(ld->w, s->dst, &el, &ee);
+    if (routed && ld->opt->keep_expert &&
+        !ld->opt->keep_expert(ld->opt->keep_expert_userdata, &ld->w->config, el, ee)) {
+        /* checked: counted as the model's, though this process does not hold it */
+        ld->w->n_params += s->rows * s->cols;
+        ld->w->bytes += t->bytes + (sc ? sc->bytes : 0);
+        report(ld, s->name, sc ? 2 : 1, t->bytes + (sc ? sc->bytes : 0));
+        return DI_OK; /* checked; the view stays NONE */
+    }
     model_tensor v = {
         .name = t->name, .fmt = s->fmt, .ndim = s->ndim, .rows = s->rows, .cols = s->cols,
         .data = t->data, .scale = sc ? sc->data : NULL,
@@ -129,6 +154,10 @@ static di_status check_spec(void *ud, const model_tensor_spec *s, di_error *err)
         ld->w->n_params += s->rows * s->cols;
     uint64_t bytes = t->bytes + (sc ? sc->bytes : 0);
     ld->w->bytes += bytes;
+    if (routed) {
+        ld->w->expert_bytes += bytes;
+        ld->w->experts_kept += s->dst == &ld->w->layers[el].ffn.experts[ee].w1;
+    }
     prefault(ld, t);
     prefault(ld, sc);
     report(ld, s->name, sc ? 2 : 1, bytes);

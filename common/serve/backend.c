@@ -16,7 +16,7 @@ static di_status open_cpu(const serve_backend_options *o, kern_backend *be, di_e
 #ifdef DI_HAVE_CUDA
 static di_status open_cuda(const serve_backend_options *o, kern_backend *be, di_error *err)
 {
-    kern_cuda_config c = {.device = o->device};
+    kern_cuda_config c = {.device = o->device, .batch_invariant = o->batch_invariant};
     return kern_cuda_create(&c, be, err);
 }
 #endif
@@ -75,4 +75,20 @@ void serve_backend_close(kern_backend *be)
     int i = row_of(be->name);
     if (i >= 0 && backends[i].close)
         backends[i].close(be);
+}
+
+di_status serve_backend_ep_ops(const kern_backend *be, kern_ep_ops *out, di_error *err)
+{
+    if (!be || !out)
+        return di_fail(err, DI_EINVAL, "backend and output must not be NULL");
+    if (!be->device_memory) {
+        kern_ep_ops_host(out);
+        return DI_OK;
+    }
+#ifdef DI_HAVE_CUDA
+    return kern_ep_ops_cuda(be, out, err);
+#else
+    return di_fail(err, DI_EINVAL, "backend %s: no expert-parallel exchange in this build",
+                   be->name ? be->name : "?");
+#endif
 }

@@ -6,11 +6,13 @@
 #include <stdint.h>
 
 #include "common/util/status.h"
+#include "kernels/kern_ep.h"
 #include "kernels/kernels.h"
 
 typedef struct serve_backend_options {
     uint32_t threads; /* cpu: worker threads (>= 1) */
     int device;       /* cuda: device ordinal */
+    int batch_invariant; /* cuda: batch-invariant mode (the CPU backend always is) */
 } serve_backend_options;
 
 /* DI_OK when this build has a backend called name; DI_EUNSUPPORTED for a known backend this
@@ -26,5 +28,10 @@ di_status serve_backend_open(const char *name, const serve_backend_options *opt,
 /* Closes what serve_backend_open made (by be->name) and zeroes *be. NULL-safe, and safe on a
  * zeroed struct. */
 void serve_backend_close(kern_backend *be);
+
+/* The expert-parallel exchange ops of an open backend (kernels/kern_ep.h): the C twins on a
+ * host-memory backend, the backend's own on a device. DI_EINVAL for a backend this build cannot
+ * serve them for. */
+di_status serve_backend_ep_ops(const kern_backend *be, kern_ep_ops *out, di_error *err);
 
 #endif

@@ -63,6 +63,35 @@ static uint64_t sum_of(json_t *arr)
 
 /* The requests of a group run equal the one-rank run's, bit for bit (tokens, logprobs printed
  * with 9 significant digits, which round-trip a float exactly). */
+static int64_t at(json_t *ep, const char *key, size_t r)
+{
+    return json_integer_value(json_array_get(json_object_get(ep, key), r));
+}
+
+/* Each rank holds only its slots' experts: in backend memory, slots x one expert's bytes (the
+ * one-rank group's total scaled by its slots: it has one slot an expert), and out of the
+ * checkpoint, the distinct experts of its start-up slots (S consecutive slots: min(S, E) of
+ * them). g1 is the group of one rank. */
+static void check_resident(json_t *ep, json_t *g1, uint32_t ranks)
+{
+    json_t *ep1 = json_object_get(json_object_get(g1, "stats"), "ep");
+    int64_t E = json_integer_value(json_object_get(ep1, "slots_per_rank"));
+    int64_t S = json_integer_value(json_object_get(ep, "slots_per_rank"));
+    int64_t slots1 = at(ep1, "expert_slot_bytes", 0), ckpt1 = at(ep1, "checkpoint_expert_bytes", 0);
+    cr_assert(E > 0 && S > 0 && slots1 > 0 && ckpt1 > 0, "stats.ep of one rank: %lld %lld",
+              (long long)slots1, (long long)ckpt1);
+    int64_t held = S < E ? S : E;
+    for (size_t r = 0; r < ranks; r++) {
+        cr_expect_eq(at(ep, "expert_slot_bytes", r), slots1 / E * S,
+                     "%u ranks, rank %zu: %lld bytes of expert slots, expected %lld", ranks, r,
+                     (long long)at(ep, "expert_slot_bytes", r), (long long)(slots1 / E * S));
+        cr_expect_eq(at(ep, "checkpoint_expert_bytes", r), ckpt1 / E * held,
+                     "%u ranks, rank %zu: %lld expert bytes loaded, expected %lld", ranks, r,
+                     (long long)at(ep, "checkpoint_expert_bytes", r),
+                     (long long)(ckpt1 / E * held));
+    }
+}
+
 static json_t *check_group(json_t *one, uint32_t ranks, const char *extra)
 {
     char args[1024];
@@ -98,11 +127,13 @@ Test(ep_generate, two_and_four_ranks_equal_one_rank_bit_for_bit, .timeout = 240)
 {
     json_t *one = must_run(COMMON);
     cr_assert_null(json_object_get(json_object_get(one, "stats"), "ep"));
+    json_t *g1 = check_group(one, 1, "");
 
     /* 2 ranks, 2 redundant slots (5 a rank), a re-plan every 3 steps */
     json_t *two = check_group(one, 2, "--ep-redundant 2 --eplb-interval 3");
     json_t *ep = json_object_get(json_object_get(two, "stats"), "ep");
     cr_expect_eq(json_integer_value(json_object_get(ep, "slots_per_rank")), 5);
+    check_resident(ep, g1, 2);
     cr_expect_geq(json_integer_value(json_object_get(ep, "replans")), 1, "no re-plan applied");
     cr_expect_gt(sum_of(json_object_get(ep, "experts_received")), 0, "no weights moved");
     json_decref(two);
@@ -122,7 +153,9 @@ Test(ep_generate, two_and_four_ranks_equal_one_rank_bit_for_bit, .timeout = 240)
     cr_expect_gt(json_integer_value(json_array_get(json_object_get(ep, "serve_rounds"), 3)), 0);
     cr_expect_geq(json_integer_value(json_object_get(ep, "replans")), 1);
     cr_expect_gt(sum_of(json_object_get(ep, "experts_received")), 0);
+    check_resident(ep, g1, 4);
     json_decref(four);
+    json_decref(g1);
     json_decref(one);
 }
 
@@ -141,7 +174,7 @@ Test(ep_generate, bad_group_options_exit_2_with_one_line, .timeout = 60)
     static const struct {
         const char *args, *needle;
     } cases[] = {
-        {"--config tiny --ids 1,2 --ep-ranks 2 --backend cuda", "backend cpu"},
+        {"--config tiny --ids 1,2 --ep-ranks 2 --dump-logits /dev/null", "--dump-logits"},
         {"--config tiny --ids 1,2 --ep-ranks 2 --logprobs 2", "--logprobs"},
         {"--config tiny --ids 1,2 --ep-ranks 0", "--ep-ranks"},
         {"--config tiny --ids 1,2 --ep-ranks 65", "--ep-ranks"},

@@ -234,12 +234,115 @@ Test(ep_moe, refuses_a_device_backend_and_a_model_without_experts)
     kern_backend dev = f.be;
     dev.device_memory = 1;
     ep_moe_options o = {.group = g, .be = &dev, .w = &f.w};
-    cr_expect_eq(ep_moe_create(&o, &m, &e), DI_EUNSUPPORTED);
+    cr_expect_eq(ep_moe_create(&o, &m, &e), DI_EINVAL);
+    cr_expect(strstr(e.msg, "exchange ops") != NULL, "%s", e.msg);
+    /* with its exchange ops (here the host ones) a device backend is taken */
+    kern_ep_ops xo;
+    kern_ep_ops_host(&xo);
+    o.dev_ops = &xo;
+    cr_expect_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    ep_moe_free(m);
+    /* an expert of this rank missing from the checkpoint (loaded for another rank) */
     o.be = &f.be;
+    model_tensor keep = f.experts[1][3].w2;
+    f.experts[1][3].w2.fmt = MODEL_WFMT_NONE;
+    cr_expect_eq(ep_moe_create(&o, &m, &e), DI_EINVAL);
+    cr_expect(strstr(e.msg, "layer 1 expert 3: not loaded") != NULL, "%s", e.msg);
+    f.experts[1][3].w2 = keep;
     f.w.config.n_routed_experts = 0;
     cr_expect_eq(ep_moe_create(&o, &m, &e), DI_EINVAL);
     ep_group_close(g);
     fixture_free(&f);
+}
+
+/* A backend whose experts or whose combine fail: the layer fails with the op's code and names
+ * what failed with the backend's message. */
+static di_status failing_experts(void *ctx, const kern_moe_experts *p)
+{
+    (void)ctx, (void)p;
+    return DI_ENOMEM;
+}
+
+static di_status failing_combine(void *ctx, const kern_ep_combine *p)
+{
+    (void)ctx, (void)p;
+    return DI_EINTERNAL;
+}
+
+static const char *a_message(void *ctx)
+{
+    (void)ctx;
+    return "device lost";
+}
+
+Test(ep_moe, a_failing_backend_op_fails_the_layer_with_its_message)
+{
+    fixture f;
+    fixture_init(&f);
+    ep_group *g = solo();
+    ep_moe *m;
+    di_error e;
+    kern_backend be = f.be;
+    be.ops.moe_experts = failing_experts;
+    kern_ep_ops xo;
+    kern_ep_ops_host(&xo);
+    xo.last_error = a_message;
+    ep_moe_options o = {.group = g, .be = &be, .dev_ops = &xo, .w = &f.w};
+    cr_assert_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    static call c;
+    static uint16_t y[TMAX * D];
+    make_call(&f, 1, 5, 3, &c, y);
+    cr_expect_eq(ep_moe_layer(m, 1, &c.p, &e), DI_ENOMEM);
+    cr_expect(strstr(e.msg, "layer 1: experts of") && strstr(e.msg, "device lost"), "%s", e.msg);
+    ep_moe_free(m);
+    be.ops.moe_experts = f.be.ops.moe_experts;
+    xo.combine = failing_combine;
+    cr_assert_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    cr_expect_eq(ep_moe_layer(m, 1, &c.p, &e), DI_EINTERNAL);
+    cr_expect(strstr(e.msg, "layer 1: combining 5 rows: device lost"), "%s", e.msg);
+    /* after a failed layer the step of a group of one still ends */
+    cr_expect_eq(ep_moe_step_end(m, &e), DI_OK, "%s", e.msg);
+    ep_moe_free(m);
+    ep_group_close(g);
+    fixture_free(&f);
+}
+
+Test(ep_moe, the_filter_keeps_the_start_up_slots_experts)
+{
+    model_config c = {.n_routed_experts = 8};
+    /* 2 ranks, 2 redundant: 5 slots a rank, {0..4} and {5 6 7 0 1} */
+    ep_expert_filter f0 = {.rank = 0, .world = 2, .min_redundant = 2};
+    ep_expert_filter f1 = {.rank = 1, .world = 2, .min_redundant = 2};
+    for (uint32_t x = 0; x < 8; x++) {
+        cr_expect_eq(ep_moe_keep_expert(&f0, &c, 3, x), x < 5, "rank 0 expert %u", x);
+        cr_expect_eq(ep_moe_keep_expert(&f1, &c, 0, x), x >= 5 || x < 2, "rank 1 expert %u", x);
+    }
+    /* 4 ranks, no redundant slot asked for: 2 a rank */
+    ep_expert_filter f3 = {.rank = 3, .world = 4};
+    for (uint32_t x = 0; x < 8; x++)
+        cr_expect_eq(ep_moe_keep_expert(&f3, &c, 1, x), x >= 6, "rank 3 expert %u", x);
+}
+
+Test(ep_moe, combine_twin_refuses_a_position_out_of_range)
+{
+    uint16_t outs[2 * 32] = {0}, y[32] = {0}, sh[32];
+    for (int d = 0; d < 32; d++) {
+        outs[d] = di_f32_to_bf16(1.0f + d);
+        outs[32 + d] = di_f32_to_bf16(0.5f);
+        sh[d] = di_f32_to_bf16(-1.0f);
+    }
+    int32_t pos[2] = {1, 0};
+    kern_ep_combine c = {.n_rows = 1, .dim = 32, .top_k = 2, .n_outs = 2, .outs = outs,
+                         .pos = pos, .shared = sh, .y = y};
+    cr_assert_eq(kern_ep_combine_ref(&c), DI_OK);
+    for (int d = 0; d < 32; d++)
+        cr_expect_eq(di_bf16_to_f32(y[d]), 0.5f + (float)d, "column %d", d);
+    pos[1] = 2;
+    y[0] = 7;
+    cr_expect_eq(kern_ep_combine_ref(&c), DI_EINVAL);
+    cr_expect_eq(y[0], 7, "nothing written");
+    pos[1] = -1;
+    cr_expect_eq(kern_ep_combine_ref(&c), DI_EINVAL);
 }
 
 /* ---- two ranks ---- */

@@ -3,8 +3,9 @@
 # libraries), checks every CUDA kernel against its C twin on random and adversarial data, and
 # runs the benchmarks, each printing its figure next to the hardware limit measured in the same
 # run. Logs go to $OUT when it is set.
-# Usage: tests/gpu/run.sh [--no-bench] [--only "check_moe check_forward"]
-#   --only: build and run just these check programs (no di-generate end to end)
+# Usage: tests/gpu/run.sh [--no-bench] [--only "check_moe check_forward ep_generate"]
+#   --only: build and run just these check programs (no di-generate end to end); ep_generate:
+#           the expert-parallel step (di-generate --ep-ranks 2 on this GPU against one rank)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -24,10 +25,13 @@ while [ $# -gt 0 ]; do
   shift
 done
 targets=()
+ep_gen=0
+[ -n "$only" ] || ep_gen=1
 for name in $only; do
   case "$name" in
     check_[a-z]*) targets+=("tests/gpu/$name") ;;
-    *) echo "run.sh: --only takes check program names (check_moe ...), not '$name'" >&2; exit 2 ;;
+    ep_generate) targets+=("tools/generate/di-generate"); ep_gen=1 ;;
+    *) echo "run.sh: --only takes check program names (check_moe ...) or ep_generate, not '$name'" >&2; exit 2 ;;
   esac
 done
 
@@ -77,6 +81,47 @@ for exe in build-gpu/tests/gpu/check_*; do
   fi
   cat "$out/$name.log"
 done
+# Expert parallelism on one GPU: di-generate --ep-ranks 2 (both rank processes on this device,
+# the CPU transport) against one rank, both in batch-invariant mode, on the `small` config with
+# prompts of 5, 70 and 3 tokens and 12 sampled tokens: the same tokens and logprobs, bit for
+# bit, while each rank holds 9 of the 16 experts' slots (2 redundant) and a re-plan moves
+# weights between them.
+if [ "$ep_gen" = 1 ]; then
+  long=$(python3 -c 'import random; r = random.Random(3); print(",".join(str(r.randrange(3, 8000)) for _ in range(70)))')
+  ep_args=(--config small --backend cuda --batch-invariant --threads 4 --ids 5,6,7,8,9
+           --ids "$long" --ids 20,21,22 --max-tokens 12 --temperature 0.8 --seed 7 --ignore-eos
+           --json --quiet)
+  ep_ok=1
+  build-gpu/tools/generate/di-generate "${ep_args[@]}" >"$out/ep_one.json" 2>"$out/ep_one.log" || ep_ok=0
+  build-gpu/tools/generate/di-generate "${ep_args[@]}" --ep-ranks 2 --ep-redundant 2 \
+    --eplb-interval 4 >"$out/ep_two.json" 2>"$out/ep_two.log" || ep_ok=0
+  if [ "$ep_ok" = 1 ] && python3 - "$out/ep_one.json" "$out/ep_two.json" <<'PY'
+import json, sys
+one, two = (json.load(open(p)) for p in sys.argv[1:])
+ep = two["stats"]["ep"]
+print("== di-generate --backend cuda --batch-invariant, small: --ep-ranks 2 against one rank ==")
+for k in ("slots_per_rank", "redundant_slots", "replans", "pairs_sent", "pairs_served",
+          "experts_received", "expert_slot_bytes", "checkpoint_expert_bytes"):
+    print(f"  {k}: {ep[k]}")
+bad = 0
+for i, (a, b) in enumerate(zip(one["requests"], two["requests"])):
+    if a == b:
+        continue
+    bad += 1
+    t = next((j for j, (x, y) in enumerate(zip(a["tokens"], b["tokens"])) if x != y), None)
+    l = next((j for j, (x, y) in enumerate(zip(a["logprobs"], b["logprobs"])) if x != y), None)
+    print(f"  request {i + 1} differs: first token {t}, first logprob {l}")
+print(f"  {len(one['requests']) - bad} of {len(one['requests'])} requests equal bit for bit")
+sys.exit(1 if bad or len(one["requests"]) != 3 or ep["replans"] < 1 else 0)
+PY
+  then
+    summary+=("PASS di-generate --backend cuda --ep-ranks 2")
+  else
+    summary+=("FAIL di-generate --backend cuda --ep-ranks 2")
+    status=1
+    tail -5 "$out/ep_one.log" "$out/ep_two.log"
+  fi
+fi
 if [ -n "$only" ]; then
   echo "== tests/gpu summary (only: $only) =="
   printf '%s\n' "${summary[@]}"

@@ -656,3 +656,63 @@ Test(weights, engram_token_map_keeps_the_pad)
     cr_assert_eq(pads, 1, "only the pad token maps to the pad id");
     json_decref(root);
 }
+
+/* keep_expert: odd experts of every backbone layer dropped */
+static bool keep_even(void *ud, const model_config *c, uint32_t layer, uint32_t e)
+{
+    (void)c;
+    (*(uint32_t *)ud)++;
+    return e % 2 == 0 && layer < UINT32_MAX;
+}
+
+Test(weights, expert_filter_keeps_only_the_chosen_experts)
+{
+    generate("tiny", "filter", 3, MKMODEL_ENGRAM_AUTO, NULL);
+    char dir[512];
+    sub(dir, sizeof dir, "filter");
+    di_error e = {0};
+    model_weights *all = NULL, *w = NULL;
+    cr_assert_eq(model_weights_load(dir, NULL, &all, &e), DI_OK, "%s", e.msg);
+    uint32_t calls = 0;
+    model_load_options o = {.flags = MODEL_LOAD_PREFAULT, .keep_expert = keep_even,
+                            .keep_expert_userdata = &calls};
+    cr_assert_eq(model_weights_load(dir, &o, &w, &e), DI_OK, "%s", e.msg);
+    const model_config *c = &w->config;
+    uint32_t E = c->n_routed_experts;
+    cr_assert(E >= 2);
+    /* six tensors (three weights, three scales) an expert, each asked about once a weight */
+    cr_assert_eq(calls, 3 * c->n_layers * E);
+    uint64_t one = 0;
+    const model_expert_weights *x0 = &all->layers[0].ffn.experts[0];
+    const model_tensor *parts[3] = {&x0->w1, &x0->w2, &x0->w3};
+    for (int k = 0; k < 3; k++)
+        one += model_tensor_data_bytes(parts[k]) + model_tensor_scale_bytes(parts[k]);
+    cr_assert_eq(all->experts_kept, c->n_layers * E);
+    cr_assert_eq(all->expert_bytes, (uint64_t)c->n_layers * E * one);
+    cr_assert_eq(w->experts_kept, c->n_layers * ((E + 1) / 2));
+    cr_assert_eq(w->expert_bytes, (uint64_t)w->experts_kept * one);
+    /* the model's totals do not change; the dropped views are NONE, the kept ones the same */
+    cr_assert_eq(w->n_params, all->n_params);
+    cr_assert_eq(w->bytes, all->bytes);
+    for (uint32_t l = 0; l < c->n_layers; l++)
+        for (uint32_t x = 0; x < E; x++) {
+            const model_expert_weights *a = &all->layers[l].ffn.experts[x];
+            const model_expert_weights *b = &w->layers[l].ffn.experts[x];
+            if (x % 2) {
+                cr_assert_eq(b->w1.fmt, MODEL_WFMT_NONE);
+                cr_assert_eq(b->w2.fmt, MODEL_WFMT_NONE);
+                cr_assert_null(b->w3.data);
+            } else {
+                cr_assert_eq(b->w2.fmt, MODEL_WFMT_FP4_1X32);
+                cr_assert_eq(memcmp(a->w2.data, b->w2.data, model_tensor_data_bytes(&a->w2)), 0);
+                cr_assert_eq(memcmp(a->w3.scale, b->w3.scale, model_tensor_scale_bytes(&a->w3)),
+                             0);
+            }
+        }
+    /* the draft stages keep every expert */
+    for (uint32_t s = 0; s < c->n_mtp; s++)
+        for (uint32_t x = 0; x < c->dspark_n_routed_experts; x++)
+            cr_assert_eq(w->drafts[s].block.ffn.experts[x].w1.fmt, MODEL_WFMT_FP4_1X32);
+    model_weights_free(w);
+    model_weights_free(all);
+}

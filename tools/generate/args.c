@@ -174,6 +174,12 @@ static di_status o_backend(gen_args *a, const char *v, di_error *err)
     return st;
 }
 
+static di_status o_batch_invariant(gen_args *a, const char *v, di_error *err)
+{
+    a->batch_invariant = true;
+    return DI_OK;
+}
+
 static di_status o_device(gen_args *a, const char *v, di_error *err)
 {
     uint64_t x;
@@ -436,6 +442,8 @@ static const gen_opt options[] = {
     {"--backend", "NAME", o_backend, "where the forward runs: cpu (default) or cuda (a build with "
      "-Dcuda; weights and KV in device memory)"},
     {"--device", "N", o_device, "CUDA device ordinal for --backend cuda (default 0)"},
+    {"--batch-invariant", NULL, o_batch_invariant, "--backend cuda: a request's numbers do not "
+     "depend on its batch (bit for bit; slower GEMMs); the CPU backend always is"},
     {"--chunk", "N", o_chunk, "prefill tokens per step (default 2048)"},
     {"--max-model-len", "N", o_max_len, "context limit in positions (default: the config's)"},
     {"--yoco", "MODE", o_yoco, "prefill truncation of layers >= the YOCO boundary: off, compact, "
@@ -661,10 +669,9 @@ static di_status ep_args(gen_args *a, di_error *err)
                        a->world);
     if (a->ep_listen_fd >= 0 && (a->rank != 0 || !a->world))
         return di_fail(err, DI_EINVAL, "--ep-listen-fd is rank 0's");
-    if (a->kvstore || a->prefill || a->dump_logits || a->varlen || a->params.n_logprobs ||
-        strcmp(a->backend, "cpu"))
-        return di_fail(err, DI_EINVAL, "expert parallelism runs on --backend cpu without "
-                       "--kvstore, --prefill, --dump-logits, --varlen and --logprobs");
+    if (a->kvstore || a->prefill || a->dump_logits || a->varlen || a->params.n_logprobs)
+        return di_fail(err, DI_EINVAL, "expert parallelism runs without --kvstore, --prefill, "
+                       "--dump-logits, --varlen and --logprobs");
     if (a->world <= 1)
         return DI_OK;
     if (a->ep_token_file)

@@ -12,6 +12,7 @@
 
 #include "common/ep/group.h"
 #include "common/ep/moe.h"
+#include "common/serve/backend.h"
 #include "tools/generate/gen.h"
 
 /* ---- the launcher ---- */
@@ -170,9 +171,20 @@ di_status gen_ep_launch(const gen_args *a, di_error *err)
 struct gen_ep {
     ep_group *g;
     ep_moe *moe;
+    uint64_t checkpoint_expert_bytes; /* routed expert bytes the checkpoint load kept */
     vote v;                      /* the scheduler's vote over g */
     uint32_t rank, world;
 };
+
+void gen_ep_filter(const gen_args *a, ep_expert_filter *f, model_load_options *lo)
+{
+    if (!a->world)
+        return;
+    *f = (ep_expert_filter){.rank = a->rank, .world = a->world,
+                            .min_redundant = a->ep_redundant};
+    lo->keep_expert = ep_moe_keep_expert;
+    lo->keep_expert_userdata = f;
+}
 
 di_status gen_ep_open(const gen_args *a, const kern_backend *be, const model_weights *w,
                       gen_ep **out, di_error *err)
@@ -186,9 +198,14 @@ di_status gen_ep_open(const gen_args *a, const kern_backend *be, const model_wei
                            .world = ep->world,
                            .token = a->ep_token ? a->ep_token : "a group of one rank only",
                            .timeout_ms = a->ep_timeout_ms, .allow_remote = a->ep_remote};
-    di_status st = ep_group_join(&go, &ep->g, err);
+    ep->checkpoint_expert_bytes = w->expert_bytes;
+    kern_ep_ops xo;
+    di_status st = serve_backend_ep_ops(be, &xo, err);
+    if (st == DI_OK)
+        st = ep_group_join(&go, &ep->g, err);
     if (st == DI_OK) {
-        ep_moe_options mo = {.group = ep->g, .be = be, .w = w, .min_redundant = a->ep_redundant,
+        ep_moe_options mo = {.group = ep->g, .be = be, .dev_ops = &xo, .w = w,
+                             .min_redundant = a->ep_redundant,
                              .eplb_interval = a->eplb_interval};
         st = ep_moe_create(&mo, &ep->moe, err);
     }
@@ -312,10 +329,12 @@ static di_status unpack_outputs(const ep_buf *in, uint32_t src, gen_out *outs, u
 }
 
 /* The per-rank counters gathered into the "ep" stats. */
-enum { C_PLACEHOLDER, C_STEPS, C_ROUNDS, C_SERVE, C_SENT, C_SERVED, C_MOVED, C_BYTES, C_COUNT };
+enum { C_PLACEHOLDER, C_STEPS, C_ROUNDS, C_SERVE, C_SENT, C_SERVED, C_MOVED, C_BYTES, C_SLOT,
+       C_CKPT, C_COUNT };
 static const char *const counter_names[C_COUNT] = {
     "placeholder_steps", "steps", "exchange_rounds", "serve_rounds", "pairs_sent",
-    "pairs_served", "experts_received", "expert_bytes_received"};
+    "pairs_served", "experts_received", "expert_bytes_received", "expert_slot_bytes",
+    "checkpoint_expert_bytes"};
 
 di_status gen_ep_gather(gen_ep *ep, gen_out *outs, uint32_t n, const sched_stats *ss,
                         void *stats_json, bool *print, di_error *err)
@@ -346,6 +365,8 @@ di_status gen_ep_gather(gen_ep *ep, gen_out *outs, uint32_t n, const sched_stats
         mine[C_SERVED] = ms->pairs_served;
         mine[C_MOVED] = ms->experts_moved;
         mine[C_BYTES] = ms->bytes_moved;
+        mine[C_SLOT] = ms->slot_bytes;
+        mine[C_CKPT] = ep->checkpoint_expert_bytes;
         st = ep_group_allreduce(ep->g, EP_REDUCE_SUM, c, W * C_COUNT, err);
     }
     if (st == DI_OK && ep->rank == 0 && stats_json) {

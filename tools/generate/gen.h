@@ -8,6 +8,7 @@
 
 #include "common/engine/scheduler.h"
 #include "common/engine/varlen.h"
+#include "common/ep/moe.h"
 #include "common/model/forward.h"
 #include "common/model/runner_exec.h"
 #include "common/sampling/sampler.h"
@@ -38,6 +39,7 @@ typedef struct gen_args {
     uint32_t threads;            /* --threads */
     const char *backend;         /* --backend: "cpu" or "cuda" (serve_backend_open); borrowed */
     int device;                  /* --device: the CUDA device ordinal */
+    bool batch_invariant;        /* --batch-invariant: a device backend's batch-invariant mode */
     uint32_t chunk;              /* --chunk: prefill tokens per step */
     uint64_t max_model_len;      /* --max-model-len; 0 = the config's limit */
     fwd_yoco yoco;               /* --yoco; FWD_YOCO_DEFAULT */
@@ -134,6 +136,9 @@ typedef struct gen_ep gen_ep;
 
 /* Joins the group of --rank/--world (or a group of one for --ep-ranks 1) and places this
  * rank's experts. DI_OK; the group's and the MoE's codes. */
+/* The checkpoint filter of a rank of --world: only the experts of its start-up slots are
+ * loaded (lo untouched otherwise). */
+void gen_ep_filter(const gen_args *a, ep_expert_filter *f, model_load_options *lo);
 di_status gen_ep_open(const gen_args *a, const kern_backend *be, const model_weights *w,
                       gen_ep **out, di_error *err);
 void gen_ep_close(gen_ep *ep); /* NULL-safe */

@@ -262,6 +262,8 @@ static di_status open_model(const gen_args *a, serve_model *m, di_error *err)
     model_load_options lo = {.flags = MODEL_LOAD_WO_A_BF16 |
                                       (a->trust_weights ? MODEL_LOAD_TRUST_SUMS : 0),
                              .progress = load_progress, .progress_userdata = (void *)a};
+    ep_expert_filter f;
+    gen_ep_filter(a, &f, &lo); /* a rank of a group: only its own experts */
     serve_model_options o = {.model_dir = a->model_dir, .config = a->config,
                              .weights_seed = a->weights_seed, .tokenizer = a->tokenizer,
                              .need_tokenizer = texts, .load = &lo};
@@ -592,7 +594,8 @@ di_status gen_run(gen_args *a, di_error *err)
     gen_ctx g = {.a = a, .log = {.fn = log_line, .level = a->quiet ? DI_LOG_WARN : DI_LOG_INFO}};
     run_state rs = {0};
     json_t *stats = NULL;
-    serve_backend_options bo = {.threads = a->threads, .device = a->device};
+    serve_backend_options bo = {.threads = a->threads, .device = a->device,
+                                .batch_invariant = a->batch_invariant};
     if ((st = serve_backend_open(a->backend, &bo, &be, err)) != DI_OK) {
         di_error_prefix(err, "--backend %s: ", a->backend);
         return st;
