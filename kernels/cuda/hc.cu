@@ -151,6 +151,55 @@ __global__ void hc_mixes_part_kernel(kern_hc_mixes p, uint32_t splits, uint32_t 
     }
 }
 
+/* Pass 1 at prefill sizes: block (group of HC_ROWS rows, split of HC_SPLIT_K inputs) stages
+ * the split's fn columns once, HC_STAGE inputs at a time, as doubles in shared memory, with the
+ * group's inputs, and thread (mix i, row r) sums fn[i] . v over the split in input order (the
+ * HC_ROWS threads after them the rows' squares), so every fn value read from memory serves
+ * HC_ROWS rows instead of one. Needs n_mix * HC_ROWS + HC_ROWS <= CUDA_THREADS (hc <= 5).
+ * Writes part[row][split][n_mix + 1] as hc_mixes_part_kernel does. */
+#define HC_ROWS 8
+#define HC_STAGE 128
+__global__ void __launch_bounds__(CUDA_THREADS) hc_mixes_rows_kernel(kern_hc_mixes p,
+                                                                     uint32_t splits,
+                                                                     double *part_out)
+{
+    extern __shared__ __align__(16) double hc_smem[];
+    const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
+    double *fs = hc_smem;                          /* [HC_STAGE][n_mix] */
+    double *vs = hc_smem + (size_t)HC_STAGE * n_mix; /* [HC_STAGE][HC_ROWS] */
+    const uint32_t sp = blockIdx.x % splits, row0 = (blockIdx.x / splits) * HC_ROWS;
+    const uint32_t k_lo = sp * HC_SPLIT_K;
+    const uint32_t k_hi = width - k_lo > HC_SPLIT_K ? k_lo + HC_SPLIT_K : width;
+    const uint32_t tid = threadIdx.x, rows = p.n_rows - row0 < HC_ROWS ? p.n_rows - row0 : HC_ROWS;
+    const bool mix = tid < n_mix * HC_ROWS, square = !mix && tid < (n_mix + 1) * HC_ROWS;
+    const uint32_t i = mix ? tid / HC_ROWS : n_mix, r = tid % HC_ROWS;
+    double acc = 0.0;
+    for (uint32_t k0 = k_lo; k0 < k_hi; k0 += HC_STAGE) {
+        const uint32_t nk = k_hi - k0 < HC_STAGE ? k_hi - k0 : HC_STAGE;
+        __syncthreads();
+        for (uint32_t e = tid; e < nk * n_mix; e += blockDim.x) {
+            uint32_t m = e / nk, k = e % nk; /* consecutive threads read consecutive inputs */
+            fs[k * n_mix + m] = (double)p.fn[(size_t)m * width + k0 + k];
+        }
+        for (uint32_t e = tid; e < nk * HC_ROWS; e += blockDim.x) {
+            uint32_t rr = e / nk, k = e % nk;
+            vs[k * HC_ROWS + rr] = rr < rows ? (double)dev_bf16_to_f32(
+                                                   p.h[(size_t)(row0 + rr) * width + k0 + k])
+                                             : 0.0;
+        }
+        __syncthreads();
+        if (mix) {
+            for (uint32_t k = 0; k < nk; k++)
+                acc += fs[k * n_mix + i] * vs[k * HC_ROWS + r];
+        } else if (square) {
+            for (uint32_t k = 0; k < nk; k++)
+                acc += vs[k * HC_ROWS + r] * vs[k * HC_ROWS + r];
+        }
+    }
+    if ((mix || square) && r < rows)
+        part_out[((size_t)(row0 + r) * splits + sp) * (n_mix + 1) + i] = acc;
+}
+
 /* Pass 2: one block of HC_MAX * HC_MAX threads per row: the splits summed in order, then the
  * twin's roundings from there on (the Sinkhorn over the block, one thread per entry). */
 __global__ void __launch_bounds__(HC_MAX * HC_MAX) hc_mixes_finish_kernel(kern_hc_mixes p,
@@ -262,10 +311,25 @@ static uint32_t hc_split_k(cuda_ctx *c, uint32_t rows, uint32_t width)
     return units * HC_SPLIT_K;
 }
 
+/* The rows kernel: prefill sizes (a group of HC_ROWS rows per block still gives HC_BLOCKS_PER_SM
+ * blocks per SM with splits of HC_SPLIT_K), copies few enough for its threads; not in
+ * batch-invariant mode (its sums come in another order than the per-row kernel's, and a row's
+ * result must not depend on the row count). */
+static int hc_rows_kernel_fits(cuda_ctx *c, const kern_hc_mixes *p)
+{
+    const uint32_t width = p->n_copies * p->dim, n_mix = (2 + p->n_copies) * p->n_copies;
+    const uint64_t sms = cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
+    const uint64_t blocks = (uint64_t)(p->n_rows + HC_ROWS - 1) / HC_ROWS *
+                            ((width + HC_SPLIT_K - 1) / HC_SPLIT_K);
+    return !c->batch_invariant && (n_mix + 1) * HC_ROWS <= CUDA_THREADS &&
+           blocks >= HC_BLOCKS_PER_SM * sms;
+}
+
 static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream_t stream)
 {
     const uint32_t width = p->n_copies * p->dim, n_mix = (2 + p->n_copies) * p->n_copies;
-    const uint32_t split_k = hc_split_k(c, p->n_rows, width);
+    const int rows_kernel = hc_rows_kernel_fits(c, p);
+    const uint32_t split_k = rows_kernel ? HC_SPLIT_K : hc_split_k(c, p->n_rows, width);
     const uint32_t splits = (width + split_k - 1) / split_k;
     const uint64_t blocks = (uint64_t)p->n_rows * splits;
     if (blocks > 0x7fffffffu)
@@ -275,9 +339,23 @@ static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream
     di_status st = cuda_scratch(c, (size_t)blocks * (n_mix + 1) * sizeof(double), &part);
     if (st != DI_OK)
         return st;
-    hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits, split_k,
-                                                                       (double *)part);
-    st = cuda_launched(c, "hc_mixes_part_kernel");
+    if (rows_kernel) {
+        const size_t smem = (size_t)HC_STAGE * (n_mix + HC_ROWS) * sizeof(double);
+        const uint64_t groups = (p->n_rows + HC_ROWS - 1) / HC_ROWS;
+        st = cuda_check(c, cudaFuncSetAttribute(hc_mixes_rows_kernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                (int)smem),
+                        "hc_mixes: cudaFuncSetAttribute");
+        if (st != DI_OK)
+            return st;
+        hc_mixes_rows_kernel<<<(unsigned)(groups * splits), CUDA_THREADS, smem, stream>>>(
+            *p, splits, (double *)part);
+        st = cuda_launched(c, "hc_mixes_rows_kernel");
+    } else {
+        hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits, split_k,
+                                                                           (double *)part);
+        st = cuda_launched(c, "hc_mixes_part_kernel");
+    }
     if (st != DI_OK)
         return st;
     hc_mixes_finish_kernel<<<p->n_rows, HC_MAX * HC_MAX, 0, stream>>>(*p, splits,
