@@ -4,9 +4,10 @@
  * rounding).
  *
  * One launch per projection covers every tile of the call: a block takes one tile (up to 128
- * rows of one expert's bucket) and 128 outputs, 8 warps of 64 x 32, K in steps of 64 through a
- * three-stage cp.async pipeline. The activation rows arrive as bf16 (x or h quantised by (A):
- * a value of at most 4 significant bits times a power of two, exact in bf16); the weight
+ * rows of one expert's bucket) and 128 outputs, 8 warps of 64 x 32 (a warp skips the 16-row
+ * pieces past the tile's rows), K in steps of 64 through a three-stage cp.async pipeline. The
+ * activation rows arrive as bf16 (x or h quantised by (A): a value of at most 4 significant
+ * bits times a power of two, exact in bf16); the weight
  * arrives as packed E2M1 with its UE8M0 scale per 32 inputs and is dequantised once per block
  * and step into a bf16 tile in shared memory: a 256-entry table gives a byte's two values as a
  * bf16 pair, and one bf16x2 multiply applies the scale, exact while the scale lies in
@@ -178,6 +179,8 @@ __global__ void __launch_bounds__(WIDE_THREADS, 2) moe_wide_kernel(cuda_moe_wide
     uint8_t sc = scale[0];
 
     const uint32_t wm = warp / 4, wn = warp % 4;
+    /* this warp's 16-row pieces holding rows of the tile (a bucket's last tile is partial) */
+    const uint32_t live = rows > wm * 64 ? (rows - wm * 64 + 15) / 16 : 0;
     float acc[4][4][4];
 #pragma unroll
     for (int i = 0; i < 4; i++)
@@ -215,9 +218,11 @@ __global__ void __launch_bounds__(WIDE_THREADS, 2) moe_wide_kernel(cuda_moe_wide
                                    kk * 16 + ((lane >> 3) & 1) * 8);
 #pragma unroll
             for (int i = 0; i < 4; i++)
+                if ((uint32_t)i < live)
 #pragma unroll
-                for (int j = 0; j < 4; j++)
-                    mma_bf16(acc[i][j], af[i], bf[j / 2][(j % 2) * 2], bf[j / 2][(j % 2) * 2 + 1]);
+                    for (int j = 0; j < 4; j++)
+                        mma_bf16(acc[i][j], af[i], bf[j / 2][(j % 2) * 2],
+                                 bf[j / 2][(j % 2) * 2 + 1]);
         }
     }
     wide_wait<0>();
