@@ -66,6 +66,9 @@ typedef struct kern_cuda_config {
     int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
     int moe_host_plan;          /* 1: moe_experts buckets its pairs on the host (reading the ids
                                  * back) at every row count, as before the device bucketing */
+    int moe_per_expert;         /* 1: buckets past the grouped path run expert by expert on
+                                 * the linear path (cuBLASLt) instead of the wide kernel (the
+                                 * previous version, for comparison) */
     int graphs;                 /* 1: start with graph capture on (kern_cuda_graphs) */
     uint32_t graph_split;       /* kern_cuda_graph_split's ops per segment (0: whole) */
 } kern_cuda_config;
@@ -80,6 +83,8 @@ typedef struct kern_cuda_stats {
                                  * path */
     uint64_t moe_gemm;          /* moe_experts calls whose routed experts took the per-expert
                                  * cuBLASLt path */
+    uint64_t moe_wide;          /* of the moe_gemm calls, those whose routed experts took the
+                                 * wide tensor-core kernel (moe_wide.cu) */
     uint64_t linear_stream;     /* linear_fp8 / linear_fp4 calls of at most 16 rows run by the
                                  * weight-streaming tensor-core kernel (not cuBLASLt) */
     size_t scratch_bytes;       /* current size of the device scratch */

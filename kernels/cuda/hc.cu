@@ -6,7 +6,9 @@
  * Arithmetic order on the device, against the twin:
  *  - mixes: the sum of squares and the (2+hc)*hc dot products fn[i] . v are summed in double
  *    (every product of two floats is exact there; a block per 1,024 inputs of a row, more
- *    when the rows fill the GPU, then a block per row adds the blocks in order) in another order than the twin's lanes, so
+ *    when the rows fill the GPU, or from 96 rows on a block per 32 rows and 1,024 inputs with
+ *    fn staged once for its rows; then a block per row adds the blocks in order) in another
+ *    order than the twin's lanes, so
  *    their fp32 roundings match except at a double rounding tie; every later step is the twin's
  *    step for step (fp32 multiply and add with the _rn intrinsics so that nothing is fused,
  *    sigmoid and Sinkhorn in double, the Sinkhorn one thread per entry). Tolerance: abs 1e-5 (kernels.h).
@@ -151,6 +153,66 @@ __global__ void hc_mixes_part_kernel(kern_hc_mixes p, uint32_t splits, uint32_t 
     }
 }
 
+/* Pass 1 at prefill sizes: block (group of HC_ROWS rows, split of HC_SPLIT_K inputs) stages
+ * the split's fn columns once, HC_STAGE inputs at a time, as doubles in shared memory, with the
+ * group's inputs; thread (mix i, quad q) sums fn[i] . v for the rows 4q .. 4q + 3 over the
+ * split in input order (the 8 threads after them the rows' squares), so every fn value read
+ * from memory serves HC_ROWS rows instead of one, and every one read from shared memory four.
+ * Needs (n_mix + 1) * 8 <= CUDA_THREADS (hc <= 4). Writes part[row][split][n_mix + 1] as
+ * hc_mixes_part_kernel does. */
+#define HC_ROWS 32
+#define HC_QUADS (HC_ROWS / 4)
+#define HC_STAGE 64
+#define HC_VROW (HC_ROWS + 2) /* doubles per staged input: its rows, padded so that the
+                               * staging stores of consecutive inputs spread over the banks */
+__global__ void __launch_bounds__(CUDA_THREADS) hc_mixes_rows_kernel(kern_hc_mixes p,
+                                                                     uint32_t splits,
+                                                                     double *part_out)
+{
+    extern __shared__ __align__(16) double hc_smem[];
+    const uint32_t hc = p.n_copies, width = hc * p.dim, n_mix = (2 + hc) * hc;
+    const uint32_t fr = n_mix + 1;                   /* fs row, padded as vs's */
+    double *vs = hc_smem;                            /* [HC_STAGE][HC_VROW] */
+    double *fs = hc_smem + (size_t)HC_STAGE * HC_VROW; /* [HC_STAGE][fr] */
+    const uint32_t sp = blockIdx.x % splits, row0 = (blockIdx.x / splits) * HC_ROWS;
+    const uint32_t k_lo = sp * HC_SPLIT_K;
+    const uint32_t k_hi = width - k_lo > HC_SPLIT_K ? k_lo + HC_SPLIT_K : width;
+    const uint32_t tid = threadIdx.x, rows = p.n_rows - row0 < HC_ROWS ? p.n_rows - row0 : HC_ROWS;
+    const bool mix = tid < n_mix * HC_QUADS, square = !mix && tid < (n_mix + 1) * HC_QUADS;
+    const uint32_t i = mix ? tid / HC_QUADS : n_mix, q = tid % HC_QUADS;
+    double acc[4] = {0.0, 0.0, 0.0, 0.0};
+    for (uint32_t k0 = k_lo; k0 < k_hi; k0 += HC_STAGE) {
+        const uint32_t nk = k_hi - k0 < HC_STAGE ? k_hi - k0 : HC_STAGE;
+        __syncthreads();
+        for (uint32_t e = tid; e < nk * n_mix; e += blockDim.x) {
+            uint32_t m = e / nk, k = e % nk; /* consecutive threads read consecutive inputs */
+            fs[k * fr + m] = (double)p.fn[(size_t)m * width + k0 + k];
+        }
+        for (uint32_t e = tid; e < nk * HC_ROWS; e += blockDim.x) {
+            uint32_t rr = e / nk, k = e % nk;
+            vs[k * HC_VROW + rr] = rr < rows ? (double)dev_bf16_to_f32(
+                                                   p.h[(size_t)(row0 + rr) * width + k0 + k])
+                                             : 0.0;
+        }
+        __syncthreads();
+        if (mix || square) {
+            for (uint32_t k = 0; k < nk; k++) {
+                const double2 v01 = *reinterpret_cast<const double2 *>(vs + k * HC_VROW + 4 * q);
+                const double2 v23 = *reinterpret_cast<const double2 *>(vs + k * HC_VROW + 4 * q + 2);
+                const double v[4] = {v01.x, v01.y, v23.x, v23.y};
+                const double f = mix ? fs[k * fr + i] : 0.0;
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    acc[j] += (mix ? f : v[j]) * v[j];
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++)
+        if ((mix || square) && 4 * q + j < rows)
+            part_out[((size_t)(row0 + 4 * q + j) * splits + sp) * (n_mix + 1) + i] = acc[j];
+}
+
 /* Pass 2: one block of HC_MAX * HC_MAX threads per row: the splits summed in order, then the
  * twin's roundings from there on (the Sinkhorn over the block, one thread per entry). */
 __global__ void __launch_bounds__(HC_MAX * HC_MAX) hc_mixes_finish_kernel(kern_hc_mixes p,
@@ -262,10 +324,24 @@ static uint32_t hc_split_k(cuda_ctx *c, uint32_t rows, uint32_t width)
     return units * HC_SPLIT_K;
 }
 
+/* Rows from which hc_mixes takes the rows kernel (below, the per-row kernel: decode sizes). */
+#define HC_ROWS_MIN 96
+
+/* The rows kernel: prefill sizes, copies few enough for its threads; not in batch-invariant
+ * mode (its sums come in another order than the per-row kernel's, and a row's result must not
+ * depend on the row count). */
+static int hc_rows_kernel_fits(cuda_ctx *c, const kern_hc_mixes *p)
+{
+    const uint32_t n_mix = (2 + p->n_copies) * p->n_copies;
+    return !c->batch_invariant && (n_mix + 1) * HC_QUADS <= CUDA_THREADS &&
+           p->n_rows >= HC_ROWS_MIN;
+}
+
 static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream_t stream)
 {
     const uint32_t width = p->n_copies * p->dim, n_mix = (2 + p->n_copies) * p->n_copies;
-    const uint32_t split_k = hc_split_k(c, p->n_rows, width);
+    const int rows_kernel = hc_rows_kernel_fits(c, p);
+    const uint32_t split_k = rows_kernel ? HC_SPLIT_K : hc_split_k(c, p->n_rows, width);
     const uint32_t splits = (width + split_k - 1) / split_k;
     const uint64_t blocks = (uint64_t)p->n_rows * splits;
     if (blocks > 0x7fffffffu)
@@ -275,9 +351,23 @@ static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream
     di_status st = cuda_scratch(c, (size_t)blocks * (n_mix + 1) * sizeof(double), &part);
     if (st != DI_OK)
         return st;
-    hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits, split_k,
-                                                                       (double *)part);
-    st = cuda_launched(c, "hc_mixes_part_kernel");
+    if (rows_kernel) {
+        const size_t smem = (size_t)HC_STAGE * (HC_VROW + n_mix + 1) * sizeof(double);
+        const uint64_t groups = (p->n_rows + HC_ROWS - 1) / HC_ROWS;
+        st = cuda_check(c, cudaFuncSetAttribute(hc_mixes_rows_kernel,
+                                                cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                (int)smem),
+                        "hc_mixes: cudaFuncSetAttribute");
+        if (st != DI_OK)
+            return st;
+        hc_mixes_rows_kernel<<<(unsigned)(groups * splits), CUDA_THREADS, smem, stream>>>(
+            *p, splits, (double *)part);
+        st = cuda_launched(c, "hc_mixes_rows_kernel");
+    } else {
+        hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits, split_k,
+                                                                           (double *)part);
+        st = cuda_launched(c, "hc_mixes_part_kernel");
+    }
     if (st != DI_OK)
         return st;
     hc_mixes_finish_kernel<<<p->n_rows, HC_MAX * HC_MAX, 0, stream>>>(*p, splits,

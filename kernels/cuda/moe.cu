@@ -19,10 +19,15 @@
  *    (moe_grouped.cu: one launch for W1 and W3 with SwiGLU and the routing weight over every
  *    bucket, one for W2;
  *    on the tensor cores, moe_mma.cu, or on the CUDA cores with the FP4 weights dequantised in
- *    registers). Otherwise the rows are gathered into the work buffer in the twin's order,
- *    each routed expert runs the linear path of linear.cu (W1, W3, then W2, FP8 activations by
- *    (A), FP4 weights dequantised exactly, cuBLASLt BF16 GEMM) and SwiGLU with the routing
- *    weight runs once over every pair. The shared expert takes the grouped path as well (FP8
+ *    registers). Otherwise the rows are gathered into the work buffer in the twin's order and
+ *    quantised by (A), one launch of the wide kernel (moe_wide.cu: tiles of up to 128 rows of
+ *    one expert, BF16 tensor cores, the FP4 weight dequantised exactly in shared memory) runs
+ *    W1 and W3 of every bucket, SwiGLU with the routing weight runs once over every pair, h is
+ *    quantised by (A) and a second launch runs W2: the linear path's numbers in another sum
+ *    order. With cuda_ctx.moe_per_expert, or weights off 16-byte alignment, or widths the wide
+ *    kernel does not take, each routed expert runs the linear path of linear.cu instead (W1,
+ *    W3, then W2, FP8 activations by (A), FP4 weights dequantised exactly, cuBLASLt BF16
+ *    GEMM). The shared expert takes the grouped path as well (FP8
  *    weights, one group) when the routed experts do and the call has at most 16 rows, else
  *    the linear path on every row. One kernel sums each row's expert outputs in double in the
  *    twin's order (ascending expert, then the shared expert) and rounds once. Tolerance:
@@ -39,6 +44,7 @@
 #include "kernels/cpu/moe_bucket.h"
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/moe_dev.cuh"
+#include "kernels/cuda/moe_wide.h"
 #include "kernels/cuda/numfmt_dev.cuh"
 
 #define GATE_MAX_EXPERTS 4096         /* the twin's limit */
@@ -267,6 +273,10 @@ typedef struct moe_plan {
     int shared_grouped;         /* 1: the shared expert takes the grouped path too (grouped,
                                  * at most CUDA_MOE_GROUP_ROWS rows) */
     cuda_moe_group shared;      /* its one group: every row of x */
+    int wide;                   /* 1: the routed experts take the wide kernel (moe_wide.cu) */
+    cuda_moe_group *tiles;      /* [n_tiles] its tiles (host) */
+    uint32_t n_tiles;
+    size_t off_tiles;
     size_t off_pair, off_pos, off_groups, off_shared; /* metadata offsets */
     size_t xq, xg, wg, g, u, h, og, gs, us, hs, os, total; /* work offsets after the metadata */
     size_t xc, xcs, hc, hcs;    /* the grouped path's codes and scales (moe_mma.cu) */
@@ -279,29 +289,70 @@ static void plan_free(moe_plan *pl)
     free(pl->pair);
     free(pl->pos);
     free(pl->groups);
+    free(pl->tiles);
+}
+
+/* Each used expert's bucket in pieces of at most `rows` pairs, ascending expert, into *out
+ * (allocated; *n_out pieces). */
+static di_status split_buckets(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
+                               uint32_t rows, cuda_moe_group **out, uint32_t *n_out)
+{
+    uint32_t n = 0;
+    for (uint32_t e = 0; e < p->n_experts; e++)
+        n += (pl->count[e] + rows - 1) / rows;
+    cuda_moe_group *groups = (cuda_moe_group *)calloc(n ? n : 1, sizeof(cuda_moe_group));
+    if (!groups)
+        return cuda_fail(c, DI_ENOMEM, "moe_experts: %u groups", n);
+    uint32_t at_group = 0;
+    for (uint32_t e = 0; e < p->n_experts; e++) {
+        const kern_expert *ex = &p->experts[e];
+        for (uint32_t at = 0; at < pl->count[e]; at += rows) {
+            uint32_t left = pl->count[e] - at;
+            cuda_moe_group *g = &groups[at_group++];
+            g->w1 = ex->w1, g->s1 = ex->w1_scale, g->w3 = ex->w3, g->s3 = ex->w3_scale;
+            g->w2 = ex->w2, g->s2 = ex->w2_scale;
+            g->start = pl->start[e] + at;
+            g->n = left < rows ? left : rows;
+        }
+    }
+    assert(at_group == n);
+    *out = groups, *n_out = n;
+    return DI_OK;
+}
+
+/* The wide kernel's tiles: buckets in pieces of at most CUDA_MOE_WIDE_ROWS pairs. No tiles (the
+ * per-expert path) when it is turned off, a used expert's weights are off 16-byte alignment or
+ * the widths do not fit the kernel. */
+static di_status plan_tiles(cuda_ctx *c, const kern_moe_experts *p, moe_plan *pl)
+{
+    if (c->moe_per_expert || !cuda_moe_wide_fits(p->dim, p->inter) ||
+        !cuda_moe_wide_fits(p->inter, p->dim))
+        return DI_OK;
+    uint32_t n = 0;
+    for (uint32_t e = 0; e < p->n_experts; e++) {
+        const kern_expert *ex = &p->experts[e];
+        if (pl->count[e] && ((uintptr_t)ex->w1 % 16 || (uintptr_t)ex->w3 % 16 ||
+                             (uintptr_t)ex->w2 % 16))
+            return DI_OK;
+        n += (pl->count[e] + CUDA_MOE_WIDE_ROWS - 1) / CUDA_MOE_WIDE_ROWS;
+    }
+    if (n > 65535u)
+        return DI_OK;
+    di_status st = split_buckets(c, p, pl, CUDA_MOE_WIDE_ROWS, &pl->tiles, &pl->n_tiles);
+    pl->wide = st == DI_OK;
+    return st;
 }
 
 /* The grouped path's groups: each used expert's bucket in pieces of at most
  * CUDA_MOE_GROUP_ROWS pairs, ascending expert. */
 static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *pl)
 {
-    uint32_t n = 0;
-    for (uint32_t e = 0; e < p->n_experts; e++)
-        n += (pl->count[e] + CUDA_MOE_GROUP_ROWS - 1) / CUDA_MOE_GROUP_ROWS;
-    pl->groups = (cuda_moe_group *)calloc(n ? n : 1, sizeof(cuda_moe_group));
-    if (!pl->groups)
-        return cuda_fail(c, DI_ENOMEM, "moe_experts: %u groups", n);
+    di_status st = split_buckets(c, p, pl, CUDA_MOE_GROUP_ROWS, &pl->groups, &pl->n_groups);
+    if (st != DI_OK)
+        return st;
     pl->aligned = 1, pl->aligned16 = 1;
     for (uint32_t e = 0; e < p->n_experts; e++) {
         const kern_expert *ex = &p->experts[e];
-        for (uint32_t at = 0; at < pl->count[e]; at += CUDA_MOE_GROUP_ROWS) {
-            uint32_t left = pl->count[e] - at;
-            cuda_moe_group *g = &pl->groups[pl->n_groups++];
-            g->w1 = ex->w1, g->s1 = ex->w1_scale, g->w3 = ex->w3, g->s3 = ex->w3_scale;
-            g->w2 = ex->w2, g->s2 = ex->w2_scale;
-            g->start = pl->start[e] + at;
-            g->n = left < CUDA_MOE_GROUP_ROWS ? left : CUDA_MOE_GROUP_ROWS;
-        }
         if (pl->count[e] && ((uintptr_t)ex->w1 % 4 || (uintptr_t)ex->w3 % 4 ||
                              (uintptr_t)ex->w2 % 4))
             pl->aligned = 0;
@@ -309,7 +360,6 @@ static di_status plan_groups(cuda_ctx *c, const kern_moe_experts *p, moe_plan *p
                              (uintptr_t)ex->w2 % 16))
             pl->aligned16 = 0;
     }
-    assert(pl->n_groups == n);
     return DI_OK;
 }
 
@@ -332,9 +382,9 @@ static void plan_layout(const kern_moe_experts *p, moe_plan *pl)
     /* the grouped path reads x quantised once per row; the cuBLASLt path gathers the rows and
      * keeps g and u */
     size_t D = p->dim, I = p->inter, S = p->shared_inter, P = pl->n_pairs, at = 0;
-    size_t G = pl->grouped ? 1 : 0, L = 1 - G;
+    size_t G = pl->grouped ? 1 : 0, L = 1 - G, W = pl->wide ? 1 : 0;
 #define MOE_BUF(field, bytes) (pl->field = at, at += cuda_align_up(bytes))
-    MOE_BUF(xq, G * T * D * 2);
+    MOE_BUF(xq, (G * T + W * P) * D * 2);
     MOE_BUF(xg, L * P * D * 2);
     MOE_BUF(wg, L * P * 4);
     MOE_BUF(g, L * P * I * 2);
@@ -405,6 +455,10 @@ static di_status plan_make(cuda_ctx *c, const kern_moe_experts *p, const int32_t
     pl->grouped = plan_use_grouped(c, p, pl);
     if (pl->grouped) {
         di_status st = plan_groups(c, p, pl);
+        if (st != DI_OK)
+            return st;
+    } else {
+        di_status st = plan_tiles(c, p, pl);
         if (st != DI_OK)
             return st;
     }
@@ -495,6 +549,42 @@ static di_status run_routed(cuda_ctx *c, const kern_moe_experts *p, const moe_pl
             st = run_down(c, &p->experts[e], KERN_W_FP4, n, p->dim, p->inter, h + at * I,
                           og + at * D);
     }
+    return st;
+}
+
+/* The routed experts on the wide kernel: the rows gathered and quantised by (A), W1 and W3 of
+ * every tile in one launch, SwiGLU with the routing weight over every pair, h quantised by (A)
+ * into g's buffer (free by then), W2 of every tile. tiles: their device copy. */
+static di_status run_routed_wide(cuda_ctx *c, const kern_moe_experts *p, const moe_plan *pl,
+                                 const uint8_t *dev, uint8_t *w)
+{
+    di_status st = launch_gather(c, p, (const int32_t *)(dev + pl->off_pair), pl->n_pairs,
+                                 (uint16_t *)(w + pl->xg), (float *)(w + pl->wg), c->stream);
+    uint16_t *xg = (uint16_t *)(w + pl->xg), *xq = (uint16_t *)(w + pl->xq);
+    uint16_t *g = (uint16_t *)(w + pl->g), *u = (uint16_t *)(w + pl->u);
+    uint16_t *h = (uint16_t *)(w + pl->h), *og = (uint16_t *)(w + pl->og);
+    if (st == DI_OK)
+        st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, xg, p->dim, xq, p->dim, pl->n_pairs, p->dim);
+    cuda_moe_wide wd;
+    memset(&wd, 0, sizeof(wd));
+    wd.tiles = (const cuda_moe_group *)(dev + pl->off_tiles), wd.n_tiles = pl->n_tiles;
+    wd.a = xq, wd.k = p->dim, wd.n_out = p->inter, wd.up = 1, wd.y0 = g, wd.y1 = u;
+    wd.ldy = p->inter;
+    if (st == DI_OK)
+        st = cuda_moe_wide_run(c, &wd);
+    kern_swiglu sw;
+    memset(&sw, 0, sizeof(sw));
+    sw.n_rows = pl->n_pairs, sw.n = p->inter, sw.g = g, sw.u = u, sw.stride = p->inter;
+    sw.w = (const float *)(w + pl->wg), sw.limit = p->swiglu_limit, sw.h = h;
+    if (st == DI_OK)
+        st = launch_swiglu(c, &sw, c->stream);
+    if (st == DI_OK)
+        st = cuda_fakequant_rows(c, KERN_Q_FP8_B32, h, p->inter, g, p->inter, pl->n_pairs,
+                                 p->inter);
+    wd.a = g, wd.k = p->inter, wd.n_out = p->dim, wd.up = 0, wd.y0 = og, wd.y1 = NULL;
+    wd.ldy = p->dim;
+    if (st == DI_OK)
+        st = cuda_moe_wide_run(c, &wd);
     return st;
 }
 
@@ -750,17 +840,21 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
                             &pl.off_groups);
     if (st == DI_OK && pl.shared_grouped)
         st = cuda_meta_push(c, &pl.shared, sizeof(cuda_moe_group), &pl.off_shared);
+    if (st == DI_OK && pl.wide)
+        st = cuda_meta_push(c, pl.tiles, (size_t)pl.n_tiles * sizeof(cuda_moe_group),
+                            &pl.off_tiles);
     if (st == DI_OK)
         st = cuda_meta_upload(c, 1, pl.total, &dev, &w);
     if (st == DI_OK)
         st = pl.grouped ? run_routed_grouped(c, p, &pl,
                                              (const cuda_moe_group *)(dev + pl.off_groups),
                                              (const int32_t *)(dev + pl.off_pair), NULL, w)
-                        : run_routed(c, p, &pl, dev, w);
+          : pl.wide  ? run_routed_wide(c, p, &pl, dev, w)
+                     : run_routed(c, p, &pl, dev, w);
     if (st == DI_OK && pl.grouped)
         c->stats.moe_grouped++;
     else if (st == DI_OK)
-        c->stats.moe_gemm++;
+        c->stats.moe_gemm++, c->stats.moe_wide += pl.wide;
     if (st == DI_OK && pl.shared_grouped)
         st = run_shared_grouped(c, p, &pl, (const cuda_moe_group *)(dev + pl.off_shared), w);
     else if (st == DI_OK && p->shared_inter)

@@ -47,6 +47,7 @@
 #include "kernels/cuda/backend_cuda.h"
 #include "tests/forward/fwd_scenario.h"
 #include "tests/gpu/check_util.h"
+#include "tests/gpu/fp8_ceiling.h"
 #include "tests/gpu/gpu_common.h"
 
 #define SHOW 5
@@ -982,6 +983,7 @@ static void check_executor(chk_env *env, const runner_model *rm, trk_state *trk,
 #define BENCH_TOPK 6
 #define BENCH_VOCAB 129280
 #define BENCH_CONTEXT 4096       /* prefill chunk, then decode at this position */
+#define BENCH_PREFILL 16384      /* the prefill chunk, timed against the FP8 ceiling */
 #define BENCH_MAX_SEQS 64
 #define BENCH_REPS 5
 #define BENCH_SPLIT 24 /* ops per graph segment in the split timing: about a layer */
@@ -1093,6 +1095,7 @@ typedef struct bench_ctx {
     fwd_kv *kv;
     float *logits;
     uint32_t vocab;
+    chk_env *env;
 } bench_ctx;
 
 /* Median wall time (ms) of reps runs of a step after one warm-up; -1 on failure. */
@@ -1111,6 +1114,52 @@ static double bench_step_ms(bench_ctx *b, const fwd_step *st, int reps)
     }
     qsort(t, (size_t)reps, sizeof(double), cmp_double);
     return t[reps / 2];
+}
+
+static double bench_profile(bench_ctx *b, const fwd_step *st, const char *what, uint32_t layers);
+
+/* A failure seen by the bench (batch invariance, the long prefill; the exit code reports it). */
+static int g_bench_failures;
+
+/* The issue's prefill chunk: BENCH_PREFILL tokens of a new sequence (slot 1, the KV blocks
+ * after the decode steps' ones) against the FP8 GEMM rate of the chunk's main shapes measured
+ * now, and its per-op profile. */
+static void bench_prefill_long(bench_ctx *b, const model_config *c)
+{
+    const uint32_t T = BENCH_PREFILL, nb = T / 128, first = BENCH_CONTEXT / 128 + BENCH_MAX_SEQS + 1;
+    const chk_fp8_shape shapes[] = {
+        {T, 2 * c->moe_inter_dim, c->dim, "MoE up (W1 | W3)"},
+        {T, c->dim, c->moe_inter_dim, "MoE down (W2)"},
+        {T, c->n_heads * c->head_dim, c->q_lora_rank, "attention wq_b"},
+    };
+    int block = 0;
+    double fp8 = chk_fp8_ceiling(b->env, shapes, sizeof(shapes) / sizeof(shapes[0]), &block);
+    int32_t *toks = chk_malloc(T * sizeof(int32_t));
+    uint32_t *tab = chk_malloc(nb * sizeof(uint32_t));
+    for (uint32_t i = 0; i < T; i++)
+        toks[i] = (int32_t)(3 + (i * 104729u) % (c->vocab_size - 3));
+    for (uint32_t k = 0; k < nb; k++)
+        tab[k] = first + k;
+    fwd_seq q = {.n_rows = T, .tokens = toks, .blocks = tab, .n_blocks = nb, .slot = 1};
+    int32_t last = (int32_t)T - 1;
+    fwd_step ps = {.n_seqs = 1, .seqs = &q, .n_logit_rows = 1, .logit_rows = &last};
+    double ms = bench_step_ms(b, &ps, 3);
+    if (ms > 0 && fp8 > 0) {
+        double fl = 0;
+        for (int64_t p = 0; p < T; p++)
+            fl += bench_row_flops(c, p);
+        double tf = fl / (ms / 1e3) / 1e12;
+        printf("  prefill chunk of %u tokens: %.1f ms (%.1f ms per layer), %.0f tokens/s, %.1f "
+               "TFLOP/s = %.1f%% of the FP8 GEMM rate of the chunk's shapes measured now (%.0f "
+               "TFLOP/s, %s; target 40%%)\n", T, ms, ms / c->n_layers, T / (ms / 1e3), tf,
+               100.0 * tf / fp8, fp8, block ? "128-block scales" : "per-tensor scales");
+        bench_profile(b, &ps, "prefill chunk of 16,384", c->n_layers);
+    } else {
+        printf("  prefill chunk of %u tokens: %s\n", T, ms > 0 ? "no FP8 ceiling" : "failed");
+        g_bench_failures++;
+    }
+    free(toks);
+    free(tab);
 }
 
 /* One more run of a step with the backend's per-op profile on: each op's device time (from
@@ -1340,8 +1389,6 @@ static double bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, do
     return ms;
 }
 
-/* A batch-invariance failure seen by the bench (the exit code reports it). */
-static int g_bench_failures;
 
 /* Sampling after a decode step of n rows, both ways: the logits copied to the host and the
  * host sampler (one thread), or left on the device for the device sampler
@@ -1545,16 +1592,17 @@ static void bench_forward(chk_env *env)
     bench_weights bw;
     bench_widen(rm.w, &bw);
     const model_config *c = &bw.w.config;
-    fwd_options o = {.nextn = 0, .max_rows = BENCH_CONTEXT, .token_map_pad = -1};
+    fwd_options o = {.nextn = 0, .max_rows = BENCH_PREFILL, .token_map_pad = -1};
     fwd_model *m = NULL;
-    bench_ctx b = {.be = &env->gpu, .vocab = c->vocab_size};
+    bench_ctx b = {.be = &env->gpu, .vocab = c->vocab_size, .env = env};
     t0 = di_mono_ns();
     di_status st = fwd_model_create(&bw.w, &env->gpu, &o, &m, &e);
     if (st == DI_OK)
         st = fwd_run_create(m, &b.run, &e);
     if (st == DI_OK)
         st = fwd_kv_create(fwd_model_geometry(m), &env->gpu,
-                           BENCH_CONTEXT / 128 + BENCH_MAX_SEQS + 1, BENCH_MAX_SEQS, &b.kv, &e);
+                           BENCH_CONTEXT / 128 + BENCH_MAX_SEQS + 1 + BENCH_PREFILL / 128,
+                           BENCH_MAX_SEQS, &b.kv, &e);
     b.logits = malloc((size_t)BENCH_MAX_SEQS * c->vocab_size * sizeof(float));
     if (st != DI_OK || !b.logits) {
         printf("bench: %s\n", st != DI_OK ? e.msg : "logits");
@@ -1587,6 +1635,7 @@ static void bench_forward(chk_env *env)
                    ms / c->n_layers, BENCH_CONTEXT / (ms / 1e3), fl / (ms / 1e3) / 1e12,
                    100.0 * fl / (ms / 1e3) / 1e12 / peak);
             prefill_head = bench_profile(&b, &ps, "prefill chunk", c->n_layers);
+            bench_prefill_long(&b, c);
             /* every decode sequence starts from the prompt's rings and pending state */
             for (uint32_t i = 1; i < BENCH_MAX_SEQS && st == DI_OK; i++) {
                 kern_copy_rows cp = {.n_rows = 1, .row_bytes = b.kv->slot_bytes,

@@ -475,7 +475,8 @@ static void sweep_hc(chk_env *env)
         {3, 1, 96, 1e-2, CHK_NORMAL, 20}, {5, 2, 64, 1.0, CHK_NORMAL, 3},
         {2, 8, 160, 1e-2, CHK_NORMAL, 20}, {7, 4, 32, 10.0, CHK_NORMAL, 1},
         {1, 4, 5120, 0.5, CHK_LARGE, 20},
-        {1500, 4, 4096, 1e-4, CHK_NORMAL, 20}, /* enough rows for a block per row */
+        {1500, 4, 4096, 1e-4, CHK_NORMAL, 20}, /* enough rows for a block per row, and for */
+        {1203, 4, 5120, 1e-2, CHK_LARGE, 20},  /* the rows kernel (a last group of 3 rows) */
     };
     for (size_t i = 0; i < sizeof(odd) / sizeof(odd[0]); i++)
         check_hc_mixes(env, &odd[i]);

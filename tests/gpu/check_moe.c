@@ -164,6 +164,7 @@ typedef struct expert_set {
     uint32_t n, dim, inter, shared_inter;
     uint32_t skew;              /* device weights and scales start this many bytes past an
                                  * allocation's (aligned) start */
+    int low_scales;             /* experts_case.low_scales */
     kern_expert *h, *d;         /* [n] host and device weight pointers */
     kern_expert sh, sd;         /* shared expert */
     void **owned_h, **owned_d;  /* for freeing */
@@ -185,7 +186,7 @@ static void make_weight(chk_env *env, expert_set *s, int fp8, uint32_t rows, uin
     }
     int base = (int)(127 - (fp8 ? 9 : 2) - (int)round(log2(sqrt((double)cols))));
     for (size_t i = 0; i < sb; i++)
-        sc[i] = (uint8_t)(base + (int)di_rng_below(rng, 3));
+        sc[i] = (uint8_t)(base + (int)di_rng_below(rng, 3) - (s->low_scales && i % 4 == 3 ? 110 : 0));
     *w_h = w, *sc_h = sc;
     uint8_t *wd = chk_dev_alloc(env, wb + s->skew), *sd = chk_dev_alloc(env, sb + s->skew);
     chk_put(env, wd + s->skew, w, wb);
@@ -204,10 +205,11 @@ static void make_expert(chk_env *env, expert_set *s, int fp8, uint32_t inter, ke
 }
 
 static void experts_make(chk_env *env, expert_set *s, uint32_t n, uint32_t dim, uint32_t inter,
-                         uint32_t shared_inter, uint32_t skew, di_rng *rng)
+                         uint32_t shared_inter, uint32_t skew, int low_scales, di_rng *rng)
 {
     memset(s, 0, sizeof(*s));
     s->n = n, s->dim = dim, s->inter = inter, s->shared_inter = shared_inter, s->skew = skew;
+    s->low_scales = low_scales;
     s->h = chk_malloc(n * sizeof(kern_expert));
     s->d = chk_malloc(n * sizeof(kern_expert));
     s->owned_h = chk_malloc((n + 1) * 6 * sizeof(void *));
@@ -235,6 +237,8 @@ typedef struct experts_case {
     uint32_t hot;               /* > 0: slot 0 of rows [0, hot) names expert 0 and no other
                                  * pick does, so expert 0's group has exactly `hot` rows */
     uint32_t skew;              /* expert_set.skew (1: weights off 4-byte alignment) */
+    int low_scales;             /* 1: every fourth weight scale far below the others (2^-107
+                                 * and less: the wide kernel's exact fp32 branch) */
 } experts_case;
 
 /* The backends moe_experts runs on besides env->gpu (which has the default threshold):
@@ -246,9 +250,13 @@ typedef struct moe_backends {
     kern_backend unstaged;      /* grouped path only, tensor cores without the weight staging */
     kern_backend gemm;
     kern_backend host;          /* grouped path only, the pairs always bucketed on the host */
+    kern_backend perexp;        /* large buckets expert by expert (cuBLASLt) instead of the
+                                 * wide kernel */
+    kern_backend perexp_never;  /* the same with the grouped path off (the bench) */
 } moe_backends;
 
 static moe_backends g_be;
+static uint64_t g_wide_cases;   /* moe_experts cases that took the wide kernel and passed */
 static uint64_t g_device_vs_host; /* moe_experts cases whose device and host plans matched */
 
 /* The path a backend must take: grouped when the call's rows (bucketed on the device) or its
@@ -316,7 +324,8 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
     di_rng rng;
     uint64_t seed = chk_case_rng(env, &rng);
     expert_set es;
-    experts_make(env, &es, ec->n_experts, ec->dim, ec->inter, ec->shared_inter, ec->skew, &rng);
+    experts_make(env, &es, ec->n_experts, ec->dim, ec->inter, ec->shared_inter, ec->skew,
+                 ec->low_scales, &rng);
     size_t xn = (size_t)ec->rows * ec->dim, nk = (size_t)ec->rows * ec->top_k;
     uint16_t *x = chk_malloc(xn * 2), *y = chk_malloc(xn * 2), *gy = chk_malloc(xn * 2);
     chk_fill_bf16(x, xn, ec->xmode, &rng);
@@ -342,12 +351,17 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
         }
     int want_grouped = expect_grouped(ids, nk, ec->n_experts, threshold, ec->rows);
     int want_device = be != &g_be.host && threshold > 0 && ec->rows <= (uint32_t)threshold;
+    /* past the grouped path: the wide kernel unless turned off, widths off its 64-input step,
+     * or weights off 16-byte alignment */
+    int want_wide = want_grouped == 0 && be != &g_be.perexp && ec->dim % 64 == 0 &&
+                    ec->inter % 64 == 0 && ec->skew % 16 == 0;
     char what[320];
     snprintf(what, sizeof(what), "moe_experts rows=%u experts=%u top_k=%u dim=%u inter=%u "
              "shared_inter=%u used=%u repeat=%d hot=%u skew=%u x=%s path=%s seed=%" PRIu64,
              ec->rows, ec->n_experts, ec->top_k, ec->dim, ec->inter, ec->shared_inter, pool,
              ec->repeat, ec->hot, ec->skew, chk_mode_name[ec->xmode],
-             want_grouped ? (want_device ? "grouped, device plan" : "grouped") : "cublaslt", seed);
+             want_grouped ? (want_device ? "grouped, device plan" : "grouped")
+                          : (want_wide ? "wide" : "cublaslt"), seed);
     uint16_t *dx = chk_dev_copy(env, x, xn * 2), *dy = chk_dev_copy(env, y, xn * 2);
     int32_t *dids = chk_dev_copy(env, ids, nk * 4);
     float *dw = chk_dev_copy(env, w, nk * 4);
@@ -368,11 +382,13 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
     kern_cuda_get_stats(be, &s1);
     uint64_t got_grouped = s1.moe_grouped - s0.moe_grouped, got_gemm = s1.moe_gemm - s0.moe_gemm;
     uint64_t got_device = s1.moe_device_plan - s0.moe_device_plan;
+    uint64_t got_wide = s1.moe_wide - s0.moe_wide;
     if (!bad && (got_grouped != (uint64_t)(want_grouped == 1) ||
                  got_gemm != (uint64_t)(want_grouped == 0) ||
-                 got_device != (uint64_t)want_device)) {
+                 got_device != (uint64_t)want_device || got_wide != (uint64_t)want_wide)) {
         fprintf(stderr, "MISMATCH %s: took %" PRIu64 " grouped (%" PRIu64 " planned on the device), "
-                "%" PRIu64 " cuBLASLt calls\n", what, got_grouped, got_device, got_gemm);
+                "%" PRIu64 " cuBLASLt-path calls (%" PRIu64 " on the wide kernel)\n", what,
+                got_grouped, got_device, got_gemm, got_wide);
         bad++;
     }
     chk_get(env, gy, dy, xn * 2);
@@ -399,6 +415,7 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
     chk_cpu_status(env->cpu.ops.moe_experts(env->cpu.ctx, &p), what);
     if (!bad)
         bad = cmp_expert_rows(what, y, gy, ec->rows, ec->dim, &worst[0], &worst[1], &worst[2]);
+    g_wide_cases += want_wide && !bad;
     chk_count(env, bad);
     chk_dev_free(env, dx), chk_dev_free(env, dy), chk_dev_free(env, dids), chk_dev_free(env, dw);
     experts_free(env, &es);
@@ -502,7 +519,7 @@ static size_t check_bucket_bad_id(chk_env *env)
     di_rng rng;
     chk_case_rng(env, &rng);
     expert_set es;
-    experts_make(env, &es, 8, 64, 64, 0, 0, &rng);
+    experts_make(env, &es, 8, 64, 64, 0, 0, 0, &rng);
     size_t bad = 0;
     int32_t ids[4] = {0, 1, 2, 8};
     float w[4] = {1, 1, 1, 1};
@@ -604,40 +621,40 @@ static void sweep(chk_env *env)
     printf("swiglu: %d cases\n", env->checks - c0);
     c0 = env->checks;
     static const experts_case ecs[] = {
-        {1, 8, 2, 128, 64, 64, 0, 0, CHK_NORMAL, 0, 0},
-        {3, 8, 2, 128, 64, 64, 0, 1, CHK_EDGES, 0, 0},
-        {63, 16, 4, 256, 128, 128, 0, 0, CHK_NORMAL, 0, 0},
-        {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE, 0, 0},
-        {5, 64, 6, 1024, 512, 512, 0, 0, CHK_NORMAL, 0, 0},
-        {63, 64, 6, 1024, 512, 512, 0, 0, CHK_LARGE, 0, 0},
-        {17, 32, 6, 512, 256, 0, 7, 0, CHK_NORMAL, 0, 0},
-        {2, 4, 3, 96, 32, 32, 0, 1, CHK_ZEROS, 0, 0},
-        {9, 16, 4, 256, 128, 128, 0, 0, CHK_TINY, 0, 0},
+        {1, 8, 2, 128, 64, 64, 0, 0, CHK_NORMAL, 0, 0, 0},
+        {3, 8, 2, 128, 64, 64, 0, 1, CHK_EDGES, 0, 0, 0},
+        {63, 16, 4, 256, 128, 128, 0, 0, CHK_NORMAL, 0, 0, 0},
+        {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE, 0, 0, 0},
+        {5, 64, 6, 1024, 512, 512, 0, 0, CHK_NORMAL, 0, 0, 0},
+        {63, 64, 6, 1024, 512, 512, 0, 0, CHK_LARGE, 0, 0, 0},
+        {17, 32, 6, 512, 256, 0, 7, 0, CHK_NORMAL, 0, 0, 0},
+        {2, 4, 3, 96, 32, 32, 0, 1, CHK_ZEROS, 0, 0, 0},
+        {9, 16, 4, 256, 128, 128, 0, 0, CHK_TINY, 0, 0, 0},
         /* a group of one launch's 16 rows and one split in two; the default threshold (64 rows
          * in the largest group) from both sides */
-        {16, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 16, 0},
-        {17, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 17, 0},
-        {64, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 64, 0},
-        {65, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 65, 0},
+        {16, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 16, 0, 0},
+        {17, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 17, 0, 0},
+        {64, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 64, 0, 0},
+        {65, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 65, 0, 0},
         /* one row over many experts (most with no rows); widths off the 64-output tile and
          * the 256-input step; weights off 4-byte alignment; V4.1-Flash widths */
-        {1, 384, 6, 128, 64, 64, 0, 0, CHK_NORMAL, 0, 0},
-        {3, 16, 4, 160, 96, 64, 0, 0, CHK_EDGES, 0, 0},
-        {8, 32, 4, 96, 32, 32, 0, 0, CHK_NORMAL, 0, 1},
-        {4, 8, 2, 5120, 2304, 0, 0, 0, CHK_NORMAL, 0, 0},
+        {1, 384, 6, 128, 64, 64, 0, 0, CHK_NORMAL, 0, 0, 0},
+        {3, 16, 4, 160, 96, 64, 0, 0, CHK_EDGES, 0, 0, 0},
+        {8, 32, 4, 96, 32, 32, 0, 0, CHK_NORMAL, 0, 1, 0},
+        {4, 8, 2, 5120, 2304, 0, 0, 0, CHK_NORMAL, 0, 0, 0},
     };
     /* grouped path forced: groups past 16 rows split into several */
     static const experts_case grouped[] = {
-        {63, 16, 4, 256, 128, 128, 4, 0, CHK_NORMAL, 0, 0},
-        {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE, 0, 0},
-        {40, 8, 2, 96, 32, 32, 0, 1, CHK_LARGE, 0, 1},
-        {32, 64, 6, 256, 128, 0, 0, 0, CHK_NORMAL, 32, 0},
-        {5, 8, 2, 128, 64, 0, 0, 0, CHK_SPECIALS, 0, 0},
+        {63, 16, 4, 256, 128, 128, 4, 0, CHK_NORMAL, 0, 0, 0},
+        {127, 8, 2, 128, 64, 64, 0, 0, CHK_ARANGE, 0, 0, 0},
+        {40, 8, 2, 96, 32, 32, 0, 1, CHK_LARGE, 0, 1, 0},
+        {32, 64, 6, 256, 128, 0, 0, 0, CHK_NORMAL, 32, 0, 0},
+        {5, 8, 2, 128, 64, 0, 0, 0, CHK_SPECIALS, 0, 0, 0},
     };
     /* cuBLASLt path forced on small groups */
     static const experts_case gemm[] = {
-        {3, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 0, 0},
-        {1, 8, 2, 128, 64, 64, 0, 0, CHK_EDGES, 0, 0},
+        {3, 64, 6, 256, 128, 128, 0, 0, CHK_NORMAL, 0, 0, 0},
+        {1, 8, 2, 128, 64, 64, 0, 0, CHK_EDGES, 0, 0, 0},
     };
     double worst[3] = {0, 1, 0}; /* |err|/tolerance, row cosine, row relative error */
     for (size_t i = 0; i < sizeof(ecs) / sizeof(ecs[0]); i++)
@@ -650,6 +667,28 @@ static void sweep(chk_env *env)
     }
     for (size_t i = 0; i < sizeof(gemm) / sizeof(gemm[0]); i++)
         check_experts(env, &g_be.gemm, THR_NEVER, &gemm[i], worst);
+    /* prefill-sized buckets (past the default threshold): the wide kernel by default, expert
+     * by expert on cuBLASLt when turned off. Buckets split into 128-row tiles, outputs off the
+     * 128-output block (192, 320), weight scales on the exact fp32 branch, x with specials,
+     * V4.1-Flash widths, weights off 16-byte alignment (cuBLASLt path) */
+    static const experts_case wide[] = {
+        {600, 4, 2, 256, 192, 64, 0, 0, CHK_NORMAL, 0, 0, 0},
+        {300, 16, 2, 320, 128, 64, 0, 0, CHK_LARGE, 200, 0, 0},
+        {200, 8, 3, 1024, 512, 256, 0, 0, CHK_NORMAL, 0, 0, 1},
+        {150, 4, 2, 128, 64, 0, 0, 0, CHK_SPECIALS, 150, 0, 0},
+        {129, 4, 1, 5120, 2304, 0, 0, 0, CHK_NORMAL, 129, 0, 0},
+        {100, 4, 2, 128, 64, 64, 0, 0, CHK_NORMAL, 100, 1, 0},
+    };
+    uint64_t wide0 = g_wide_cases;
+    for (size_t i = 0; i < sizeof(wide) / sizeof(wide[0]); i++) {
+        check_experts(env, &env->gpu, THR_DEFAULT, &wide[i], worst);
+        check_experts(env, &g_be.perexp, THR_DEFAULT, &wide[i], worst);
+    }
+    printf("moe_experts: %" PRIu64 " cases on the wide kernel\n", g_wide_cases - wide0);
+    if (g_wide_cases == wide0) {
+        fprintf(stderr, "FAIL moe_experts: no case took the wide kernel\n");
+        chk_count(env, 1);
+    }
     printf("moe_experts: %d cases (both paths, the grouped one on tensor cores staged and not, and on CUDA cores); worst |err|/tolerance %.3g, worst row cosine "
            "%.7f, worst row |y - y_cpu| / |y_cpu| %.3g\n", env->checks - c0, worst[0], worst[1],
            worst[2]);
@@ -671,7 +710,7 @@ typedef struct bench_arg {
 } bench_arg;
 
 /* The timed ops: moe_experts forced onto each path, then moe_gate. */
-enum { OP_MMA, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
+enum { OP_MMA, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_PEREXP, OP_GATE, BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
@@ -728,8 +767,12 @@ static void bench(chk_env *env)
            "on the host\n", THR_DEFAULT);
     printf("%-22s %5s %7s %9s %10s %9s %7s %7s %7s\n", "op", "rows", "experts", "max group", "us",
            "TFLOP/s", "GB/s", "of GEMM", "of copy");
-    static const uint32_t rows_list[] = {1, 8, 64, 384};
-    for (int r = 0; r < 4; r++) {
+    printf("moe_experts cublaslt: the pairs bucketed on the host, the routed experts on the wide "
+           "kernel (moe_wide.cu); per-expert: expert by expert on the linear path (dequantised "
+           "weight, cuBLASLt BF16 GEMM), as before the wide kernel; prefill sizes (4,096 and "
+           "16,384 rows) time only these two and the gate\n");
+    static const uint32_t rows_list[] = {1, 8, 64, 384, 4096, 16384};
+    for (int r = 0; r < 6; r++) {
         uint32_t T = rows_list[r];
         size_t nk = (size_t)T * B_K;
         int32_t *ids = chk_malloc(nk * 4);
@@ -771,8 +814,11 @@ static void bench(chk_env *env)
         static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped, host plan",
                                                      "grouped unstaged",
                                                      "grouped cuda-core",
-                                                     "moe_experts cublaslt", "moe_gate"};
+                                                     "moe_experts cublaslt", "cublaslt per-expert",
+                                                     "moe_gate"};
         for (int op = 0; op < BENCH_OPS; op++) {
+            if (T > 384 && op < OP_GEMM)
+                continue; /* groups of 16 at prefill sizes: not a path a prefill takes */
             b.op = op;
             /* the forced backends run on their own streams: time them as env->gpu */
             kern_backend keep = env->gpu;
@@ -782,8 +828,10 @@ static void bench(chk_env *env)
                            : op == OP_HOST     ? g_be.host
                            : op == OP_UNSTAGED ? g_be.unstaged
                            : op == OP_CORES    ? g_be.cores
+                           : op == OP_PEREXP   ? g_be.perexp_never
                                                : g_be.gemm;
-            double ms = chk_time_ms(env, bench_call, &b, 2, ex_op ? 7 : 30);
+            double ms = chk_time_ms(env, bench_call, &b, T > 384 ? 1 : 2,
+                                    ex_op ? (T > 384 ? 3 : 7) : 30);
             env->gpu = keep;
             double flops = ex_op ? 2.0 * 3 * B_D * (double)B_I * (nk + T) : 0;
             double bytes = ex_op ? n_used * (double)per + 3.0 * (sh8 + shs) + 4.0 * T * B_D
@@ -813,12 +861,16 @@ int main(int argc, char **argv)
     kern_cuda_config cores = {.moe_grouped_rows = THR_ALWAYS, .moe_cuda_cores = 1};
     kern_cuda_config unstaged = {.moe_grouped_rows = THR_ALWAYS, .moe_unstaged = 1};
     kern_cuda_config host = {.moe_grouped_rows = THR_ALWAYS, .moe_host_plan = 1};
+    kern_cuda_config perexp = {.moe_per_expert = 1};
+    kern_cuda_config perexp_never = {.moe_grouped_rows = -1, .moe_per_expert = 1};
     di_error e;
     if (kern_cuda_create(&always, &g_be.grouped, &e) != DI_OK ||
         kern_cuda_create(&cores, &g_be.cores, &e) != DI_OK ||
         kern_cuda_create(&unstaged, &g_be.unstaged, &e) != DI_OK ||
         kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK ||
-        kern_cuda_create(&host, &g_be.host, &e) != DI_OK) {
+        kern_cuda_create(&host, &g_be.host, &e) != DI_OK ||
+        kern_cuda_create(&perexp, &g_be.perexp, &e) != DI_OK ||
+        kern_cuda_create(&perexp_never, &g_be.perexp_never, &e) != DI_OK) {
         fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
         return 2;
     }
@@ -829,5 +881,7 @@ int main(int argc, char **argv)
     kern_cuda_destroy(&g_be.unstaged);
     kern_cuda_destroy(&g_be.gemm);
     kern_cuda_destroy(&g_be.host);
+    kern_cuda_destroy(&g_be.perexp);
+    kern_cuda_destroy(&g_be.perexp_never);
     return rc;
 }

@@ -1,0 +1,271 @@
+/* moe_wide.cu: the routed experts' projections of moe_experts when buckets are prefill-sized
+ * (hundreds of rows per expert). C twin: kernels/cpu/ops_moe.c (through the linear path's
+ * numbers: (A)-quantised activations, exactly dequantised FP4 weights, fp32 sums, one bf16
+ * rounding).
+ *
+ * One launch per projection covers every tile of the call: a block takes one tile (up to 128
+ * rows of one expert's bucket) and 128 outputs, 8 warps of 64 x 32 (a warp skips the 16-row
+ * pieces past the tile's rows), K in steps of 64 through a three-stage cp.async pipeline. The
+ * activation rows arrive as bf16 (x or h quantised by (A): a value of at most 4 significant
+ * bits times a power of two, exact in bf16); the weight
+ * arrives as packed E2M1 with its UE8M0 scale per 32 inputs and is dequantised once per block
+ * and step into a bf16 tile in shared memory: a 256-entry table gives a byte's two values as a
+ * bf16 pair, and one bf16x2 multiply applies the scale, exact while the scale lies in
+ * [2^-107, 2^103] (every product is then a normal number); other scales (and NaN) take the C
+ * twin's fp32 expression, rounded once as the linear path's dequantisation does. Both operands
+ * are therefore the linear path's exact values; mma.sync m16n8k16 (BF16, fp32 accumulation)
+ * sums them in a fixed order per output, so a row's result depends on nothing else in the call
+ * (batch invariant within the path). Only the order of the fp32 sums differs from the linear
+ * path (cuBLASLt): the same tolerance (kernels.h's moe_experts bound).
+ *
+ * Compared with the linear path per expert, the weight is never written out as bf16 (that path
+ * reads the FP4 weight, writes and reads back four times its bytes per call) and one launch
+ * replaces two dequantisations and one cuBLASLt GEMM per expert and projection.
+ */
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "kernels/cuda/cuda_check.h"
+#include "kernels/cuda/moe_wide.h"
+#include "kernels/cuda/numfmt_dev.cuh"
+
+#define WIDE_BM 128               /* rows per block (= CUDA_MOE_WIDE_ROWS) */
+#define WIDE_BN 128               /* outputs per block */
+#define WIDE_BK 64                /* inputs per pipeline step */
+#define WIDE_STAGES 3
+#define WIDE_THREADS 256
+#define WIDE_AROW (WIDE_BK + 8)   /* bf16 per shared row: 144 bytes, so that the 8 rows of an
+                                   * ldmatrix phase fall on distinct banks */
+#define WIDE_WROW (WIDE_BK / 2)   /* packed weight bytes per row and step */
+
+static_assert(WIDE_BM == CUDA_MOE_WIDE_ROWS, "tile rows");
+
+/* shared memory: the stages' activation and raw weight tiles, the dequantised weight tile, the
+ * byte table */
+#define WIDE_A_BYTES (WIDE_BM * WIDE_AROW * 2)
+#define WIDE_W_BYTES (WIDE_BN * WIDE_WROW)
+#define WIDE_STAGE_BYTES (WIDE_A_BYTES + WIDE_W_BYTES)
+#define WIDE_B_BYTES (WIDE_BN * WIDE_AROW * 2)
+#define WIDE_SMEM (WIDE_STAGES * WIDE_STAGE_BYTES + WIDE_B_BYTES + 256 * 4)
+
+__device__ __forceinline__ void wide_cp16(void *smem, const void *gmem)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
+__device__ __forceinline__ void wide_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+template <int N>
+__device__ __forceinline__ void wide_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *smem)
+{
+    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(s));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1)
+{
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+                 "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t mul_bf16x2(uint32_t a, uint32_t b)
+{
+    uint32_t d;
+    asm("mul.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(a), "r"(b));
+    return d;
+}
+
+__device__ __forceinline__ uint32_t wide_pack(float a, float b)
+{
+    return (uint32_t)dev_f32_to_bf16(a) | (uint32_t)dev_f32_to_bf16(b) << 16;
+}
+
+/* Step kt's activation rows and raw weight rows into stage st (every thread: four 16-byte
+ * pieces of activations, one of weight). Rows past the tile repeat its last row (never
+ * stored), outputs past n_out repeat the last output. */
+__device__ __forceinline__ void wide_load(uint8_t *stage, const uint16_t *a, uint32_t k,
+                                          uint32_t rows, const uint8_t *w, uint32_t n0,
+                                          uint32_t n_out, uint32_t kt)
+{
+    const uint32_t tid = threadIdx.x;
+    uint16_t *as = (uint16_t *)stage;
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        uint32_t piece = tid + i * WIDE_THREADS, r = piece / 8, c = piece % 8;
+        uint32_t src = r < rows ? r : rows - 1;
+        wide_cp16(as + r * WIDE_AROW + c * 8, a + (size_t)src * k + (size_t)kt * WIDE_BK + c * 8);
+    }
+    uint8_t *ws = stage + WIDE_A_BYTES;
+    uint32_t r = tid / 2, c = tid % 2, j = n0 + r < n_out ? n0 + r : n_out - 1;
+    wide_cp16(ws + r * WIDE_WROW + c * 16, w + (size_t)j * (k / 2) + (size_t)kt * WIDE_WROW + c * 16);
+}
+
+/* One thread dequantises 32 inputs (16 bytes, one scale) of one output row into bs. */
+__device__ __forceinline__ void wide_dequant(const uint8_t *raw, uint8_t sc, const uint32_t *lut,
+                                             uint16_t *dst)
+{
+    uint4 q = *reinterpret_cast<const uint4 *>(raw);
+    uint32_t wd[4] = {q.x, q.y, q.z, q.w}, o[16];
+    if (sc >= 20 && sc <= 230) {
+        /* 2^(sc - 127) as a bf16 pair */
+        uint32_t s = (uint32_t)sc << 7;
+        s |= s << 16;
+#pragma unroll
+        for (int i = 0; i < 16; i++)
+            o[i] = mul_bf16x2(lut[(wd[i / 4] >> (8 * (i % 4))) & 0xffu], s);
+    } else {
+        const float s = dev_ue8m0_decode(sc);
+#pragma unroll
+        for (int i = 0; i < 16; i++) {
+            uint32_t byte = (wd[i / 4] >> (8 * (i % 4))) & 0xffu;
+            o[i] = wide_pack(dev_e2m1_decode((uint8_t)(byte & 15u)) * s,
+                             dev_e2m1_decode((uint8_t)(byte >> 4)) * s);
+        }
+    }
+    uint4 *d = reinterpret_cast<uint4 *>(dst);
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+        d[i] = make_uint4(o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]);
+}
+
+/* grid: x = output block (and, for up, W1 then W3), y = tile */
+__global__ void __launch_bounds__(WIDE_THREADS, 2) moe_wide_kernel(cuda_moe_wide p)
+{
+    extern __shared__ __align__(16) uint8_t wide_smem[];
+    uint16_t *bs = (uint16_t *)(wide_smem + WIDE_STAGES * WIDE_STAGE_BYTES);
+    uint32_t *lut = (uint32_t *)(wide_smem + WIDE_STAGES * WIDE_STAGE_BYTES + WIDE_B_BYTES);
+    const uint32_t tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+    const uint32_t n_blocks = (p.n_out + WIDE_BN - 1) / WIDE_BN;
+    const uint32_t which = blockIdx.x / n_blocks, n0 = (blockIdx.x % n_blocks) * WIDE_BN;
+    const cuda_moe_group t = p.tiles[blockIdx.y];
+    const uint8_t *w, *ws;
+    uint16_t *y;
+    if (!p.up)
+        w = t.w2, ws = t.s2, y = p.y0;
+    else if (which == 0)
+        w = t.w1, ws = t.s1, y = p.y0;
+    else
+        w = t.w3, ws = t.s3, y = p.y1;
+    const uint32_t k = p.k, KT = k / WIDE_BK, rows = t.n;
+    const uint16_t *a = p.a + (size_t)t.start * k;
+
+    /* the byte table: byte b's two E2M1 values (low nibble first) as a bf16 pair */
+    lut[tid] = wide_pack(dev_e2m1_decode((uint8_t)(tid & 15u)), dev_e2m1_decode((uint8_t)(tid >> 4)));
+
+#pragma unroll
+    for (int s = 0; s < WIDE_STAGES - 1; s++) {
+        if ((uint32_t)s < KT)
+            wide_load(wide_smem + s * WIDE_STAGE_BYTES, a, k, rows, w, n0, p.n_out, s);
+        wide_commit();
+    }
+    /* this thread's dequantisation: output row dr, inputs [32 dh, 32 dh + 32) of each step */
+    const uint32_t dr = tid / 2, dh = tid % 2;
+    const uint32_t dj = n0 + dr < p.n_out ? n0 + dr : p.n_out - 1;
+    const uint8_t *scale = ws + (size_t)dj * (k / 32) + dh;
+    uint8_t sc = scale[0];
+
+    const uint32_t wm = warp / 4, wn = warp % 4;
+    /* this warp's 16-row pieces holding rows of the tile (a bucket's last tile is partial) */
+    const uint32_t live = rows > wm * 64 ? (rows - wm * 64 + 15) / 16 : 0;
+    float acc[4][4][4];
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int j = 0; j < 4; j++)
+#pragma unroll
+            for (int e = 0; e < 4; e++)
+                acc[i][j][e] = 0.0f;
+
+    for (uint32_t kt = 0; kt < KT; kt++) {
+        wide_wait<WIDE_STAGES - 2>();
+        __syncthreads();
+        const uint32_t next = kt + WIDE_STAGES - 1;
+        if (next < KT)
+            wide_load(wide_smem + (next % WIDE_STAGES) * WIDE_STAGE_BYTES, a, k, rows, w, n0,
+                      p.n_out, next);
+        wide_commit();
+        const uint8_t *stage = wide_smem + (kt % WIDE_STAGES) * WIDE_STAGE_BYTES;
+        const uint8_t sc_next = kt + 1 < KT ? scale[(size_t)(kt + 1) * 2] : 0;
+        wide_dequant(stage + WIDE_A_BYTES + dr * WIDE_WROW + dh * 16, sc, lut,
+                     bs + dr * WIDE_AROW + dh * 32);
+        sc = sc_next;
+        __syncthreads();
+        const uint16_t *as = (const uint16_t *)stage;
+#pragma unroll
+        for (int kk = 0; kk < WIDE_BK / 16; kk++) {
+            uint32_t af[4][4], bf[2][4];
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                ldsm_x4(af[i], as + (wm * 64 + i * 16 + (lane & 15)) * WIDE_AROW + kk * 16 +
+                                   (lane >> 4) * 8);
+#pragma unroll
+            for (int h = 0; h < 2; h++)
+                ldsm_x4(bf[h], bs + (wn * 32 + h * 16 + (lane & 7) + ((lane >> 4) << 3)) * WIDE_AROW +
+                                   kk * 16 + ((lane >> 3) & 1) * 8);
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                if ((uint32_t)i < live)
+#pragma unroll
+                    for (int j = 0; j < 4; j++)
+                        mma_bf16(acc[i][j], af[i], bf[j / 2][(j % 2) * 2],
+                                 bf[j / 2][(j % 2) * 2 + 1]);
+        }
+    }
+    wide_wait<0>();
+
+    const uint32_t g = lane / 4, tq = lane % 4;
+#pragma unroll
+    for (int i = 0; i < 4; i++)
+#pragma unroll
+        for (int h = 0; h < 2; h++) {
+            uint32_t r = wm * 64 + i * 16 + g + h * 8;
+            if (r >= rows)
+                continue;
+            uint16_t *yr = y + (size_t)(t.start + r) * p.ldy;
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                uint32_t col = n0 + wn * 32 + j * 8 + tq * 2;
+                if (col < p.n_out)
+                    *reinterpret_cast<uint32_t *>(yr + col) =
+                        wide_pack(acc[i][j][2 * h], acc[i][j][2 * h + 1]);
+            }
+        }
+}
+
+int cuda_moe_wide_fits(uint32_t k, uint32_t n)
+{
+    return k > 0 && k % WIDE_BK == 0 && n > 0 && n % 2 == 0;
+}
+
+di_status cuda_moe_wide_run(cuda_ctx *c, const cuda_moe_wide *w)
+{
+    if (!cuda_moe_wide_fits(w->k, w->n_out) || w->ldy % 2 || w->n_tiles > 65535u)
+        return cuda_fail(c, DI_EINVAL, "moe_wide: k %u, n %u, ldy %zu, %u tiles", w->k, w->n_out,
+                         w->ldy, w->n_tiles);
+    if (w->n_tiles == 0)
+        return DI_OK;
+    di_status st = cuda_check(c, cudaFuncSetAttribute(moe_wide_kernel,
+                                                      cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                      (int)WIDE_SMEM),
+                              "moe_wide: cudaFuncSetAttribute");
+    if (st != DI_OK)
+        return st;
+    uint32_t nb = (w->n_out + WIDE_BN - 1) / WIDE_BN;
+    dim3 grid(nb * (w->up ? 2 : 1), w->n_tiles);
+    moe_wide_kernel<<<grid, WIDE_THREADS, WIDE_SMEM, c->stream>>>(*w);
+    return cuda_launched(c, "moe_wide_kernel");
+}
