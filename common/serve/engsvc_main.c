@@ -1,11 +1,15 @@
 #include "common/serve/engsvc_main.h"
 
+#include <errno.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/ep/group.h"
 #include "common/serve/backend.h"
 #include "common/serve/model_open.h"
 #include "common/service/engine_opts.h"
@@ -228,9 +232,40 @@ static void stop(void *ud, const svc_ctx *ctx)
     serve_backend_close(&a->be);
 }
 
+/* --rank hostname (a StatefulSet pod): the number the host name ends in, put in argv's place
+ * before the options are parsed. DI_OK; DI_EINVAL (no such number), DI_EIO. */
+static di_status rank_from_hostname(int argc, char **argv, char *buf, size_t cap, di_error *err)
+{
+    for (int i = 1; i < argc; i++) {
+        bool eq = !strcmp(argv[i], "--rank=hostname");
+        if (!eq && !(!strcmp(argv[i], "--rank") && i + 1 < argc &&
+                     !strcmp(argv[i + 1], "hostname")))
+            continue;
+        char host[256] = {0};
+        if (gethostname(host, sizeof host - 1) != 0)
+            return di_fail(err, DI_EIO, "--rank hostname: gethostname: %s", strerror(errno));
+        uint32_t rank;
+        di_status st = ep_rank_from_hostname(host, &rank, err);
+        if (st != DI_OK) {
+            di_error_prefix(err, "--rank hostname: ");
+            return st;
+        }
+        snprintf(buf, cap, eq ? "--rank=%u" : "%u", rank);
+        argv[eq ? i : i + 1] = buf;
+    }
+    return DI_OK;
+}
+
 int engsvc_program(engsvc_kind kind, int argc, char **argv)
 {
     app a = {.kind = kind};
+    char rank_buf[32];
+    di_error err;
+    if (rank_from_hostname(argc, argv, rank_buf, sizeof rank_buf, &err) != DI_OK) {
+        fprintf(stderr, "%s: %s\n", kind == ENGSVC_PREFILL ? "di-prefill" : "di-decode",
+                err.msg);
+        return 2;
+    }
     bool pre = kind == ENGSVC_PREFILL;
     svc_spec spec = {
         .name = pre ? "di-prefill" : "di-decode",

@@ -430,8 +430,14 @@ uint64_t model_id_of(const proc *p)
 void flight_start(flight *f, rig *r, const char *rid, uint32_t n, uint32_t max_tokens,
                   uint32_t reads)
 {
+    flight_start_at(f, r, &r->decode, rid, n, max_tokens, reads);
+}
+
+void flight_start_at(flight *f, rig *r, const proc *decode, const char *rid, uint32_t n,
+                     uint32_t max_tokens, uint32_t reads)
+{
     f->pc = client(&r->prefill);
-    f->dc = client(&r->decode);
+    f->dc = client(decode);
     prompt_ids(f->ids, n, n);
     di_status st;
     di_error err;

@@ -127,6 +127,9 @@ typedef struct flight {
 /* n <= 4096 prompt tokens. */
 void flight_start(flight *f, rig *r, const char *rid, uint32_t n, uint32_t max_tokens,
                   uint32_t reads);
+/* flight_start with the decode of another rank. */
+void flight_start_at(flight *f, rig *r, const proc *decode, const char *rid, uint32_t n,
+                     uint32_t max_tokens, uint32_t reads);
 /* Reads the rest of the stream; its final status. */
 di_status flight_end(flight *f, di_error *err);
 

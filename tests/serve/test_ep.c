@@ -257,41 +257,59 @@ Test(ep_serve, decode_rank_killed_mid_request)
     proc dg[2];
     const char *const slow[] = {"--step-delay-ms", "20", NULL};
     group_start(dg, &r, "decode/di-decode", "edecode", slow);
-    rpc_client *pc = client(&r.prefill), *dc = client(&dg[0]);
-    uint32_t ids[64];
-    prompt_ids(ids, 64, 3);
-    di_status st;
-    di_error err;
-    int ended = 0;
-    Di__Prefill__PrefillReply *pr = prefill(pc, "k1", ids, 64, 2000, 30000, &st, &err);
-    cr_assert_not_null(pr, "%s", err.msg);
-    rpc_stream *s = decode_open(dc, "k1", ids, 64, pr, 2000);
-    cr_assert_eq(stream_read(s, 3, &ended, &st, &err), 3, "%s", err.msg);
-    cr_assert(!ended);
+    flight f;
+    flight_start_at(&f, &r, &dg[0], "k1", 64, 2000, 3);
     proc_kill(&dg[1]);
     uint64_t t0 = di_mono_ns();
-    while (!ended)
-        stream_read(s, 1000, &ended, &st, &err);
+    di_error err;
+    di_status st = flight_end(&f, &err);
     double waited = (double)(di_mono_ns() - t0) / 1e9;
     cr_assert_neq(st, DI_OK, "the stream finished although rank 1 died");
     cr_assert(strstr(err.msg, "rank 1"), "the error does not name rank 1: %s", err.msg);
     cr_assert_lt(waited, 15.0, "the failure took %.1f s", waited);
     cr_assert(!health_serving(&dg[0], "decode.Decode"), "rank 0 still reports SERVING");
-    rpc_stream_close(s);
 
     /* a new request is refused at once with the group's failure */
-    Di__Prefill__PrefillReply *pr2 = prefill(pc, "k2", ids, 64, 5, 30000, &st, &err);
+    rpc_client *pc = client(&r.prefill), *dc = client(&dg[0]);
+    int ended = 0;
+    Di__Prefill__PrefillReply *pr2 = prefill(pc, "k2", f.ids, 64, 5, 30000, &st, &err);
     cr_assert_not_null(pr2, "%s", err.msg);
-    rpc_stream *s2 = decode_open(dc, "k2", ids, 64, pr2, 5);
+    rpc_stream *s2 = decode_open(dc, "k2", f.ids, 64, pr2, 5);
     uint32_t got = stream_read(s2, 100, &ended, &st, &err);
     cr_assert(ended && got == 0 && st == DI_EUNAVAIL, "a new request: %u tokens, %s", got,
               di_status_name(st));
     cr_assert(strstr(err.msg, "rank 1"), "the refusal does not name rank 1: %s", err.msg);
     rpc_stream_close(s2);
-    di__prefill__prefill_reply__free_unpacked(pr, NULL);
     di__prefill__prefill_reply__free_unpacked(pr2, NULL);
     rpc_client_close(pc);
     rpc_client_close(dc);
+    proc_stop(&dg[0]);
+    rig_stop(&r);
+}
+
+/* Decode rank 1 stopped (a hung rank, SIGSTOP) while rank 0 streams: rank 0 fails the stream at
+ * the group's deadline, naming rank 1, and GetLoad says draining (the router's cue). */
+Test(ep_serve, decode_rank_hung_fails_at_deadline)
+{
+    rig r = {0};
+    rig_start(&r, "0");
+    proc dg[2];
+    const char *const opts[] = {"--step-delay-ms", "20", "--ep-timeout", "3s", NULL};
+    group_start(dg, &r, "decode/di-decode", "edecode", opts);
+    flight f;
+    flight_start_at(&f, &r, &dg[0], "h1", 40, 2000, 3);
+    kill(dg[1].pid, SIGSTOP);
+    uint64_t t0 = di_mono_ns();
+    di_error err;
+    di_status st = flight_end(&f, &err);
+    double waited = (double)(di_mono_ns() - t0) / 1e9;
+    proc_kill(&dg[1]);
+    cr_assert_neq(st, DI_OK, "the stream finished although rank 1 hung");
+    cr_assert(strstr(err.msg, "rank 1") && strstr(err.msg, "deadline"),
+              "the error does not name rank 1 and the deadline: %s", err.msg);
+    cr_assert(waited > 2.0 && waited < 20.0, "the failure took %.1f s (deadline 3 s)", waited);
+    Di__Engine__Load l = get_load(&dg[0], "decode.Decode");
+    cr_assert(l.draining, "GetLoad does not say draining");
     proc_stop(&dg[0]);
     rig_stop(&r);
 }
@@ -371,4 +389,44 @@ Test(ep_serve, wrong_group_token_refused)
     cr_assert_eq(proc_stop(&d1), 0);
     cr_assert_eq(proc_stop(&d0), 0);
     rig_stop(&r);
+}
+
+/* Group options that cannot work are refused at start with one line naming the option. */
+static void refused(const char *args, const char *want)
+{
+    char cmd[1024], errp[300], buf[2048] = {0};
+    snprintf(errp, sizeof errp, "%s/refused.err", g_dir);
+    snprintf(cmd, sizeof cmd, "env -u DI_EP_TOKEN %s/decode/di-decode --config tiny --kvstore "
+             "127.0.0.1:1 --listen 127.0.0.1:0 %s 2> %s", build_root(), args, errp);
+    int rc = system(cmd);
+    FILE *f = fopen(errp, "r");
+    cr_assert(f);
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    cr_assert(WIFEXITED(rc) && WEXITSTATUS(rc) == 2, "%s: exit status %d (%s)", args, rc, buf);
+    /* the failure is the last line (an informational line may come before it) */
+    cr_assert(n > 0 && buf[n - 1] == '\n', "%s: no line: %s", args, buf);
+    buf[n - 1] = 0;
+    const char *last = strrchr(buf, '\n') ? strrchr(buf, '\n') + 1 : buf;
+    cr_assert(!strncmp(last, "di-decode: ", 11) && strstr(last, want), "%s: '%s' not in: %s",
+              args, want, last);
+}
+
+Test(ep_serve, bad_group_options_refused)
+{
+    char tok[300], args[600];
+    snprintf(tok, sizeof tok, "%s/ep.token", g_dir);
+    write_file(tok, TOKEN "\n");
+    refused("--ep-addr 127.0.0.1:7000", "a rank group needs --world 2 or more");
+    refused("--world 2 --ep-addr 127.0.0.1:7000", "the group token is missing");
+    refused("--eplb-interval 5", "need --ep-addr");
+    snprintf(args, sizeof args, "--rank 1 --world 2 --ep-addr 127.0.0.1:7000 --ep-token-file %s "
+             "--ep-listen-fd 5", tok);
+    refused(args, "--ep-listen-fd is rank 0's");
+    snprintf(args, sizeof args, "--world 2 --ep-addr 127.0.0.1:7000 --ep-token-file %s "
+             "--ep-timeout 1s --ep-idle 600", tok);
+    refused(args, "--ep-idle: 600 ms is more than half of --ep-timeout");
+    snprintf(args, sizeof args, "--world 2 --ep-addr 10.1.2.3:7000 --ep-token-file %s", tok);
+    refused(args, "not a loopback address");
 }
