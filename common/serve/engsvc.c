@@ -291,10 +291,11 @@ static void publish_load(engsvc *s)
 
 /* The engine or the rank group failed (engine thread): every request ends with st and msg,
  * new ones are refused, Health says NOT_SERVING, and no step runs again. */
-static void fail_all(engsvc *s, di_status st, const char *msg)
+static void fail_all(engsvc *s, di_status st, const char *msg, di_log_level level)
 {
     if (s->cfg.log)
-        di_log(s->cfg.log, DI_LOG_ERROR, "engine step failed: %s", msg);
+        di_log(s->cfg.log, level, "%s%s", level == DI_LOG_ERROR ? "engine step failed: " : "",
+               msg);
     pthread_mutex_lock(&s->mu);
     s->draining = true;
     if (!s->broken) {
@@ -377,11 +378,16 @@ static void *engine_main(void *arg)
             sreq *r = in;
             in = in->next;
             r->next = NULL;
-            if (abort_all || atomic_load(&r->cancelled)) {
+            if (abort_all || broken || atomic_load(&r->cancelled)) {
                 if (s->cfg.kind == ENGSVC_DECODE)
                     engsvc_drop_handoff(s, r);
-                engsvc_end_req(s, r, abort_all ? DI_EUNAVAIL : DI_ECANCELED, NULL, 0,
-                        abort_all ? "the service is stopping" : "request cancelled");
+                char msg[300];
+                snprintf(msg, sizeof msg, "%s", abort_all ? "the service is stopping"
+                                                : atomic_load(&r->cancelled) ? "request cancelled"
+                                                                             : s->broken_msg);
+                engsvc_end_req(s, r, abort_all || !atomic_load(&r->cancelled) ? DI_EUNAVAIL
+                                                                                : DI_ECANCELED,
+                               NULL, 0, msg);
                 continue;
             }
             admit(s, r);
@@ -413,9 +419,20 @@ static void *engine_main(void *arg)
         bool work = !broken && engine_has_work(s->e);
         if (s->grp && !broken) {
             di_error err;
-            di_status st = engsvc_ep_vote(s, work, &s->group_busy, &err);
+            uint32_t leaver;
+            di_status st = engsvc_ep_vote(s, work, false, &s->group_busy, &leaver, &err);
             if (st != DI_OK) {
-                fail_all(s, st, err.msg);
+                fail_all(s, st, err.msg, DI_LOG_ERROR);
+                continue;
+            }
+            if (leaver != UINT32_MAX && !s->group_busy) { /* it leaves now: the group ends */
+                pthread_mutex_lock(&s->mu);
+                bool quiet = s->draining;
+                pthread_mutex_unlock(&s->mu);
+                char msg[200];
+                snprintf(msg, sizeof msg, "rank group (rank %u of %u): rank %u left the group "
+                         "(it stopped)", s->cfg.rank, s->cfg.world, leaver);
+                fail_all(s, DI_EUNAVAIL, msg, quiet ? DI_LOG_INFO : DI_LOG_WARN);
                 continue;
             }
             work = s->group_busy;
@@ -424,7 +441,7 @@ static void *engine_main(void *arg)
             di_error err;
             di_status st = step(s, &err);
             if (st != DI_OK) { /* the engine is unusable: fail everything, refuse the rest */
-                fail_all(s, st, err.msg);
+                fail_all(s, st, err.msg, DI_LOG_ERROR);
                 continue;
             }
         }

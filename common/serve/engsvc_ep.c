@@ -2,6 +2,7 @@
  * parallelism"; docs/ep.md): the group joined at create, the rank's MoE hooked into the
  * forward, the vote of every engine loop iteration, the end of every group step, and the way
  * out on stop. */
+#include <stdlib.h>
 #include <string.h>
 
 #include "common/ep/group.h"
@@ -34,6 +35,8 @@ di_status engsvc_ep_open(engsvc *s, fwd_options *fo, di_error *err)
     ep_group_options go = {.addr = e->addr, .listen_fd = e->listen_fd, .rank = s->cfg.rank,
                            .world = s->cfg.world, .token = e->token,
                            .timeout_ms = e->timeout_ms, .allow_remote = e->allow_remote};
+    if (!(s->ep_flags = calloc(s->cfg.world, sizeof(uint64_t))))
+        return di_fail(err, DI_ENOMEM, "rank group");
     di_status st = ep_group_join(&go, &s->grp, err);
     if (st == DI_OK) {
         ep_moe_options mo = {.group = s->grp, .be = s->cfg.be, .w = s->cfg.rm->w,
@@ -53,13 +56,28 @@ void engsvc_ep_close(engsvc *s)
     s->moe = NULL;
     ep_group_close(s->grp);
     s->grp = NULL;
+    free(s->ep_flags);
+    s->ep_flags = NULL;
 }
 
-di_status engsvc_ep_vote(engsvc *s, bool mine, bool *any, di_error *err)
+/* A rank's flags in the vote: each rank fills its own entry, the others are 0, and the MAX
+ * all-reduce gives every rank every rank's flags. */
+enum { FLAG_WORK = 1, FLAG_LEAVING = 2 };
+
+di_status engsvc_ep_vote(engsvc *s, bool mine, bool leaving, bool *any, uint32_t *leaver,
+                         di_error *err)
 {
-    uint64_t v = mine;
-    di_status st = ep_group_allreduce(s->grp, EP_REDUCE_WORK, &v, 1, err);
-    *any = v != 0;
+    uint32_t W = s->cfg.world;
+    memset(s->ep_flags, 0, W * sizeof(uint64_t));
+    s->ep_flags[s->cfg.rank] = (mine ? FLAG_WORK : 0u) | (leaving ? FLAG_LEAVING : 0u);
+    di_status st = ep_group_allreduce(s->grp, EP_REDUCE_MAX, s->ep_flags, W, err);
+    *any = false;
+    *leaver = UINT32_MAX;
+    for (uint32_t r = 0; st == DI_OK && r < W; r++) {
+        *any |= (s->ep_flags[r] & FLAG_WORK) != 0;
+        if ((s->ep_flags[r] & FLAG_LEAVING) && *leaver == UINT32_MAX && r != s->cfg.rank)
+            *leaver = r;
+    }
     return named(s, st, err);
 }
 
@@ -78,8 +96,9 @@ void engsvc_ep_leave(engsvc *s)
     uint64_t until = di_mono_ns() + (uint64_t)s->ep.timeout_ms * 1000000u;
     di_error err;
     bool any = true;
+    uint32_t leaver;
     while (!broken && di_mono_ns() < until) {
-        if (engsvc_ep_vote(s, false, &any, &err) != DI_OK || !any ||
+        if (engsvc_ep_vote(s, false, true, &any, &leaver, &err) != DI_OK || !any ||
             engsvc_ep_step_end(s, &err) != DI_OK)
             break;
     }

@@ -106,6 +106,7 @@ struct engsvc {
     engsvc_ep ep;               /* cfg.ep's copy */
     struct ep_group *grp;
     struct ep_moe *moe;
+    uint64_t *ep_flags;         /* [world] the vote's buffer */
     bool group_busy;            /* engine thread: the last vote found work on some rank */
     bool broken;                /* (mu) the engine or the group failed: no more steps */
     char broken_msg[256];       /* (mu) why */
@@ -142,8 +143,11 @@ void engsvc_take_events(engsvc *s);
  * without cfg.ep. */
 di_status engsvc_ep_open(engsvc *s, fwd_options *fo, di_error *err);
 void engsvc_ep_close(engsvc *s);
-/* The group's answer to "does any rank have work" (mine: this rank has). */
-di_status engsvc_ep_vote(engsvc *s, bool mine, bool *any, di_error *err);
+/* The group's vote: *any = some rank has work (mine: this rank has); *leaver = the lowest other
+ * rank that is leaving the group (stopping), UINT32_MAX if none. A rank leaves after a vote
+ * in which no rank has work: the others then end their group too. */
+di_status engsvc_ep_vote(engsvc *s, bool mine, bool leaving, bool *any, uint32_t *leaver,
+                         di_error *err);
 /* Ends this rank's group step (serves the others' exchange rounds until every rank is done). */
 di_status engsvc_ep_step_end(engsvc *s, di_error *err);
 /* Stopping: serves the group's steps until no rank has work (bounded by the group's deadline),

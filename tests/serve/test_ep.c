@@ -287,6 +287,37 @@ Test(ep_serve, decode_rank_killed_mid_request)
     rig_stop(&r);
 }
 
+/* SIGTERM to both ranks of a decode group while rank 0 streams: rank 1 has nothing of its own
+ * to drain but keeps serving the exchange until rank 0's stream is done; both exit 0. */
+Test(ep_serve, group_drains_together)
+{
+    rig r = {0};
+    rig_start(&r, "0");
+    proc dg[2];
+    const char *const slow[] = {"--step-delay-ms", "20", NULL};
+    group_start(dg, &r, "decode/di-decode", "edecode", slow);
+    flight f;
+    flight_start_at(&f, &r, &dg[0], "d1", 30, 60, 3);
+    kill(dg[1].pid, SIGTERM);
+    kill(dg[0].pid, SIGTERM);
+    int ended = 0;
+    di_status st;
+    di_error err;
+    uint32_t got = stream_read(f.s, 1000, &ended, &st, &err);
+    cr_assert(ended && st == DI_OK, "the stream: %s (%s)", di_status_name(st), err.msg);
+    cr_assert_eq(got, 60 - 1 - 3, "%u more tokens", got); /* the first came from prefill */
+    cr_assert_eq(flight_end(&f, &err), DI_OK, "%s", err.msg);
+    for (int i = 0; i < 2; i++) {
+        int status = 0;
+        cr_assert_eq(waitpid(dg[i].pid, &status, 0), dg[i].pid);
+        dg[i].pid = 0;
+        cr_assert(WIFEXITED(status) && WEXITSTATUS(status) == 0, "rank %d: status %d", i,
+                  status);
+        cr_assert(!log_has(&dg[i], "ERROR"), "rank %d logged an error: %s", i, dg[i].log);
+    }
+    rig_stop(&r);
+}
+
 /* Decode rank 1 stopped (a hung rank, SIGSTOP) while rank 0 streams: rank 0 fails the stream at
  * the group's deadline, naming rank 1, and GetLoad says draining (the router's cue). */
 Test(ep_serve, decode_rank_hung_fails_at_deadline)
@@ -357,7 +388,7 @@ Test(ep_serve, prefill_rank0_killed_mid_request)
 }
 
 /* A rank with the wrong group token is refused (and says so); rank 0 keeps waiting, and the
- * group forms with the right rank. */
+ * group forms with the right rank. Then rank 1 stops alone: rank 0 stops serving, saying why. */
 Test(ep_serve, wrong_group_token_refused)
 {
     rig r = {0};
@@ -386,7 +417,13 @@ Test(ep_serve, wrong_group_token_refused)
     proc_ready(&d0, "edecode0");
     proc_ready(&d1, "edecode1");
     cr_assert(health_serving(&d0, "decode.Decode") && health_serving(&d1, "decode.Decode"));
+    /* rank 1 stopped alone: rank 0's group ends with the reason, it stops serving */
     cr_assert_eq(proc_stop(&d1), 0);
+    uint64_t until2 = di_mono_ns() + 10000000000ull;
+    while (health_serving(&d0, "decode.Decode") && di_mono_ns() < until2)
+        usleep(20000);
+    cr_assert(!health_serving(&d0, "decode.Decode"), "rank 0 serves without its group");
+    cr_assert(log_has(&d0, "rank 1 left the group (it stopped)"), "no reason in %s", d0.log);
     cr_assert_eq(proc_stop(&d0), 0);
     rig_stop(&r);
 }
