@@ -175,6 +175,16 @@ static double cpu_s(pid_t pid)
     return (double)(ut + stime) / (double)sysconf(_SC_CLK_TCK);
 }
 
+/* The store, single-rank services, a decode group of 2 (with opts) and a stream of max_tokens
+ * on its rank 0 of which 3 tokens are read. */
+static void decode_group_streaming(rig *r, proc dg[2], flight *f, const char *const *opts,
+                                   const char *rid, uint32_t n, uint32_t max_tokens)
+{
+    rig_start(r, "0");
+    group_start(dg, r, "decode/di-decode", "edecode", opts);
+    flight_start_at(f, r, &dg[0], rid, n, max_tokens, 3);
+}
+
 TestSuite(ep_serve, .init = rig_setup, .fini = rig_teardown, .timeout = 600);
 
 /* Both groups against the single-rank services: one rank busy, then the other, then both. */
@@ -253,12 +263,10 @@ Test(ep_serve, groups_equal_single_ranks)
 Test(ep_serve, decode_rank_killed_mid_request)
 {
     rig r = {0};
-    rig_start(&r, "1");
     proc dg[2];
-    const char *const slow[] = {"--step-delay-ms", "20", NULL};
-    group_start(dg, &r, "decode/di-decode", "edecode", slow);
     flight f;
-    flight_start_at(&f, &r, &dg[0], "k1", 64, 2000, 3);
+    const char *const slow[] = {"--step-delay-ms", "20", NULL};
+    decode_group_streaming(&r, dg, &f, slow, "k1", 64, 2000);
     proc_kill(&dg[1]);
     uint64_t t0 = di_mono_ns();
     di_error err;
@@ -292,12 +300,10 @@ Test(ep_serve, decode_rank_killed_mid_request)
 Test(ep_serve, group_drains_together)
 {
     rig r = {0};
-    rig_start(&r, "0");
     proc dg[2];
-    const char *const slow[] = {"--step-delay-ms", "20", NULL};
-    group_start(dg, &r, "decode/di-decode", "edecode", slow);
     flight f;
-    flight_start_at(&f, &r, &dg[0], "d1", 30, 60, 3);
+    const char *const slow[] = {"--step-delay-ms", "20", NULL};
+    decode_group_streaming(&r, dg, &f, slow, "d1", 30, 60);
     kill(dg[1].pid, SIGTERM);
     kill(dg[0].pid, SIGTERM);
     int ended = 0;
@@ -323,12 +329,10 @@ Test(ep_serve, group_drains_together)
 Test(ep_serve, decode_rank_hung_fails_at_deadline)
 {
     rig r = {0};
-    rig_start(&r, "0");
     proc dg[2];
-    const char *const opts[] = {"--step-delay-ms", "20", "--ep-timeout", "3s", NULL};
-    group_start(dg, &r, "decode/di-decode", "edecode", opts);
     flight f;
-    flight_start_at(&f, &r, &dg[0], "h1", 40, 2000, 3);
+    const char *const opts[] = {"--step-delay-ms", "20", "--ep-timeout", "3s", NULL};
+    decode_group_streaming(&r, dg, &f, opts, "h1", 40, 2000);
     kill(dg[1].pid, SIGSTOP);
     uint64_t t0 = di_mono_ns();
     di_error err;
