@@ -289,21 +289,85 @@ static void publish_load(engsvc *s)
     pthread_mutex_unlock(&s->mu);
 }
 
+/* The engine or the rank group failed (engine thread): every request ends with st and msg,
+ * new ones are refused, Health says NOT_SERVING, and no step runs again. */
+static void fail_all(engsvc *s, di_status st, const char *msg, di_log_level level)
+{
+    if (s->cfg.log)
+        di_log(s->cfg.log, level, "%s%s", level == DI_LOG_ERROR ? "engine step failed: " : "",
+               msg);
+    pthread_mutex_lock(&s->mu);
+    s->draining = true;
+    if (!s->broken) {
+        s->broken = true;
+        snprintf(s->broken_msg, sizeof s->broken_msg, "%s", msg);
+    }
+    pthread_mutex_unlock(&s->mu);
+    for (sreq *r = s->reqs, *next; r; r = next) {
+        next = r->next;
+        kvcache_forget(s->kc, r->id);
+        if (r->job_out) { /* ends when its store call completes */
+            atomic_store(&r->cancel_why, (int)st);
+            atomic_store(&r->cancelled, 1);
+            continue;
+        }
+        engsvc_unlink(s, r);
+        engsvc_end_req(s, r, st, NULL, 0, msg);
+    }
+}
+
+/* One step of the engine; in a rank group every rank runs it when any rank has work, and a
+ * rank that ran no plan ends its (placeholder) group step at once. */
+static di_status step(engsvc *s, di_error *err)
+{
+    for (sreq *r = s->reqs; r; r = r->next)
+        if (!r->t_start && r->in_engine)
+            r->t_start = di_mono_ns();
+    uint64_t t0 = di_mono_ns(), p0 = sched_get_stats(engine_sched(s->e))->prefill_tokens;
+    uint64_t d0 = sched_get_stats(engine_sched(s->e))->decode_steps;
+    bool ran = false;
+    di_status st = engine_step(s->e, &ran, err);
+    if (st == DI_OK && s->grp && !ran)
+        st = engsvc_ep_step_end(s, err);
+    if (s->cfg.step_delay_ms && ran) { /* testing only: a slow rank on purpose */
+        struct timespec ds = {(time_t)(s->cfg.step_delay_ms / 1000),
+                              (long)(s->cfg.step_delay_ms % 1000) * 1000000L};
+        nanosleep(&ds, NULL);
+    }
+    if (st == DI_OK && !engine_has_work(s->e))
+        st = engine_flush(s->e, err);
+    uint64_t dt = di_mono_ns() - t0;
+    const sched_stats *ss = sched_get_stats(engine_sched(s->e));
+    if (ss->prefill_tokens > p0) {
+        s->prefill_tokens += ss->prefill_tokens - p0;
+        loadrate_add(&s->prefill_rate, t0 + dt, (double)(ss->prefill_tokens - p0), dt);
+    }
+    else if (ss->decode_steps > d0)
+        loadrate_add(&s->decode_rate, t0 + dt, (double)(ss->decode_steps - d0), dt);
+    return st;
+}
+
 static void *engine_main(void *arg)
 {
     engsvc *s = arg;
     for (;;) {
         pthread_mutex_lock(&s->mu);
-        while (!s->inbox && !s->stopping && !s->abort_all && !engine_has_work(s->e) &&
-               !s->kv_note) {
+        /* a rank of a group waits at most idle_ms, then votes: the others may have work */
+        bool grp = s->grp && !s->broken;
+        uint64_t vote_at = di_mono_ns() + (uint64_t)s->ep.idle_ms * 1000000u;
+        while (!s->inbox && !s->stopping && !s->abort_all &&
+               !(engine_has_work(s->e) && !s->broken) && !s->kv_note &&
+               !(grp && (s->group_busy || di_mono_ns() >= vote_at))) {
             bool cancels = false;
             for (sreq *r = s->reqs; r && !cancels; r = r->next)
                 cancels = atomic_load(&r->cancelled);
             if (cancels)
                 break;
-            struct timespec ts = di_realtime_in_ms(20);
+            struct timespec ts = di_realtime_in_ms(grp && s->ep.idle_ms < 20 ? s->ep.idle_ms
+                                                                             : 20);
             pthread_cond_timedwait(&s->cv, &s->mu, &ts);
         }
+        bool broken = s->broken;
         s->kv_note = false;
         sreq *in = s->inbox;
         s->inbox = s->inbox_tail = NULL;
@@ -314,11 +378,16 @@ static void *engine_main(void *arg)
             sreq *r = in;
             in = in->next;
             r->next = NULL;
-            if (abort_all || atomic_load(&r->cancelled)) {
+            if (abort_all || broken || atomic_load(&r->cancelled)) {
                 if (s->cfg.kind == ENGSVC_DECODE)
                     engsvc_drop_handoff(s, r);
-                engsvc_end_req(s, r, abort_all ? DI_EUNAVAIL : DI_ECANCELED, NULL, 0,
-                        abort_all ? "the service is stopping" : "request cancelled");
+                char msg[300];
+                snprintf(msg, sizeof msg, "%s", abort_all ? "the service is stopping"
+                                                : atomic_load(&r->cancelled) ? "request cancelled"
+                                                                             : s->broken_msg);
+                engsvc_end_req(s, r, abort_all || !atomic_load(&r->cancelled) ? DI_EUNAVAIL
+                                                                                : DI_ECANCELED,
+                               NULL, 0, msg);
                 continue;
             }
             admit(s, r);
@@ -344,48 +413,35 @@ static void *engine_main(void *arg)
             (void)kvcache_wait(s->kc, 10000000000ull, &err);
             engsvc_take_events(s);
             publish_load(s);
+            engsvc_ep_leave(s);
             return NULL;
         }
-        if (engine_has_work(s->e)) {
-            for (sreq *r = s->reqs; r; r = r->next)
-                if (!r->t_start && r->in_engine)
-                    r->t_start = di_mono_ns();
+        bool work = !broken && engine_has_work(s->e);
+        if (s->grp && !broken) {
             di_error err;
-            uint64_t t0 = di_mono_ns(), p0 = sched_get_stats(engine_sched(s->e))->prefill_tokens;
-            uint64_t d0 = sched_get_stats(engine_sched(s->e))->decode_steps;
-            di_status st = engine_step(s->e, NULL, &err);
-            if (s->cfg.step_delay_ms) { /* testing only: a slow rank on purpose */
-                struct timespec ds = {(time_t)(s->cfg.step_delay_ms / 1000),
-                                      (long)(s->cfg.step_delay_ms % 1000) * 1000000L};
-                nanosleep(&ds, NULL);
+            uint32_t leaver;
+            di_status st = engsvc_ep_vote(s, work, false, &s->group_busy, &leaver, &err);
+            if (st != DI_OK) {
+                fail_all(s, st, err.msg, DI_LOG_ERROR);
+                continue;
             }
-            if (st == DI_OK && !engine_has_work(s->e))
-                st = engine_flush(s->e, &err);
-            uint64_t dt = di_mono_ns() - t0;
-            const sched_stats *ss = sched_get_stats(engine_sched(s->e));
-            if (ss->prefill_tokens > p0) {
-                s->prefill_tokens += ss->prefill_tokens - p0;
-                loadrate_add(&s->prefill_rate, t0 + dt, (double)(ss->prefill_tokens - p0), dt);
-            }
-            else if (ss->decode_steps > d0)
-                loadrate_add(&s->decode_rate, t0 + dt, (double)(ss->decode_steps - d0), dt);
-            if (st != DI_OK) { /* the engine is unusable: fail everything, refuse the rest */
-                if (s->cfg.log)
-                    di_log(s->cfg.log, DI_LOG_ERROR, "engine step failed: %s", err.msg);
+            if (leaver != UINT32_MAX && !s->group_busy) { /* it leaves now: the group ends */
                 pthread_mutex_lock(&s->mu);
-                s->draining = true;
+                bool quiet = s->draining;
                 pthread_mutex_unlock(&s->mu);
-                for (sreq *r = s->reqs, *next; r; r = next) {
-                    next = r->next;
-                    kvcache_forget(s->kc, r->id);
-                    if (r->job_out) { /* ends when its store call completes */
-                        atomic_store(&r->cancel_why, (int)st);
-                        atomic_store(&r->cancelled, 1);
-                        continue;
-                    }
-                    engsvc_unlink(s, r);
-                    engsvc_end_req(s, r, st, NULL, 0, err.msg);
-                }
+                char msg[200];
+                snprintf(msg, sizeof msg, "rank group (rank %u of %u): rank %u left the group "
+                         "(it stopped)", s->cfg.rank, s->cfg.world, leaver);
+                fail_all(s, DI_EUNAVAIL, msg, quiet ? DI_LOG_INFO : DI_LOG_WARN);
+                continue;
+            }
+            work = s->group_busy;
+        }
+        if (work) {
+            di_error err;
+            di_status st = step(s, &err);
+            if (st != DI_OK) { /* the engine is unusable: fail everything, refuse the rest */
+                fail_all(s, st, err.msg, DI_LOG_ERROR);
                 continue;
             }
         }
@@ -432,6 +488,8 @@ static di_status svc_exec_step(void *ctx, const sched_plan *plan, sched_seq_resu
     di_status st = s->rx.step(s->rx.ctx, plan, results, err);
     if (st == DI_OK)
         st = kvcache_after_step(s->kc, runner_exec_kv(s->ex), plan, results, err);
+    if (st == DI_OK && s->grp) /* the group step ends with this rank's forward */
+        st = engsvc_ep_step_end(s, err);
     return st;
 }
 
@@ -495,7 +553,9 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
                                       .keep_tokens = ring > 140 ? ring : 140},
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
                               .on_load = on_load, .load_userdata = s};
-    di_status st = runner_exec_create(cfg->rm, cfg->be, &eo, &s->ex, err);
+    di_status st = engsvc_ep_open(s, &eo.fwd, err);
+    if (st == DI_OK)
+        st = runner_exec_create(cfg->rm, cfg->be, &eo, &s->ex, err);
     if (st == DI_OK) {
         s->g = *fwd_model_geometry(runner_exec_model(s->ex));
         /* prompts cut at every multiple of 128, so that the window state there can be copied
@@ -551,6 +611,7 @@ void engsvc_destroy(engsvc *s)
     engine_destroy(s->e);
     kvcache_destroy(s->kc);
     runner_exec_free(s->ex);
+    engsvc_ep_close(s);
     pthread_cond_destroy(&s->cv);
     pthread_mutex_destroy(&s->mu);
     free(s);

@@ -28,6 +28,17 @@
  *
  * Drain: engsvc_drain refuses new requests (DI_EUNAVAIL "draining"), lets the work in flight
  * finish until the deadline, then ends what is left with DI_EUNAVAIL and FINISH_ABORTED.
+ *
+ * Expert parallelism (cfg.ep, docs/ep.md): the service is one rank of a group; each rank serves
+ * its own requests (its own gRPC port) and its MoE layers go through the group's exchange
+ * (common/ep/moe.h). Every engine loop iteration of a rank first votes over the group whether
+ * any rank has work; if one has, every rank steps (a rank without work ends a placeholder step
+ * at once and serves the others' exchange rounds). An idle group votes every ep->idle_ms, so
+ * it sleeps between votes and a request on any rank starts within idle_ms plus one vote. A
+ * group failure (a rank died or hung past the deadline, a lockstep error) fails every request
+ * of this rank with the group's message (naming the rank), turns Health to NOT_SERVING and
+ * refuses new requests with DI_EUNAVAIL. On stop, a rank keeps serving the group's exchange
+ * until no rank has work (at most ep->timeout_ms), then leaves.
  */
 #ifndef DI_SERVE_ENGSVC_H
 #define DI_SERVE_ENGSVC_H
@@ -47,6 +58,18 @@ typedef enum engsvc_kind {
     ENGSVC_DECODE,      /* COMPLETION engine, service di.decode.Decode */
 } engsvc_kind;
 
+/* The rank group of an expert-parallel service (common/ep/group.h). */
+typedef struct engsvc_ep {
+    const char *addr;        /* HOST:PORT rank 0 listens on, the others connect to */
+    int listen_fd;           /* rank 0: an inherited socket listening there; -1: bind addr */
+    const char *token;       /* the group token (EP_TOKEN_MIN .. EP_TOKEN_MAX bytes) */
+    uint32_t timeout_ms;     /* deadline of the rendezvous and of every group call; >= 1 */
+    bool allow_remote;       /* addr may be a non-loopback address */
+    uint32_t redundant;      /* redundant expert slots at least */
+    uint32_t eplb_interval;  /* group steps between re-plans; 0 = never */
+    uint32_t idle_ms;        /* an idle group votes this often; 1 .. timeout_ms / 2 */
+} engsvc_ep;
+
 typedef struct engsvc_config {
     engsvc_kind kind;
     const runner_model *rm;     /* borrowed; outlives the service */
@@ -63,7 +86,9 @@ typedef struct engsvc_config {
     uint32_t max_seqs;          /* sequences at once; 0 = 16 */
     uint32_t num_blocks;        /* KV blocks of 128 positions; 0 = 1024 */
     uint32_t max_waiting;       /* queued requests at most; 0 = 256 */
-    uint32_t rank, world;       /* for GetLoad */
+    uint32_t rank, world;       /* for GetLoad; with ep: this rank of the group and its size */
+    const engsvc_ep *ep;        /* NULL: a single rank; else the group (world >= 2; copied at
+                                   create, the strings must outlive the service) */
     uint32_t step_delay_ms;     /* TESTING ONLY: sleep this long in every engine step (a slow
                                    rank on purpose); counted in the step's time; 0 = none */
     const di_logger *log;       /* one line per failed request; may be NULL */
@@ -71,8 +96,9 @@ typedef struct engsvc_config {
 
 typedef struct engsvc engsvc;
 
-/* Creates the engine and its runner and starts the engine thread. DI_OK; DI_EINVAL (config);
- * DI_ENOMEM; the runner's codes. */
+/* Creates the engine and its runner (with ep: after joining the group, which blocks until every
+ * rank has joined or ep->timeout_ms passed) and starts the engine thread. DI_OK; DI_EINVAL
+ * (config); DI_ENOMEM; the runner's codes; the group's (DI_EAUTH, DI_ETIMEDOUT, DI_EIO). */
 di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err);
 /* Stops the engine thread (requests still live end with DI_EUNAVAIL) and frees everything.
  * Call after the gRPC server has stopped. NULL-safe. */

@@ -102,6 +102,14 @@ struct engsvc {
     /* measured by the engine thread over the last LOADRATE_WINDOW_S seconds */
     loadrate prefill_rate;      /* prompt tokens per second of prefill steps */
     loadrate decode_rate;       /* decode steps per second of decode steps */
+    /* expert parallelism (engsvc_ep.c); NULL without a group */
+    engsvc_ep ep;               /* cfg.ep's copy */
+    struct ep_group *grp;
+    struct ep_moe *moe;
+    uint64_t *ep_flags;         /* [world] the vote's buffer */
+    bool group_busy;            /* engine thread: the last vote found work on some rank */
+    bool broken;                /* (mu) the engine or the group failed: no more steps */
+    char broken_msg[256];       /* (mu) why */
 };
 
 /* Frees a request record (NULL-safe). */
@@ -129,5 +137,21 @@ void engsvc_drop_handoff(engsvc *s, const sreq *r);
 void engsvc_handoff_submit(engsvc *s, sreq *r);
 di_status engsvc_pull_submit(engsvc *s, sreq *r, di_error *err);
 void engsvc_take_events(engsvc *s);
+
+/* engsvc_ep.c: the service as a rank of an expert-parallel group (engine thread after create).
+ * engsvc_ep_open joins the group and creates the rank's MoE, hooking it into fo; a no-op
+ * without cfg.ep. */
+di_status engsvc_ep_open(engsvc *s, fwd_options *fo, di_error *err);
+void engsvc_ep_close(engsvc *s);
+/* The group's vote: *any = some rank has work (mine: this rank has); *leaver = the lowest other
+ * rank that is leaving the group (stopping), UINT32_MAX if none. A rank leaves after a vote
+ * in which no rank has work: the others then end their group too. */
+di_status engsvc_ep_vote(engsvc *s, bool mine, bool leaving, bool *any, uint32_t *leaver,
+                         di_error *err);
+/* Ends this rank's group step (serves the others' exchange rounds until every rank is done). */
+di_status engsvc_ep_step_end(engsvc *s, di_error *err);
+/* Stopping: serves the group's steps until no rank has work (bounded by the group's deadline),
+ * so that a rank leaving does not fail the others' requests in flight. */
+void engsvc_ep_leave(engsvc *s);
 
 #endif

@@ -1,11 +1,16 @@
 #include "common/serve/engsvc_main.h"
 
+#include <errno.h>
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
+#include "common/ep/group.h"
+#include "common/ep/moe.h"
 #include "common/serve/backend.h"
 #include "common/serve/model_open.h"
 #include "common/service/engine_opts.h"
@@ -23,6 +28,15 @@ typedef struct eopts {
     uint64_t rpc_threads;
     uint64_t kvstore_deadline_ms;
     uint64_t step_delay_ms;  /* testing only */
+    /* an expert-parallel rank group (with --ep-addr) */
+    const char *ep_addr;
+    int64_t ep_listen_fd;
+    char *ep_token;
+    uint64_t ep_timeout_ms;
+    int ep_allow_remote;
+    uint64_t ep_redundant;
+    uint64_t eplb_interval;
+    uint64_t ep_idle_ms;
 } eopts;
 
 #define EROWS(listen_def)                                                                     \
@@ -43,7 +57,26 @@ typedef struct eopts {
     {"kvstore-deadline", SVC_OPT_DURATION, offsetof(eopts, kvstore_deadline_ms), "10s", 10,   \
      600000, "DURATION", "deadline of each store call", NULL},                                \
     {"step-delay-ms", SVC_OPT_UINT, offsetof(eopts, step_delay_ms), "0", 0, 10000, "N",       \
-     "TESTING ONLY: sleep N ms in every engine step (a slow rank on purpose)", NULL}
+     "TESTING ONLY: sleep N ms in every engine step (a slow rank on purpose)", NULL},       \
+    {"ep-addr", SVC_OPT_HOSTPORT, offsetof(eopts, ep_addr), NULL, 0, 0, "HOST:PORT",          \
+     "run as rank --rank of an expert-parallel group of --world; rank 0 listens here",       \
+     NULL},                                                                                    \
+    {"ep-listen-fd", SVC_OPT_INT, offsetof(eopts, ep_listen_fd), "-1", -1, 65535, "FD",       \
+     "rank 0: an inherited socket already listening on --ep-addr (from a launcher)", NULL},   \
+    {"ep-token-file", SVC_OPT_SECRET, offsetof(eopts, ep_token), NULL, 0, 0, "FILE",          \
+     "the group token, 16..512 bytes, the same on every rank", "DI_EP_TOKEN"},               \
+    {"ep-timeout", SVC_OPT_DURATION, offsetof(eopts, ep_timeout_ms), "60s", 100, 3600000,     \
+     "DURATION", "deadline of the group's rendezvous and of every group call", NULL},        \
+    {"ep-allow-remote", SVC_OPT_FLAG, offsetof(eopts, ep_allow_remote), NULL, 0, 0, NULL,     \
+     "let the group meet on a non-loopback --ep-addr", NULL},                                 \
+    {"ep-redundant", SVC_OPT_UINT, offsetof(eopts, ep_redundant), "0", 0, 65536, "N",         \
+     "redundant expert slots at least (rounded up to fill every rank)", NULL},               \
+    {"eplb-interval", SVC_OPT_UINT, offsetof(eopts, eplb_interval), "0", 0, 1048576, "N",     \
+     "re-plan expert placement every N group steps from the measured loads; 0 = never",      \
+     NULL},                                                                                    \
+    {"ep-idle", SVC_OPT_DURATION, offsetof(eopts, ep_idle_ms), "10", 1, 1000, "DURATION",     \
+     "an idle group votes this often: the longest a request waits for the group to wake",   \
+     NULL}
 
 static const svc_opt k_prefill_rows[] = {EROWS("127.0.0.1:9480")};
 static const svc_opt k_decode_rows[] = {EROWS("127.0.0.1:9490")};
@@ -69,6 +102,34 @@ static void rpc_error(void *ud, const char *method, const char *peer, di_status 
                msg);
 }
 
+/* The group's options: all of them only with --ep-addr, which needs --world 2 or more. */
+static di_status ep_check(const eopts *o, di_error *err)
+{
+    if (!o->ep_addr) {
+        if (o->ep_token || o->ep_listen_fd >= 0 || o->ep_allow_remote || o->ep_redundant ||
+            o->eplb_interval)
+            return di_fail(err, DI_EINVAL, "--ep-token-file, --ep-listen-fd, "
+                           "--ep-allow-remote, --ep-redundant and --eplb-interval need "
+                           "--ep-addr (a rank group)");
+        return DI_OK;
+    }
+    if (o->eng.world < 2)
+        return di_fail(err, DI_EINVAL, "--ep-addr: a rank group needs --world 2 or more");
+    if (!o->ep_token)
+        return di_fail(err, DI_EINVAL, "--ep-addr: the group token is missing: give "
+                       "--ep-token-file FILE or $DI_EP_TOKEN");
+    if (o->ep_listen_fd >= 0 && o->eng.rank != 0)
+        return di_fail(err, DI_EINVAL, "--ep-listen-fd is rank 0's (this is rank %llu)",
+                       (unsigned long long)o->eng.rank);
+    if (o->ep_listen_fd >= 0 && o->ep_listen_fd < 3)
+        return di_fail(err, DI_EINVAL, "--ep-listen-fd: %lld is a standard stream",
+                       (long long)o->ep_listen_fd);
+    if (o->ep_idle_ms * 2 > o->ep_timeout_ms)
+        return di_fail(err, DI_EINVAL, "--ep-idle: %llu ms is more than half of --ep-timeout",
+                       (unsigned long long)o->ep_idle_ms);
+    return DI_OK;
+}
+
 static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
 {
     app *a = ud;
@@ -82,13 +143,23 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
     if (o->chunk % 128)
         return di_fail(err, DI_EINVAL, "--chunk: %llu is not a multiple of 128",
                        (unsigned long long)o->chunk);
+    if ((st = ep_check(o, err)) != DI_OK)
+        return st;
     serve_backend_options bo = {.threads = (uint32_t)o->eng.threads};
     if ((st = serve_backend_open(o->eng.backend, &bo, &a->be, err)) != DI_OK) {
         di_error_prefix(err, "--backend %s: ", o->eng.backend);
         return st;
     }
+    /* a rank of a group loads only its own slots' experts (docs/ep.md) */
+    model_load_options lo = {0};
+    ep_expert_filter ef = {.rank = (uint32_t)o->eng.rank, .world = (uint32_t)o->eng.world,
+                           .min_redundant = (uint32_t)o->ep_redundant};
+    if (o->ep_addr) {
+        lo.keep_expert = ep_moe_keep_expert;
+        lo.keep_expert_userdata = &ef;
+    }
     serve_model_options mo = {.model_dir = o->eng.model_dir, .config = o->eng.config,
-                              .weights_seed = o->eng.weights_seed};
+                              .weights_seed = o->eng.weights_seed, .load = &lo};
     if ((st = serve_model_open(&mo, &a->sm, err)) != DI_OK) {
         di_error_prefix(err, "%s: ", o->eng.model_dir ? "--model" : "--config");
         return st;
@@ -116,6 +187,17 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
                         .max_waiting = (uint32_t)o->max_waiting, .rank = (uint32_t)o->eng.rank,
                         .world = (uint32_t)o->eng.world,
                         .step_delay_ms = (uint32_t)o->step_delay_ms, .log = &ctx->log};
+    engsvc_ep ep = {.addr = o->ep_addr, .listen_fd = (int)o->ep_listen_fd, .token = o->ep_token,
+                    .timeout_ms = (uint32_t)o->ep_timeout_ms,
+                    .allow_remote = o->ep_allow_remote != 0,
+                    .redundant = (uint32_t)o->ep_redundant,
+                    .eplb_interval = (uint32_t)o->eplb_interval,
+                    .idle_ms = (uint32_t)o->ep_idle_ms};
+    if (o->ep_addr) {
+        ec.ep = &ep;
+        di_log(&ctx->log, DI_LOG_INFO, "joining the rank group at %s as rank %llu of %llu",
+               o->ep_addr, (unsigned long long)o->eng.rank, (unsigned long long)o->eng.world);
+    }
     if ((st = engsvc_create(&ec, &a->svc, err)) != DI_OK)
         return st;
     size_t nm, na;
@@ -130,8 +212,9 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
         return st;
     }
     di_log(&ctx->log, DI_LOG_INFO, "serving %s on port %d (model %s, backend %s, rank %llu of "
-           "%llu)", a->kind == ENGSVC_PREFILL ? "prefill" : "decode", *port, a->model_name,
-           a->be.name, (unsigned long long)o->eng.rank, (unsigned long long)o->eng.world);
+           "%llu%s)", a->kind == ENGSVC_PREFILL ? "prefill" : "decode", *port, a->model_name,
+           a->be.name, (unsigned long long)o->eng.rank, (unsigned long long)o->eng.world,
+           o->ep_addr ? ", expert-parallel group" : "");
     return DI_OK;
 }
 
@@ -158,9 +241,40 @@ static void stop(void *ud, const svc_ctx *ctx)
     serve_backend_close(&a->be);
 }
 
+/* --rank hostname (a StatefulSet pod): the number the host name ends in, put in argv's place
+ * before the options are parsed. DI_OK; DI_EINVAL (no such number), DI_EIO. */
+static di_status rank_from_hostname(int argc, char **argv, char *buf, size_t cap, di_error *err)
+{
+    for (int i = 1; i < argc; i++) {
+        bool eq = !strcmp(argv[i], "--rank=hostname");
+        if (!eq && !(!strcmp(argv[i], "--rank") && i + 1 < argc &&
+                     !strcmp(argv[i + 1], "hostname")))
+            continue;
+        char host[256] = {0};
+        if (gethostname(host, sizeof host - 1) != 0)
+            return di_fail(err, DI_EIO, "--rank hostname: gethostname: %s", strerror(errno));
+        uint32_t rank;
+        di_status st = ep_rank_from_hostname(host, &rank, err);
+        if (st != DI_OK) {
+            di_error_prefix(err, "--rank hostname: ");
+            return st;
+        }
+        snprintf(buf, cap, eq ? "--rank=%u" : "%u", rank);
+        argv[eq ? i : i + 1] = buf;
+    }
+    return DI_OK;
+}
+
 int engsvc_program(engsvc_kind kind, int argc, char **argv)
 {
     app a = {.kind = kind};
+    char rank_buf[32];
+    di_error err;
+    if (rank_from_hostname(argc, argv, rank_buf, sizeof rank_buf, &err) != DI_OK) {
+        fprintf(stderr, "%s: %s\n", kind == ENGSVC_PREFILL ? "di-prefill" : "di-decode",
+                err.msg);
+        return 2;
+    }
     bool pre = kind == ENGSVC_PREFILL;
     svc_spec spec = {
         .name = pre ? "di-prefill" : "di-decode",

@@ -115,7 +115,10 @@ static di_status enqueue(engsvc *s, sreq *r, di_error *err)
 {
     pthread_mutex_lock(&s->mu);
     di_status st = DI_OK;
-    if (s->draining || s->stopping)
+    if (s->broken)
+        st = di_fail(err, DI_EUNAVAIL, "this rank cannot serve (%s): send the request to "
+                     "another instance", s->broken_msg);
+    else if (s->draining || s->stopping)
         st = di_fail(err, DI_EUNAVAIL, "draining: send the request to another instance");
     else if (s->n_inbox + s->live >= s->cfg.max_waiting + s->cfg.max_seqs)
         st = di_fail(err, DI_EFULL, "%u requests queued or running: retry elsewhere",

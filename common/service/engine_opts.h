@@ -43,7 +43,8 @@ typedef struct svc_engine_opts {
     {"token-file", SVC_OPT_SECRET, offsetof(T, m.token), NULL, 0, 0, "FILE",                  \
      "token clients must present; without one: loopback only", "DI_ENGINE_TOKEN"},           \
     {"rank", SVC_OPT_UINT, offsetof(T, m.rank), "0", 0, 1023, "N",                            \
-     "this instance's rank, below --world", NULL},                                             \
+     "this instance's rank, below --world ('hostname': the number the host name ends in)",   \
+     NULL},                                             \
     {"world", SVC_OPT_UINT, offsetof(T, m.world), "1", 1, 1024, "N",                          \
      "instances of this kind", NULL}
 

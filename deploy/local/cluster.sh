@@ -3,7 +3,7 @@
 #
 #   deploy/local/cluster.sh up [--config NAME] [--prefill N] [--decode M] [--backend cpu|cuda]
 #                              [--build DIR] [--state DIR] [--router-arg ARG]... [--keep]
-#                              [--prefill-delay-ms LIST]
+#                              [--prefill-delay-ms LIST] [--decode-ep]
 #   deploy/local/cluster.sh down STATE [--keep]
 #
 # up writes a random-weight checkpoint of --config (default demo: the DeepSeek tokenizer's
@@ -25,6 +25,9 @@
 # --prefill-delay-ms LIST (TESTING ONLY) slows prefill ranks on purpose: the i-th number of the
 # comma-separated LIST (0..10000, at most one per rank; missing ones are 0) is rank i's
 # --step-delay-ms, a sleep in every engine step (e.g. --prefill 2 --prefill-delay-ms 0,1500).
+# --decode-ep starts the M decode ranks (M >= 2, CPU backend) as one expert-parallel group
+# (docs/ep.md): rank 0's group socket on a free loopback port, a group token in the state dir;
+# the router still lists each rank as a backend.
 # down stops every process up started (SIGTERM, SIGKILL after 30 s; only pids recorded in
 # STATE/pids that still run a program of this cluster) and removes STATE unless --keep.
 # Exit status: 0 done, 1 a failure, 2 bad usage.
@@ -96,7 +99,7 @@ cmd_down() {
 # ------------------------------------------------------------------------------------------ up
 cmd_up() {
   local config=demo n_prefill=1 n_decode=1 backend=cpu build=$root/build state='' keep=0
-  local router_args=() prefill_delays=()
+  local router_args=() prefill_delays=() decode_ep=0
   while [ $# -gt 0 ]; do
     case "$1" in
       --config) config=${2:?--config needs a NAME}; shift ;;
@@ -113,6 +116,7 @@ cmd_up() {
           usage_fail "--prefill-delay-ms wants numbers of ms like 0,1500, not '${2:-}'"
         IFS=, read -r -a prefill_delays <<<"$2"; shift ;;
       --keep) keep=1 ;;
+      --decode-ep) decode_ep=1 ;;
       -h|--help) help; exit 0 ;;
       *) usage_fail "up: unknown option $1 (see --help)" ;;
     esac
@@ -121,6 +125,10 @@ cmd_up() {
   [[ "$config" =~ ^[A-Za-z0-9._-]+$ ]] || usage_fail "--config: '$config' is not a config name"
   [ "${#prefill_delays[@]}" -le "$n_prefill" ] ||
     usage_fail "--prefill-delay-ms: ${#prefill_delays[@]} delays for $n_prefill prefill rank(s)"
+  if [ "$decode_ep" = 1 ]; then
+    [ "$n_decode" -ge 2 ] || usage_fail "--decode-ep: a group needs --decode 2 or more"
+    [ "$backend" = cpu ] || usage_fail "--decode-ep: the group's exchange runs on the CPU backend only"
+  fi
   local d
   for d in ${prefill_delays[@]+"${prefill_delays[@]}"}; do
     [ "$((10#$d))" -le 10000 ] || usage_fail "--prefill-delay-ms: $d is over 10000 ms"
@@ -163,6 +171,7 @@ cmd_up() {
    rand >"$state/router-admin.token"  # RegisterRank
    rand >"$state/router-grpc.token"   # Generate/Abort on the router's gRPC API
    rand >"$state/api.key"             # the HTTP API's bearer token
+   rand >"$state/ep.token"            # the decode ranks' group (--decode-ep)
    printf 'local %s generate\n' "$(cat "$state/api.key")" >"$state/api-keys")
 
   echo "$me: writing the $config checkpoint (di-mkmodel) into $state/model" >&2
@@ -212,7 +221,18 @@ cmd_up() {
     if [ "$d" -gt 0 ]; then engine prefill "$i" "$n_prefill" --step-delay-ms "$d"
     else engine prefill "$i" "$n_prefill"; fi
   done
-  for ((i = 0; i < n_decode; i++)); do engine decode "$i" "$n_decode"; done
+  local ep_flags=()
+  if [ "$decode_ep" = 1 ]; then # a loopback port nothing answers on, for rank 0's group socket
+    local p
+    for _ in $(seq 1 50); do
+      p=$((20000 + RANDOM % 40000))
+      (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null || break
+    done
+    ep_flags=(--ep-addr "127.0.0.1:$p" --ep-token-file "$state/ep.token")
+  fi
+  for ((i = 0; i < n_decode; i++)); do
+    engine decode "$i" "$n_decode" ${ep_flags[@]+"${ep_flags[@]}"}
+  done
   for ((i = 0; i < n_prefill; i++)); do
     wait_port "prefill$i" 120; rank_flags+=(--prefill "127.0.0.1:$(cat "$state/prefill$i.port")")
   done
@@ -256,6 +276,7 @@ admin_token_file=$state/kvstore-admin.token
 engine_token_file=$state/engine.token
 prefill_ranks=$n_prefill
 decode_ranks=$n_decode
+decode_ep=$decode_ep
 backend=$backend
 state=$state
 EOF

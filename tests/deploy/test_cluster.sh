@@ -5,7 +5,9 @@
 # tokens; di-kvctl stats shows no lease and no handoff object left; down stops every process
 # and frees every port, and removes the state dir. Then a router that cannot start (a bad flag
 # through --router-arg): up exits 1 naming di-router, and leaves no process, no port and no
-# state dir behind. Usage errors exit 2.
+# state dir behind. Usage errors exit 2. Then the decode ranks as one expert-parallel group
+# (--decode 2 --decode-ep): completions through the router, the same text at temperature 0;
+# decode rank 1 killed: rank 0 names it, and the next completion fails at once (503).
 # usage: tests/deploy/test_cluster.sh BUILDDIR
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
@@ -147,5 +149,51 @@ else bad "failed start: exit $rc: $(cat "$work/bad.err")"; fi
 [ ! -e "$work/bad" ] && ok "failed start: state dir removed" || bad "failed start: $work/bad is still there"
 stray=$(pgrep -f -- "$work/bad" || true)
 [ -z "$stray" ] && ok "failed start: no process left" || bad "failed start: processes left: $stray"
+
+# --- the decode ranks as one expert-parallel group (--decode-ep)
+set +e
+"$cluster" up --decode 1 --decode-ep >/dev/null 2>"$work/err"; rc=$?
+set -e
+[ "$rc" = 2 ] && grep -q 'needs --decode 2' "$work/err" && ok "--decode-ep with one decode rank is a usage error" ||
+  bad "--decode-ep --decode 1: exit $rc: $(cat "$work/err")"
+"$cluster" up --build "$build" --decode 2 --decode-ep >"$work/env" 2>"$work/up.err" || {
+  echo "FAIL: cluster.sh up --decode 2 --decode-ep failed:"; cat "$work/up.err"; exit 1; }
+# shellcheck disable=SC1090
+. "$work/env"
+url=$router_http/v1/chat/completions
+key=$(cat "$api_key_file")
+pid1=
+while read -r p; do
+  cmd=$(tr '\0' ' ' <"/proc/$p/cmdline" 2>/dev/null || true)
+  case "$cmd" in *"$state/decode"[01].port*) [[ "$cmd" == *--ep-addr* ]] || bad "a decode rank without --ep-addr" ;; esac
+  case "$cmd" in *"$state/decode1.port"*) pid1=$p ;; esac
+done <"$state/pids"
+first=
+for i in 1 2 3 4; do
+  code=$(curl -s -o "$work/c$i.json" -w '%{http_code}' -m 300 -H "Authorization: Bearer $key" \
+    -H 'Content-Type: application/json' -d "$(body false)" "$url")
+  n=$(jq -r '.usage.completion_tokens // 0' "$work/c$i.json" 2>/dev/null || echo 0)
+  text=$(jq -j '.choices[0].message.content // ""' "$work/c$i.json" 2>/dev/null || true)
+  [ "$code" = 200 ] && [ "$n" -ge 1 ] || bad "group: completion $i: HTTP $code: $(head -c 300 "$work/c$i.json")"
+  if [ -z "$first" ]; then first=$text
+  elif [ "$text" != "$first" ]; then bad "group: completion $i differs at temperature 0"; fi
+done
+ok "group: 4 completions, each $(printf '%s' "$first" | jq -Rsc . | cut -c1-60)"
+[ -n "$pid1" ] && kill -KILL "$pid1" || bad "group: no pid of decode rank 1"
+for _ in $(seq 1 100); do
+  grep -q "rank 1 closed the connection" "$state/decode0.log" && break
+  sleep 0.1
+done
+grep -q "rank group (rank 0 of 2): rank 1 closed the connection" "$state/decode0.log" &&
+  ok "group: decode rank 1 killed, rank 0 names it" || bad "group: decode0.log: $(tail -n 3 "$state/decode0.log")"
+t0=$(date +%s.%N)
+code=$(curl -s -o "$work/after.json" -w '%{http_code}' -m 60 -H "Authorization: Bearer $key" \
+  -H 'Content-Type: application/json' -d "$(body false)" "$url")
+secs=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}')
+if [ "$code" != 200 ] && awk -v s="$secs" 'BEGIN{exit !(s < 30)}'; then
+  ok "group: the next completion fails at once: HTTP $code in $secs s: $(head -c 200 "$work/after.json")"
+else bad "group: the next completion: HTTP $code in $secs s"; fi
+"$cluster" down "$state" >"$work/down.out" 2>&1 || bad "group: down: $(cat "$work/down.out")"
+state=
 
 if [ "$fails" = 0 ]; then echo "test_cluster: all checks passed"; else echo "test_cluster: $fails check(s) failed"; exit 1; fi

@@ -41,7 +41,7 @@ static void child_exec(const char *exe, const char *const *argv, int logfd, int 
     _exit(127);
 }
 
-void proc_start(proc *p, const char *rel, const char *name, const char *const *args)
+void proc_spawn(proc *p, const char *rel, const char *name, const char *const *args)
 {
     char exe[512], fd_arg[16];
     snprintf(exe, sizeof exe, "%s/%s", build_root(), rel);
@@ -68,19 +68,32 @@ void proc_start(proc *p, const char *rel, const char *name, const char *const *a
     close(logfd);
     close(ready[1]);
     p->pid = pid;
+    p->ready_fd = ready[0];
+}
+
+void proc_ready(proc *p, const char *name)
+{
+    int fd = p->ready_fd;
     char buf[32] = {0};
     size_t got = 0;
-    struct pollfd pf = {.fd = ready[0], .events = POLLIN};
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
     while (got < sizeof buf - 1 && !memchr(buf, '\n', got) && poll(&pf, 1, 60000) > 0) {
-        ssize_t k = read(ready[0], buf + got, sizeof buf - 1 - got);
+        ssize_t k = read(fd, buf + got, sizeof buf - 1 - got);
         if (k <= 0)
             break;
         got += (size_t)k;
     }
-    close(ready[0]);
+    close(fd);
+    p->ready_fd = -1;
     p->port = atoi(buf);
     cr_assert_gt(p->port, 0, "%s did not start (see %s)", name, p->log);
     snprintf(p->target, sizeof p->target, "127.0.0.1:%d", p->port);
+}
+
+void proc_start(proc *p, const char *rel, const char *name, const char *const *args)
+{
+    proc_spawn(p, rel, name, args);
+    proc_ready(p, name);
 }
 
 int proc_stop(proc *p)
@@ -138,15 +151,30 @@ Di__Engine__Load get_load(const proc *p, const char *svc)
     return out;
 }
 
-void engine_start(proc *p, const char *exe, const char *name, const rig *r)
+void engine_spawn(proc *p, const char *exe, const char *name, const rig *r,
+                  const char *const *extra)
 {
-    const char *args[] = {"--config", r->config ? r->config : "tiny", "--weights-seed", SEED,
+    const char *args[48] = {"--config", r->config ? r->config : "tiny", "--weights-seed", SEED,
                           "--kvstore",
                           r->store.target, "--chunk", CHUNK, "--threads", "1", "--nextn",
                           r->nextn, "--blocks", r->blocks ? r->blocks : "256",
                           "--kvstore-deadline", r->kv_deadline ? r->kv_deadline : "2s", "--drain",
                           r->drain ? r->drain : "20s", NULL};
-    proc_start(p, exe, name, args);
+    size_t n = 0;
+    while (args[n])
+        n++;
+    for (size_t i = 0; extra && extra[i]; i++) {
+        cr_assert_lt(n + 1, sizeof args / sizeof args[0], "too many arguments");
+        args[n++] = extra[i];
+    }
+    args[n] = NULL;
+    proc_spawn(p, exe, name, args);
+}
+
+void engine_start(proc *p, const char *exe, const char *name, const rig *r)
+{
+    engine_spawn(p, exe, name, r, NULL);
+    proc_ready(p, name);
 }
 
 void rig_start(rig *r, const char *nextn)
@@ -249,6 +277,38 @@ void gen(gen_res *g, const char *fmt, ...)
         size_t n = fread(g->err, 1, sizeof g->err - 1, f);
         g->err[n] = 0;
         fclose(f);
+    }
+}
+
+void rig_write_prompts(const char *path, const uint32_t *lens, size_t n, uint32_t salt)
+{
+    FILE *f = fopen(path, "w");
+    cr_assert(f);
+    for (uint32_t i = 0; i < n; i++) {
+        for (uint32_t k = 0; k < lens[i]; k++)
+            fprintf(f, k ? ",%u" : "%u", 2 + (k * 7919u + i * 104729u + salt * 31u) % 4000u);
+        fputc('\n', f);
+    }
+    cr_assert_eq(fclose(f), 0);
+}
+
+void rig_same_outputs(const gen_res *a, const gen_res *b, const uint32_t *lens, size_t n_lens,
+                      const char *what)
+{
+    json_t *ra = json_object_get(a->json, "requests"), *rb = json_object_get(b->json, "requests");
+    cr_assert_eq(json_array_size(ra), json_array_size(rb), "%s: request counts", what);
+    for (size_t i = 0; i < json_array_size(ra); i++) {
+        json_t *x = json_array_get(ra, i), *y = json_array_get(rb, i);
+        const char *keys[] = {"tokens", "logprobs", "finish"};
+        for (int k = 0; k < 3; k++) {
+            size_t fl = JSON_COMPACT | JSON_ENCODE_ANY | JSON_REAL_PRECISION(9);
+            char *sx = json_dumps(json_object_get(x, keys[k]), fl);
+            char *sy = json_dumps(json_object_get(y, keys[k]), fl);
+            cr_assert_str_eq(sx, sy, "%s: request %zu (%u tokens): %s differ", what, i + 1,
+                             i < n_lens ? lens[i] : 0u, keys[k]);
+            free(sx);
+            free(sy);
+        }
     }
 }
 
@@ -370,8 +430,14 @@ uint64_t model_id_of(const proc *p)
 void flight_start(flight *f, rig *r, const char *rid, uint32_t n, uint32_t max_tokens,
                   uint32_t reads)
 {
+    flight_start_at(f, r, &r->decode, rid, n, max_tokens, reads);
+}
+
+void flight_start_at(flight *f, rig *r, const proc *decode, const char *rid, uint32_t n,
+                     uint32_t max_tokens, uint32_t reads)
+{
     f->pc = client(&r->prefill);
-    f->dc = client(&r->decode);
+    f->dc = client(decode);
     prompt_ids(f->ids, n, n);
     di_status st;
     di_error err;

@@ -32,10 +32,15 @@ typedef struct proc {
     int port;        /* the port it announced */
     char target[64]; /* "127.0.0.1:port" */
     char log[300];   /* its stderr */
+    int ready_fd;    /* between proc_spawn and proc_ready: the read end of --ready-fd */
 } proc;
 
 /* Starts build/<rel> with args (NULL-terminated) plus --listen 127.0.0.1:0 --ready-fd. */
 void proc_start(proc *p, const char *rel, const char *name, const char *const *args);
+/* proc_start in two halves, for processes that only become ready together (the ranks of a
+ * group): spawn, then wait for the port it announces. */
+void proc_spawn(proc *p, const char *rel, const char *name, const char *const *args);
+void proc_ready(proc *p, const char *name);
 /* SIGTERM (drain) and the exit status. */
 int proc_stop(proc *p);
 /* SIGKILL and reap. */
@@ -58,6 +63,9 @@ typedef struct rig {
 void rig_start(rig *r, const char *nextn);
 /* (Re)starts one rank of r: exe "prefill/di-prefill" or "decode/di-decode". */
 void engine_start(proc *p, const char *exe, const char *name, const rig *r);
+/* engine_start's spawn half with more arguments (NULL-terminated; NULL: none). */
+void engine_spawn(proc *p, const char *exe, const char *name, const rig *r,
+                  const char *const *extra);
 /* Nothing leaked: blocks and slots back on both ranks, no lease and no handoff in the store.
  * A rank may still be finishing a cancelled request: waits up to 10 s for it. */
 void assert_clean(const rig *r);
@@ -81,6 +89,12 @@ typedef struct gen_res {
 
 /* Runs di-generate --quiet --json with the printf-formatted arguments. */
 void gen(gen_res *g, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* A prompt file for di-generate --ids-file: line i holds lens[i] ids drawn from i and salt. */
+void rig_write_prompts(const char *path, const uint32_t *lens, size_t n, uint32_t salt);
+/* Tokens, logprobs and finish of every request of a and b equal (logprobs as printed: %.9g of
+ * a float is exact); lens[i] (i < n_lens) names request i's prompt length in a failure. */
+void rig_same_outputs(const gen_res *a, const gen_res *b, const uint32_t *lens, size_t n_lens,
+                      const char *what);
 
 /* ---- direct calls ---- */
 
@@ -113,6 +127,9 @@ typedef struct flight {
 /* n <= 4096 prompt tokens. */
 void flight_start(flight *f, rig *r, const char *rid, uint32_t n, uint32_t max_tokens,
                   uint32_t reads);
+/* flight_start with the decode of another rank. */
+void flight_start_at(flight *f, rig *r, const proc *decode, const char *rid, uint32_t n,
+                     uint32_t max_tokens, uint32_t reads);
 /* Reads the rest of the stream; its final status. */
 di_status flight_end(flight *f, di_error *err);
 

@@ -23,39 +23,8 @@
 
 static const uint32_t k_lens[] = {1, 5, 127, 128, 129, 255, 256, 257, 300, 383, 384, 385, 600};
 #define N_LENS (sizeof k_lens / sizeof k_lens[0])
-
-static void write_prompts(const char *path, uint32_t salt)
-{
-    FILE *f = fopen(path, "w");
-    cr_assert(f);
-    for (uint32_t i = 0; i < N_LENS; i++) {
-        for (uint32_t k = 0; k < k_lens[i]; k++)
-            fprintf(f, k ? ",%u" : "%u", 2 + (k * 7919u + i * 104729u + salt * 31u) % 4000u);
-        fputc('\n', f);
-    }
-    cr_assert_eq(fclose(f), 0);
-}
-
-/* Tokens, logprobs and finish of every request equal (logprobs as printed: %.9g of a float is
- * exact). */
-static void same_outputs(const gen_res *a, const gen_res *b, const char *what)
-{
-    json_t *ra = json_object_get(a->json, "requests"), *rb = json_object_get(b->json, "requests");
-    cr_assert_eq(json_array_size(ra), json_array_size(rb), "%s: request counts", what);
-    for (size_t i = 0; i < json_array_size(ra); i++) {
-        json_t *x = json_array_get(ra, i), *y = json_array_get(rb, i);
-        const char *keys[] = {"tokens", "logprobs", "finish"};
-        for (int k = 0; k < 3; k++) {
-            size_t fl = JSON_COMPACT | JSON_ENCODE_ANY | JSON_REAL_PRECISION(9);
-            char *sx = json_dumps(json_object_get(x, keys[k]), fl);
-            char *sy = json_dumps(json_object_get(y, keys[k]), fl);
-            cr_assert_str_eq(sx, sy, "%s: request %zu (%u tokens): %s differ", what, i + 1,
-                             k_lens[i], keys[k]);
-            free(sx);
-            free(sy);
-        }
-    }
-}
+#define write_prompts(path, salt) rig_write_prompts(path, k_lens, N_LENS, salt)
+#define same_outputs(a, b, what) rig_same_outputs(a, b, k_lens, N_LENS, what)
 
 static void compare_runs(const rig *r, const char *sampling, uint32_t salt)
 {
