@@ -39,7 +39,8 @@
 
 static const char usage[] =
     "usage: check_moe [--bench] [--seed N]\n"
-    "  CUDA moe_gate, swiglu, moe_experts against the C twins; --bench adds V4.1-Flash timings\n";
+    "  CUDA moe_gate, swiglu, moe_experts against the C twins; --bench adds V4.1-Flash timings\n"
+    "  (CHECK_MOE_SWEEP=0 skips the checks and fails: the bench alone, for a profiler)\n";
 
 #define SHOW 5
 
@@ -246,6 +247,8 @@ typedef struct moe_backends {
     kern_backend unstaged;      /* grouped path only, tensor cores without the weight staging */
     kern_backend gemm;
     kern_backend host;          /* grouped path only, the pairs always bucketed on the host */
+    kern_backend nosplit;       /* grouped path only, no split-k over blocks (kern_cuda_config
+                                 * stream_splits = 1: the previous kernel's sums) */
 } moe_backends;
 
 static moe_backends g_be;
@@ -647,6 +650,7 @@ static void sweep(chk_env *env)
         check_experts(env, &g_be.cores, THR_ALWAYS, &grouped[i], worst);
         check_experts(env, &g_be.unstaged, THR_ALWAYS, &grouped[i], worst);
         check_experts(env, &g_be.host, THR_ALWAYS, &grouped[i], worst);
+        check_experts(env, &g_be.nosplit, THR_ALWAYS, &grouped[i], worst);
     }
     for (size_t i = 0; i < sizeof(gemm) / sizeof(gemm[0]); i++)
         check_experts(env, &g_be.gemm, THR_NEVER, &gemm[i], worst);
@@ -655,6 +659,17 @@ static void sweep(chk_env *env)
            worst[2]);
     printf("moe_experts: %" PRIu64 " cases planned on the device gave the host plan's bits\n",
            g_device_vs_host);
+    /* split-k over blocks taken by the default backend, never by the one without it */
+    kern_cuda_stats sd, sn;
+    kern_cuda_get_stats(&env->gpu, &sd);
+    kern_cuda_get_stats(&g_be.nosplit, &sn);
+    printf("moe_experts: %" PRIu64 " weight-streaming launches split over blocks (default "
+           "backend), %" PRIu64 " without split-k\n", sd.stream_split, sn.stream_split);
+    if (sd.stream_split == 0 || sn.stream_split != 0) {
+        fprintf(stderr, "FAIL moe_experts: split-k over blocks taken %" PRIu64 " times by default, "
+                "%" PRIu64 " times with stream_splits = 1\n", sd.stream_split, sn.stream_split);
+        chk_count(env, 1);
+    }
     check_refusals(env);
     check_buckets(env);
 }
@@ -671,7 +686,7 @@ typedef struct bench_arg {
 } bench_arg;
 
 /* The timed ops: moe_experts forced onto each path, then moe_gate. */
-enum { OP_MMA, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
+enum { OP_MMA, OP_NOSPLIT, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_GATE, BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
@@ -768,7 +783,8 @@ static void bench(chk_env *env)
                               .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
                               .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
                               .weights = chk_dev_alloc(env, nk * 4)};
-        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped, host plan",
+        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped, no split-k",
+                                                     "grouped, host plan",
                                                      "grouped unstaged",
                                                      "grouped cuda-core",
                                                      "moe_experts cublaslt", "moe_gate"};
@@ -779,6 +795,7 @@ static void bench(chk_env *env)
             const int ex_op = op != OP_GATE;
             if (ex_op)
                 env->gpu = op == OP_MMA        ? g_be.grouped
+                           : op == OP_NOSPLIT  ? g_be.nosplit
                            : op == OP_HOST     ? g_be.host
                            : op == OP_UNSTAGED ? g_be.unstaged
                            : op == OP_CORES    ? g_be.cores
@@ -813,21 +830,28 @@ int main(int argc, char **argv)
     kern_cuda_config cores = {.moe_grouped_rows = THR_ALWAYS, .moe_cuda_cores = 1};
     kern_cuda_config unstaged = {.moe_grouped_rows = THR_ALWAYS, .moe_unstaged = 1};
     kern_cuda_config host = {.moe_grouped_rows = THR_ALWAYS, .moe_host_plan = 1};
+    kern_cuda_config nosplit = {.moe_grouped_rows = THR_ALWAYS, .stream_splits = 1};
     di_error e;
     if (kern_cuda_create(&always, &g_be.grouped, &e) != DI_OK ||
         kern_cuda_create(&cores, &g_be.cores, &e) != DI_OK ||
         kern_cuda_create(&unstaged, &g_be.unstaged, &e) != DI_OK ||
         kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK ||
-        kern_cuda_create(&host, &g_be.host, &e) != DI_OK) {
+        kern_cuda_create(&host, &g_be.host, &e) != DI_OK ||
+        kern_cuda_create(&nosplit, &g_be.nosplit, &e) != DI_OK) {
         fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
         return 2;
     }
-    sweep(&env);
+    const char *sw = getenv("CHECK_MOE_SWEEP");
+    if (sw && !strcmp(sw, "0"))
+        chk_count(&env, 1); /* nothing checked: not a pass */
+    else
+        sweep(&env);
     int rc = chk_finish(&env, "check_moe", want_bench, bench);
     kern_cuda_destroy(&g_be.grouped);
     kern_cuda_destroy(&g_be.cores);
     kern_cuda_destroy(&g_be.unstaged);
     kern_cuda_destroy(&g_be.gemm);
+    kern_cuda_destroy(&g_be.nosplit);
     kern_cuda_destroy(&g_be.host);
     return rc;
 }
