@@ -318,22 +318,22 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_mma_kernel(cuda_moe_gro
     mma_finish<NT, UP>(a, gr, j0, N, &red[0][0][0]);
 }
 
-/* ---- the staged kernel: the same products, the weights and their scales streamed through
- * shared memory (a.aligned16), the inputs split over the blocks of a cluster ----
+/* ---- the staged kernel: the same products, the weights streamed through shared memory
+ * (a.aligned16), the inputs of a one-group launch split over the blocks of a cluster ----
  *
  * Split-k over blocks: a launch has `splits` (S, 1..8) blocks per (group, 32 outputs), one
  * thread-block cluster; block r of it takes the r-th run of ceil(nb / S) 32-input blocks, its 8
- * warps a contiguous run of that each. S is chosen on the host from the shape and the call's
- * size (stg_splits; from the shape alone in batch-invariant mode), and every sum is added in a
- * fixed order: the result never depends on timing.
+ * warps a contiguous run of that each. S is a function of the shape (stg_splits: a linear
+ * layer's rows or the shared expert when their outputs leave SMs idle; 1 for the routed
+ * experts), and every sum is added in a fixed order: the result never depends on timing or on
+ * the other rows of the call.
  *
  * Each warp copies its run by stages of STG_BYTES bytes of each of the block's 32 weight rows:
  * every lane copies 16-byte pieces with cp.async (four lanes take one row's 64 contiguous bytes,
  * a warp instruction 8 rows), stg_n stages per warp, all but one in flight while the mmas read
  * the oldest from shared memory in the fragment order of mma_wrow. Rows are STG_ROW bytes apart
  * (64 + 16: rows g = 0..7 at word offsets 20 g, so the 4-byte reads of a warp fall in 32
- * distinct banks). The warp's UE8M0 scale bytes of its whole run are copied to shared memory
- * once, while the first stages are in flight.
+ * distinct banks).
  *
  * Sums: each warp's fp32 accumulators as in moe_mma_kernel; the block adds its warps in warp
  * order; with S > 1 the cluster's blocks then add the blocks' sums in rank order, reading each
@@ -420,7 +420,7 @@ __device__ __forceinline__ float stg_wscale(const uint8_t *s, uint32_t j, uint32
 }
 
 template <int NT, bool UP, bool FP8>
-__global__ void __launch_bounds__(MMA_WARPS * 32, NT > 2 ? 1 : (UP ? 2 : 3))
+__global__ void __launch_bounds__(MMA_WARPS * 32, NT <= 2 ? 2 : 1)
     moe_stg_kernel(cuda_moe_grouped a, uint32_t splits, uint32_t per)
 {
     constexpr int MATS = UP ? 2 : 1, PER = MMA_MT * NT * 4, ACC = stg_acc<NT, UP>();
@@ -434,11 +434,9 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, NT > 2 ? 1 : (UP ? 2 : 3))
     const size_t rowb = (size_t)K * BB / 32;
     const uint32_t tiles = (N + MMA_TILE - 1) / MMA_TILE;
     const uint32_t rank = blockIdx.x % splits, blk = blockIdx.x / splits;
-    /* the group read before its check (the array holds the grid's groups), so that the two
-     * loads are in flight together */
-    const cuda_moe_group gr = a.groups ? a.groups[blk / tiles] : a.one;
     if (a.n_groups_dev && blk / tiles >= *a.n_groups_dev)
         return; /* past the groups the device bucketing wrote (the whole cluster) */
+    const cuda_moe_group gr = a.groups ? a.groups[blk / tiles] : a.one;
     const uint32_t j0 = (blk % tiles) * MMA_TILE;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const __half *codes = (const __half *)(UP ? a.xc : a.hc);
@@ -487,12 +485,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, NT > 2 ? 1 : (UP ? 2 : 3))
 #pragma unroll
     for (int i = 0; i < ACC; i++)
         acc[i] = 0.0f;
-    /* x's codes and scales one 32-input block ahead of the mmas (the next stage's first
-     * during this stage's last), so that their loads overlap the mmas */
-    uint4 bx[NT];
-    float sx[NT][2];
-    if (b_lo < b_hi)
-        mma_xblock<NT>(codes, scales, rcol, K, nb, b_lo, t, bx, sx);
     for (uint32_t st = 0; st < n_st; st++) {
         if (st + NS - 1 < n_st)
             load(st + NS - 1);
@@ -506,10 +498,9 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, NT > 2 ? 1 : (UP ? 2 : 3))
             if (bb >= nbst)
                 break;
             const uint32_t b = b0 + bb;
-            uint4 bxn[NT];
-            float sxn[NT][2];
-            if (b + 1 < b_hi)
-                mma_xblock<NT>(codes, scales, rcol, K, nb, b + 1, t, bxn, sxn);
+            uint4 bx[NT];
+            float sx[NT][2];
+            mma_xblock<NT>(codes, scales, rcol, K, nb, b, t, bx, sx);
 #pragma unroll
             for (int m = 0; m < MATS; m++) {
                 const uint8_t *s = m == 0 ? (UP ? gr.s1 : gr.s2) : gr.s3;
@@ -524,11 +515,6 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, NT > 2 ? 1 : (UP ? 2 : 3))
                     mma_tile<NT>(lo0, hi0, lo1, hi1, sw0, sw1, bx, sx,
                                  acc + m * PER + mt * NT * 4);
                 }
-            }
-            if (b + 1 < b_hi) {
-#pragma unroll
-                for (int nt = 0; nt < NT; nt++)
-                    bx[nt] = bxn[nt], sx[nt][0] = sxn[nt][0], sx[nt][1] = sxn[nt][1];
             }
         }
         __syncwarp(); /* this buffer is loaded again NS - 1 stages on */
@@ -610,7 +596,8 @@ static di_status launch_mma(cuda_ctx *c, const cuda_moe_grouped *g)
         return cuda_fail(c, DI_EINVAL, "%s: %u rows need 16-byte aligned weights", name,
                          g->max_rows);
     }
-    /* the staged kernel: its shared memory (set for this launch's runs) opted in above 48 KiB */
+    /* the staged kernel: its shared memory opted in above 48 KiB (the attribute is per device
+     * and function; setting it again is harmless) */
     name = UP ? "moe_stg_kernel<up>" : "moe_stg_kernel<down>";
     const uint32_t nb = K / 32, splits = stg_splits(c, tiles, nb, g);
     const uint32_t per = ((nb + splits - 1) / splits + MMA_WARPS - 1) / MMA_WARPS;
