@@ -548,6 +548,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
                                                                : cfg->moe_grouped_rows);
     c->moe_cuda_cores = cfg->moe_cuda_cores != 0;
     c->moe_unstaged = cfg->moe_unstaged != 0;
+    cuda_stream_config(c, cfg->stream_splits, cfg->linear_stream_rows);
     c->batch_invariant = cfg->batch_invariant != 0;
     c->moe_host_plan = cfg->moe_host_plan != 0;
     c->moe_per_expert = cfg->moe_per_expert != 0;

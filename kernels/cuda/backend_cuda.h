@@ -71,6 +71,11 @@ typedef struct kern_cuda_config {
                                  * previous version, for comparison) */
     int graphs;                 /* 1: start with graph capture on (kern_cuda_graphs) */
     uint32_t graph_split;       /* kern_cuda_graph_split's ops per segment (0: whole) */
+    int stream_splits;          /* 1: the weight-streaming kernel (grouped MoE path, FP8/FP4
+                                 * linears of few rows) without split-k over blocks (the
+                                 * previous version, for comparison); 0: the split per shape */
+    int linear_stream_rows;     /* most rows of a linear_fp8 / linear_fp4 call on that kernel:
+                                 * 0 = the default (16), at most 64, negative = never */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
@@ -85,8 +90,11 @@ typedef struct kern_cuda_stats {
                                  * cuBLASLt path */
     uint64_t moe_wide;          /* of the moe_gemm calls, those whose routed experts took the
                                  * wide tensor-core kernel (moe_wide.cu) */
-    uint64_t linear_stream;     /* linear_fp8 / linear_fp4 calls of at most 16 rows run by the
-                                 * weight-streaming tensor-core kernel (not cuBLASLt) */
+    uint64_t stream_split;      /* weight-streaming launches split over several blocks per
+                                 * output tile (split-k, one thread-block cluster) */
+    uint64_t linear_stream;     /* linear_fp8 / linear_fp4 calls of at most 16 rows (64 when
+                                 * configured) run by the weight-streaming tensor-core kernel
+                                 * (not cuBLASLt) */
     size_t scratch_bytes;       /* current size of the device scratch */
     uint64_t gemm_invariant;    /* GEMM chunks run in batch-invariant mode (fixed 64-row plan) */
     uint64_t moe_device_plan;   /* moe_experts calls bucketed on the device (no read-back) */
@@ -142,6 +150,12 @@ di_status kern_cuda_sync(kern_backend *be, di_error *err);
  * off) and the shared expert always on the linear path. Off (0) restores the defaults. DI_OK;
  * DI_EINVAL when be is not a CUDA backend. Takes effect at the next op. */
 di_status kern_cuda_set_batch_invariant(kern_backend *be, int on);
+
+/* The weight-streaming kernel's settings on a live backend, as kern_cuda_config's
+ * stream_splits and linear_stream_rows give them at creation (0, 0: the defaults); for
+ * benchmarks comparing them on one loaded model. DI_OK; DI_EINVAL when be is not a CUDA
+ * backend. Takes effect at the next op. */
+di_status kern_cuda_set_stream(kern_backend *be, int stream_splits, int linear_stream_rows);
 /* CUDA graphs (graph.cu). With graphs on, the ops between two synchronisation points (a
  * transfer, a read-back, buffer growth, alloc, free, kern_cuda_sync) are captured from the
  * stream as one segment instead of being launched; at the next such point the segment is

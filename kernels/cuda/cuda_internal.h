@@ -123,6 +123,8 @@ typedef struct cuda_ctx {
     struct cuda_prof *prof;     /* per-op times while kern_cuda_profile is on; else NULL */
     int moe_cuda_cores;         /* 1: the grouped path on the CUDA-core kernel (kern_cuda_config) */
     int moe_unstaged;           /* 1: the tensor-core kernel without the staging (kern_cuda_config) */
+    int stream_nosplit;         /* 1: the weight-streaming kernel without split-k (kern_cuda_config) */
+    int linear_stream_rows;     /* most rows of a linear on that kernel (resolved; 0 = never) */
     int smem_optin;             /* the device's opt-in shared memory per block (bytes); 0
                                  * until first queried (cuda_device_attr) */
     int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
@@ -392,13 +394,20 @@ di_status cuda_moe_bucket_run(cuda_ctx *c, const cuda_moe_bucket *a);
  * unless cuda_ctx.moe_cuda_cores: x's and h's codes, the up launch, the down launch. */
 di_status cuda_moe_mma_run(cuda_ctx *c, const cuda_moe_grouped *g);
 
-/* Most rows of a linear_fp8 / linear_fp4 call that the tensor-core kernel above runs (the
- * weight streamed once, kern_cuda_stats.linear_stream); more rows go to cuBLASLt. */
-#define CUDA_LINEAR_STREAM_ROWS 16
+/* Most rows of a linear_fp8 / linear_fp4 call that the tensor-core kernel above can run (the
+ * weight streamed once, kern_cuda_stats.linear_stream), and the default
+ * (kern_cuda_config.linear_stream_rows); more rows go to cuBLASLt. Past 16 rows the kernel
+ * loses to cuBLASLt (docs/cuda.md), hence the default. */
+#define CUDA_LINEAR_STREAM_ROWS 64
+#define CUDA_LINEAR_STREAM_DEFAULT 16
 
 /* linear_fp8 (fp8 = 1) or linear_fp4 on that kernel: p->m <= CUDA_LINEAR_STREAM_ROWS, bf16
  * output without accumulate, p->w 16-byte aligned (the caller checks; moe_mma.cu). */
 di_status cuda_linear_stream(cuda_ctx *c, const kern_linear *p, int fp8);
+
+/* Sets c->stream_nosplit and c->linear_stream_rows from kern_cuda_config's stream_splits and
+ * linear_stream_rows (moe_mma.cu). */
+void cuda_stream_config(cuda_ctx *c, int stream_splits, int linear_stream_rows);
 
 /* ---- table entries (one op file each) ---- */
 

@@ -169,13 +169,14 @@ static di_status linear_check(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt, 
 
 /* ---- the two paths ---- */
 
-/* FP8 / FP4 weight: up to CUDA_LINEAR_STREAM_ROWS rows (bf16 output, no accumulate, the
+/* FP8 / FP4 weight: up to c->linear_stream_rows rows (bf16 output, no accumulate, the
  * weight 16-byte aligned, cuBLASLt not bypassed, not in batch-invariant mode) on the
  * weight-streaming tensor-core kernel (moe_mma.cu); else quantise x, dequantise W, GEMM (in
  * batch-invariant mode the GEMM's fixed 64-row chunks, gemm.cu). */
 static di_status linear_quantised(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt)
 {
-    if (p->m <= CUDA_LINEAR_STREAM_ROWS && !p->out_f32 && !p->accumulate && !c->simple_gemm &&
+    if (p->m <= (uint32_t)c->linear_stream_rows && !p->out_f32 && !p->accumulate &&
+        !c->simple_gemm &&
         !c->batch_invariant && (uintptr_t)p->w % 16 == 0)
         return cuda_linear_stream(c, p, fmt == KERN_W_FP8);
     size_t xq_bytes = cuda_align_up((size_t)p->m * p->k * sizeof(uint16_t));

@@ -25,6 +25,7 @@
  * x: the same values), each product; SwiGLU and the bf16 roundings as the CUDA-core kernel does
  * them. What differs from the twin: the sum order (fp32), within the moe_experts tolerance.
  */
+#include <cooperative_groups.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -35,6 +36,8 @@
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/moe_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
+
+namespace cg = cooperative_groups;
 
 #define MMA_WARPS 8  /* warps per block, splitting the inputs */
 #define MMA_TILE 32  /* outputs per block: two m16 tiles */
@@ -222,6 +225,26 @@ __device__ __forceinline__ void mma_jrows(uint32_t j0, uint32_t N, uint32_t g,
         }
 }
 
+/* The epilogue of output (i, l) of the accumulators given its sums: SwiGLU (UP) or bf16 */
+template <int NT, bool UP>
+__device__ __forceinline__ void mma_store(const cuda_moe_grouped &a, const cuda_moe_group &gr,
+                                          uint32_t j0, uint32_t N, uint32_t e, float sa, float sb)
+{
+    const uint32_t i = e / 32, l = e % 32, q = i % 4, mt = i / 4 / NT, nt = i / 4 % NT;
+    const uint32_t j = j0 + mt * 16 + l / 4 + (q / 2) * 8, r = nt * 8 + 2 * (l % 4) + q % 2;
+    if (j >= N || r >= gr.n)
+        return;
+    const size_t row = (size_t)gr.start + r;
+    if (UP) {
+        float gv = dev_bf16_to_f32(dev_f32_to_bf16(sa));
+        float uv = dev_bf16_to_f32(dev_f32_to_bf16(sb));
+        a.h[row * N + j] = dev_swiglu(gv, uv, a.limit, a.pair != NULL,
+                                      a.pair ? a.weights[a.pair[row]] : 1.0f);
+    } else {
+        a.og[row * (a.og_ld ? a.og_ld : N) + j] = dev_f32_to_bf16(sa);
+    }
+}
+
 /* The warps' accumulators (red[warp][i][lane], ACC of them) summed in warp order, then SwiGLU
  * (UP) or the bf16 store; every thread of the block calls it after a __syncthreads. */
 template <int NT, bool UP>
@@ -229,27 +252,15 @@ __device__ __forceinline__ void mma_finish(const cuda_moe_grouped &a, const cuda
                                            uint32_t j0, uint32_t N, const float *red)
 {
     constexpr int MATS = UP ? 2 : 1, PER = MMA_MT * NT * 4, ACC = MATS * PER;
-    /* element (i, l) of every warp's accumulators: i = (mt * NT + nt) * 4 + q */
+    /* element (i, l) of every warp's accumulators: e = i * 32 + l */
     for (uint32_t e = threadIdx.x; e < (uint32_t)PER * 32; e += blockDim.x) {
-        uint32_t i = e / 32, l = e % 32, q = i % 4, mt = i / 4 / NT, nt = i / 4 % NT;
-        uint32_t j = j0 + mt * 16 + l / 4 + (q / 2) * 8, r = nt * 8 + 2 * (l % 4) + q % 2;
-        if (j >= N || r >= gr.n)
-            continue;
         float sa = 0.0f, sb = 0.0f;
         for (int w = 0; w < MMA_WARPS; w++) {
-            sa += red[((size_t)w * ACC + i) * 32 + l];
+            sa += red[(size_t)w * ACC * 32 + e];
             if (UP)
-                sb += red[((size_t)w * ACC + PER + i) * 32 + l];
+                sb += red[(size_t)w * ACC * 32 + PER * 32 + e];
         }
-        const size_t row = (size_t)gr.start + r;
-        if (UP) {
-            float gv = dev_bf16_to_f32(dev_f32_to_bf16(sa));
-            float uv = dev_bf16_to_f32(dev_f32_to_bf16(sb));
-            a.h[row * N + j] = dev_swiglu(gv, uv, a.limit, a.pair != NULL,
-                                          a.pair ? a.weights[a.pair[row]] : 1.0f);
-        } else {
-            a.og[row * (a.og_ld ? a.og_ld : N) + j] = dev_f32_to_bf16(sa);
-        }
+        mma_store<NT, UP>(a, gr, j0, N, e, sa, sb);
     }
 }
 
@@ -307,25 +318,65 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_mma_kernel(cuda_moe_gro
     mma_finish<NT, UP>(a, gr, j0, N, &red[0][0][0]);
 }
 
-/* ---- the staged kernel: the same work and sums, the weights streamed through shared memory
- * (a.aligned16) ----
+/* ---- the staged kernel: the same products, the weights streamed through shared memory
+ * (a.aligned16), the inputs of a one-group launch split over the blocks of a cluster ----
  *
- * Warp w's inputs (the same contiguous run of 32-input blocks as above) go by stages of
- * STG_BYTES bytes of each of the block's 32 weight rows: every lane copies 16-byte pieces with
- * cp.async (four lanes take one row's 64 contiguous bytes, a warp instruction 8 rows), the next
- * stage in flight while the mmas read this one from shared memory in the fragment order of
- * mma_wrow. Rows are STG_ROW bytes apart (64 + 16: rows g = 0..7 at word offsets 20 g, so the
- * 4-byte reads of a warp fall in 32 distinct banks). The sums, their order and every rounding
- * are those of moe_mma_kernel: the two kernels give the same bits. */
+ * Split-k over blocks: a launch has `splits` (S, 1..8) blocks per (group, 32 outputs), one
+ * thread-block cluster; block r of it takes the r-th run of ceil(nb / S) 32-input blocks, its 8
+ * warps a contiguous run of that each. S is a function of the shape (stg_splits: a linear
+ * layer's rows or the shared expert when their outputs leave SMs idle; 1 for the routed
+ * experts), and every sum is added in a fixed order: the result never depends on timing or on
+ * the other rows of the call.
+ *
+ * Each warp copies its run by stages of STG_BYTES bytes of each of the block's 32 weight rows:
+ * every lane copies 16-byte pieces with cp.async (four lanes take one row's 64 contiguous bytes,
+ * a warp instruction 8 rows), stg_n stages per warp, all but one in flight while the mmas read
+ * the oldest from shared memory in the fragment order of mma_wrow. Rows are STG_ROW bytes apart
+ * (64 + 16: rows g = 0..7 at word offsets 20 g, so the 4-byte reads of a warp fall in 32
+ * distinct banks).
+ *
+ * Sums: each warp's fp32 accumulators as in moe_mma_kernel; the block adds its warps in warp
+ * order; with S > 1 the cluster's blocks then add the blocks' sums in rank order, reading each
+ * other's shared memory (each block finishes a share of the outputs). With S = 1 this is
+ * moe_mma_kernel's order: the same bits. */
 
 #define STG_BYTES 64                 /* bytes of a weight row per stage */
 #define STG_ROW (STG_BYTES + 16)     /* shared-memory stride of a row */
-#define STG_N 2                      /* stages per warp: one computed, one in flight */
+#define STG_SPLITS 8                 /* most blocks of a cluster splitting the inputs */
 
-template <bool UP>
-__host__ __device__ constexpr size_t stg_smem()
+/* Stages per warp: two (one computed, one in flight) up to 16 rows; four for a linear layer's
+ * 17-64 rows, whose registers leave one block an SM. */
+template <int NT, bool UP>
+__host__ __device__ constexpr uint32_t stg_n()
 {
-    return (size_t)MMA_WARPS * STG_N * (UP ? 2 : 1) * MMA_TILE * STG_ROW;
+    return NT <= 2 ? 2u : 4u;
+}
+
+template <int NT, bool UP>
+__host__ __device__ constexpr size_t stg_stage_bytes()
+{
+    return (size_t)MMA_WARPS * stg_n<NT, UP>() * (UP ? 2 : 1) * MMA_TILE * STG_ROW;
+}
+
+/* The accumulators of a thread, and the shared memory of the sums: every warp's (red), then the
+ * block's (part) */
+template <int NT, bool UP>
+__host__ __device__ constexpr int stg_acc()
+{
+    return (UP ? 2 : 1) * MMA_MT * NT * 4;
+}
+
+template <int NT, bool UP>
+__host__ __device__ constexpr size_t stg_sum_bytes()
+{
+    return (size_t)(MMA_WARPS + 1) * stg_acc<NT, UP>() * 32 * sizeof(float);
+}
+
+template <int NT, bool UP>
+static size_t stg_smem()
+{
+    return stg_stage_bytes<NT, UP>() > stg_sum_bytes<NT, UP>() ? stg_stage_bytes<NT, UP>()
+                                                                 : stg_sum_bytes<NT, UP>();
 }
 
 __device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
@@ -369,31 +420,39 @@ __device__ __forceinline__ float stg_wscale(const uint8_t *s, uint32_t j, uint32
 }
 
 template <int NT, bool UP, bool FP8>
-__global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_stg_kernel(cuda_moe_grouped a)
+__global__ void __launch_bounds__(MMA_WARPS * 32, NT <= 2 ? 2 : 1)
+    moe_stg_kernel(cuda_moe_grouped a, uint32_t splits, uint32_t per)
 {
-    constexpr int MATS = UP ? 2 : 1, PER = MMA_MT * NT * 4, ACC = MATS * PER;
+    constexpr int MATS = UP ? 2 : 1, PER = MMA_MT * NT * 4, ACC = stg_acc<NT, UP>();
     constexpr uint32_t BB = FP8 ? 32 : 16;          /* bytes of a row per 32-input block */
     constexpr uint32_t SB = STG_BYTES / BB;         /* blocks per stage */
+    constexpr uint32_t NS = stg_n<NT, UP>();
     constexpr uint32_t MATB = MMA_TILE * STG_ROW, STAGEB = MATS * MATB;
-    static_assert((size_t)MMA_WARPS * ACC * 32 * sizeof(float) <= stg_smem<UP>(),
-                  "the sums reuse the stages' shared memory");
     extern __shared__ uint4 stg_raw[];
     uint8_t *smem = reinterpret_cast<uint8_t *>(stg_raw);
     const uint32_t K = UP ? a.dim : a.inter, N = UP ? a.inter : a.dim, nb = K / 32;
     const size_t rowb = (size_t)K * BB / 32;
     const uint32_t tiles = (N + MMA_TILE - 1) / MMA_TILE;
-    if (a.n_groups_dev && blockIdx.x / tiles >= *a.n_groups_dev)
-        return; /* past the groups the device bucketing wrote */
-    const cuda_moe_group gr = a.groups ? a.groups[blockIdx.x / tiles] : a.one;
-    const uint32_t j0 = (blockIdx.x % tiles) * MMA_TILE;
+    const uint32_t rank = blockIdx.x % splits, blk = blockIdx.x / splits;
+    if (a.n_groups_dev && blk / tiles >= *a.n_groups_dev)
+        return; /* past the groups the device bucketing wrote (the whole cluster) */
+    const cuda_moe_group gr = a.groups ? a.groups[blk / tiles] : a.one;
+    const uint32_t j0 = (blk % tiles) * MMA_TILE;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
     const __half *codes = (const __half *)(UP ? a.xc : a.hc);
     const float *scales = UP ? a.xcs : a.hcs;
-    uint8_t *wbuf = smem + (size_t)warp * STG_N * STAGEB;
+    uint8_t *wbuf = smem + (size_t)warp * NS * STAGEB;
     uint32_t rcol[NT][3];
     mma_rcols<NT, UP>(a, gr, g, t, rcol);
     uint32_t jr[MMA_MT][2];
     mma_jrows(j0, N, g, jr);
+    /* the runs: this block's of the cluster's inputs, this warp's of the block's */
+    const uint32_t nbs = (nb + splits - 1) / splits;
+    const uint32_t kb_lo = rank * nbs < nb ? rank * nbs : nb;
+    const uint32_t kb_hi = kb_lo + nbs < nb ? kb_lo + nbs : nb;
+    const uint32_t b_lo = kb_lo + warp * per < kb_hi ? kb_lo + warp * per : kb_hi;
+    const uint32_t b_hi = b_lo + per < kb_hi ? b_lo + per : kb_hi;
+    const uint32_t n_st = (b_hi - b_lo + SB - 1) / SB;
     /* the copies of this lane: row lane / 4 + 8 i, piece lane % 4 */
     const uint8_t *src[MATS][4];
 #pragma unroll
@@ -405,18 +464,10 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_stg_kernel(cuda_moe_gro
             src[m][i] = w + (size_t)(j < N ? j : N - 1) * rowb + (lane % 4) * 16;
         }
     }
-    float acc[ACC];
-#pragma unroll
-    for (int i = 0; i < ACC; i++)
-        acc[i] = 0.0f;
-    const uint32_t per = (nb + MMA_WARPS - 1) / MMA_WARPS;
-    const uint32_t b_lo = warp * per < nb ? warp * per : nb;
-    const uint32_t b_hi = b_lo + per < nb ? b_lo + per : nb;
-    const uint32_t n_st = (b_hi - b_lo + SB - 1) / SB;
     /* stage s: blocks [b_lo + s SB, min(+SB, b_hi)); a piece past b_hi is not copied */
     auto load = [&](uint32_t st) {
         const uint32_t b0 = b_lo + st * SB, bytes = (b_hi - b0 < SB ? b_hi - b0 : SB) * BB;
-        uint8_t *dst = wbuf + (st % STG_N) * STAGEB + (lane / 4) * STG_ROW + (lane % 4) * 16;
+        uint8_t *dst = wbuf + (st % NS) * STAGEB + (lane / 4) * STG_ROW + (lane % 4) * 16;
         if ((lane % 4) * 16 < bytes)
 #pragma unroll
             for (int m = 0; m < MATS; m++)
@@ -424,20 +475,27 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_stg_kernel(cuda_moe_gro
                 for (int i = 0; i < 4; i++)
                     cp_async16(dst + m * MATB + i * 8 * STG_ROW, src[m][i] + (size_t)b0 * BB);
     };
-    if (n_st > 0)
-        load(0);
-    cp_async_commit();
-    for (uint32_t st = 0; st < n_st; st++) {
-        if (st + 1 < n_st)
-            load(st + 1);
+#pragma unroll
+    for (uint32_t st = 0; st + 1 < NS; st++) {
+        if (st < n_st)
+            load(st);
         cp_async_commit();
-        cp_async_wait<1>();
+    }
+    float acc[ACC];
+#pragma unroll
+    for (int i = 0; i < ACC; i++)
+        acc[i] = 0.0f;
+    for (uint32_t st = 0; st < n_st; st++) {
+        if (st + NS - 1 < n_st)
+            load(st + NS - 1);
+        cp_async_commit();
+        cp_async_wait<NS - 1>();
         __syncwarp();
-        const uint8_t *buf = wbuf + (st % STG_N) * STAGEB;
-        const uint32_t b0 = b_lo + st * SB, nbs = b_hi - b0 < SB ? b_hi - b0 : SB;
+        const uint8_t *buf = wbuf + (st % NS) * STAGEB;
+        const uint32_t b0 = b_lo + st * SB, nbst = b_hi - b0 < SB ? b_hi - b0 : SB;
 #pragma unroll
         for (uint32_t bb = 0; bb < SB; bb++) {
-            if (bb >= nbs)
+            if (bb >= nbst)
                 break;
             const uint32_t b = b0 + bb;
             uint4 bx[NT];
@@ -459,7 +517,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_stg_kernel(cuda_moe_gro
                 }
             }
         }
-        __syncwarp(); /* this buffer is loaded again two stages on */
+        __syncwarp(); /* this buffer is loaded again NS - 1 stages on */
     }
     cp_async_wait<0>();
     __syncthreads(); /* the stages' memory now holds the sums */
@@ -468,43 +526,120 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, 2) moe_stg_kernel(cuda_moe_gro
     for (int i = 0; i < ACC; i++)
         red[((size_t)warp * ACC + i) * 32 + lane] = acc[i];
     __syncthreads();
-    mma_finish<NT, UP>(a, gr, j0, N, red);
+    if (splits == 1) {
+        mma_finish<NT, UP>(a, gr, j0, N, red);
+        return;
+    }
+    /* the block's sums (warp order), then the cluster's (rank order), each block finishing
+     * every splits-th output element */
+    float *part = red + (size_t)MMA_WARPS * ACC * 32;
+    for (uint32_t e = threadIdx.x; e < (uint32_t)ACC * 32; e += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < MMA_WARPS; w++)
+            s += red[(size_t)w * ACC * 32 + e];
+        part[e] = s;
+    }
+    cg::cluster_group cl = cg::this_cluster();
+    cl.sync();
+    for (uint32_t e = rank * blockDim.x + threadIdx.x; e < (uint32_t)PER * 32;
+         e += splits * blockDim.x) {
+        float sa = 0.0f, sb = 0.0f;
+        for (uint32_t q = 0; q < splits; q++) {
+            const float *pq = cl.map_shared_rank(part, q);
+            sa += pq[e];
+            if (UP)
+                sb += pq[PER * 32 + e];
+        }
+        mma_store<NT, UP>(a, gr, j0, N, e, sa, sb);
+    }
+    cl.sync(); /* no block leaves while another reads its sums */
 }
 
 /* ---- launchers ---- */
 
+/* Blocks per (group, 32 outputs) splitting the inputs: 1 for the routed experts' launches
+ * (their groups fill the device from one row on; measured on the H200, split by the launch's
+ * fill, moe_experts took 26% longer at 1 row and 43% at 8); for one group (a linear layer's
+ * rows, the shared expert) whose tiles leave the device under half its blocks (two an SM), as
+ * many as fill it, at most STG_SPLITS, each warp at least one 32-input block. A function of the
+ * shape alone: batch invariant. */
+static uint32_t stg_splits(cuda_ctx *c, uint32_t tiles, uint32_t nb, const cuda_moe_grouped *g)
+{
+    if (c->stream_nosplit || g->pair || g->n_groups != 1)
+        return 1;
+    const uint32_t slots =
+        2u * (uint32_t)cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
+    if (2 * tiles > slots)
+        return 1;
+    uint32_t s = slots / tiles;
+    s = s > STG_SPLITS ? STG_SPLITS : s;
+    while (s > 1 && nb / s < MMA_WARPS)
+        s--;
+    return s;
+}
+
 template <int NT, bool UP, bool FP8>
 static di_status launch_mma(cuda_ctx *c, const cuda_moe_grouped *g)
 {
-    const uint32_t N = UP ? g->inter : g->dim;
-    const uint64_t blocks = (uint64_t)g->n_groups * ((N + MMA_TILE - 1) / MMA_TILE);
+    const uint32_t N = UP ? g->inter : g->dim, K = UP ? g->dim : g->inter;
+    const uint32_t tiles = (N + MMA_TILE - 1) / MMA_TILE;
+    const uint64_t blocks = (uint64_t)g->n_groups * tiles;
     const char *name = UP ? "moe_mma_kernel<up>" : "moe_mma_kernel<down>";
-    if (blocks > 0x7fffffffu)
+    if (blocks * STG_SPLITS > 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "%s: %u groups x %u outputs in one launch", name,
                          g->n_groups, N);
     if (!g->aligned16) {
-        moe_mma_kernel<NT, UP, FP8><<<(unsigned)blocks, MMA_WARPS * 32, 0, c->stream>>>(*g);
-        return cuda_launched(c, name);
+        if constexpr (NT <= 2) {
+            moe_mma_kernel<NT, UP, FP8><<<(unsigned)blocks, MMA_WARPS * 32, 0, c->stream>>>(*g);
+            return cuda_launched(c, name);
+        }
+        return cuda_fail(c, DI_EINVAL, "%s: %u rows need 16-byte aligned weights", name,
+                         g->max_rows);
     }
-    /* the staged kernel: its shared memory opted in above 48 KiB once per instantiation (the
-     * attribute is per device and function; setting it again is harmless) */
-    const size_t smem = stg_smem<UP>();
+    /* the staged kernel: its shared memory opted in above 48 KiB (the attribute is per device
+     * and function; setting it again is harmless) */
+    name = UP ? "moe_stg_kernel<up>" : "moe_stg_kernel<down>";
+    const uint32_t nb = K / 32, splits = stg_splits(c, tiles, nb, g);
+    const uint32_t per = ((nb + splits - 1) / splits + MMA_WARPS - 1) / MMA_WARPS;
+    const size_t smem = stg_smem<NT, UP>();
     di_status st = cuda_check(c, cudaFuncSetAttribute(moe_stg_kernel<NT, UP, FP8>,
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       (int)smem),
                               "moe_stg_kernel: cudaFuncSetAttribute");
     if (st != DI_OK)
         return st;
-    moe_stg_kernel<NT, UP, FP8><<<(unsigned)blocks, MMA_WARPS * 32, smem, c->stream>>>(*g);
-    return cuda_launched(c, UP ? "moe_stg_kernel<up>" : "moe_stg_kernel<down>");
+    cudaLaunchConfig_t cfg = {};
+    cudaLaunchAttribute attr[1];
+    cfg.gridDim = dim3((unsigned)(blocks * splits));
+    cfg.blockDim = dim3(MMA_WARPS * 32);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = c->stream;
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = splits, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
+    cfg.attrs = attr, cfg.numAttrs = splits > 1; /* a plain launch unsplit */
+    st = cuda_check(c, cudaLaunchKernelEx(&cfg, moe_stg_kernel<NT, UP, FP8>, *g, splits, per),
+                    name);
+    if (st == DI_OK && splits > 1)
+        c->stats.stream_split++;
+    return st == DI_OK ? cuda_launched(c, name) : st;
 }
 
+/* The n8 tiles of the group rows: up to 16 rows (every MoE group) on one or two; a linear
+ * layer's 17-64 rows on four or eight (the down launch only). */
 template <bool UP>
 static di_status launch_nt(cuda_ctx *c, const cuda_moe_grouped *g)
 {
     if (g->max_rows <= 8)
         return g->fp8 ? launch_mma<1, UP, true>(c, g) : launch_mma<1, UP, false>(c, g);
-    return g->fp8 ? launch_mma<2, UP, true>(c, g) : launch_mma<2, UP, false>(c, g);
+    if (g->max_rows <= 16)
+        return g->fp8 ? launch_mma<2, UP, true>(c, g) : launch_mma<2, UP, false>(c, g);
+    if constexpr (!UP) {
+        if (g->max_rows <= 32)
+            return g->fp8 ? launch_mma<4, UP, true>(c, g) : launch_mma<4, UP, false>(c, g);
+        if (g->max_rows <= 64)
+            return g->fp8 ? launch_mma<8, UP, true>(c, g) : launch_mma<8, UP, false>(c, g);
+    }
+    return cuda_fail(c, DI_EINVAL, "moe mma: %u rows in a group", g->max_rows);
 }
 
 di_status cuda_moe_mma_run(cuda_ctx *c, const cuda_moe_grouped *g)
@@ -528,6 +663,9 @@ di_status cuda_moe_mma_run(cuda_ctx *c, const cuda_moe_grouped *g)
  * fp32 sums, one bf16 rounding), summed in another order, within the linear tolerance. */
 di_status cuda_linear_stream(cuda_ctx *c, const kern_linear *p, int fp8)
 {
+    if (p->m > CUDA_LINEAR_STREAM_ROWS)
+        return cuda_fail(c, DI_EINVAL, "weight-streaming kernel: %u rows (at most %d)", p->m,
+                         CUDA_LINEAR_STREAM_ROWS);
     const size_t codes_bytes = cuda_align_up((size_t)p->m * p->k * sizeof(__half));
     uint8_t *scratch;
     di_status st = cuda_scratch(c, codes_bytes + (size_t)p->m * (p->k / 32) * sizeof(float),
@@ -548,4 +686,23 @@ di_status cuda_linear_stream(cuda_ctx *c, const kern_linear *p, int fp8)
     if (st == DI_OK)
         c->stats.linear_stream++;
     return st;
+}
+
+void cuda_stream_config(cuda_ctx *c, int stream_splits, int linear_stream_rows)
+{
+    c->stream_nosplit = stream_splits == 1;
+    c->linear_stream_rows = linear_stream_rows < 0    ? 0
+                            : linear_stream_rows == 0 ? CUDA_LINEAR_STREAM_DEFAULT
+                            : linear_stream_rows > CUDA_LINEAR_STREAM_ROWS
+                                ? CUDA_LINEAR_STREAM_ROWS
+                                : linear_stream_rows;
+}
+
+extern "C" di_status kern_cuda_set_stream(kern_backend *be, int stream_splits,
+                                          int linear_stream_rows)
+{
+    if (!be || !be->ctx || !be->name || strcmp(be->name, "cuda") != 0)
+        return DI_EINVAL;
+    cuda_stream_config((cuda_ctx *)be->ctx, stream_splits, linear_stream_rows);
+    return DI_OK;
 }

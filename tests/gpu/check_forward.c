@@ -1357,6 +1357,20 @@ static void bench_dstep_make(bench_dstep *d, uint32_t first, uint32_t n)
     d->st = (fwd_step){.n_seqs = n, .seqs = d->seqs, .n_logit_rows = n, .logit_rows = d->rows};
 }
 
+/* The weights a decode step of n rows reads: every layer's dense weights, the distinct
+ * experts the rows pick (expected for uniform routing: E (1 - (1 - k/E)^n), in *used), the
+ * head */
+static double bench_decode_bytes(const bench_weights *bw, uint32_t n, double *used)
+{
+    const model_config *c = &bw->w.config;
+    *used = BENCH_EXPERTS * (1.0 - pow(1.0 - (double)BENCH_TOPK / BENCH_EXPERTS, n));
+    double bytes = (double)c->vocab_size * c->dim * 2;
+    for (uint32_t l = 0; l < c->n_layers; l++)
+        bytes += (double)dense_bytes(&bw->layers[l]) +
+                 *used * (double)expert_bytes(&bw->layers[l].ffn.experts[0]);
+    return bytes;
+}
+
 /* Decode steps of n sequences and their report line; the step's median ms (-1 on failure)
  * and the head's profiled ms in *head_ms. */
 static double bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, double copy_gbs,
@@ -1370,13 +1384,7 @@ static double bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, do
     *head_ms = 0;
     if (ms < 0)
         return -1;
-    /* weights read: every layer's dense weights, the distinct experts the rows pick (expected
-     * for uniform routing: E (1 - (1 - k/E)^n)), the head */
-    double used = BENCH_EXPERTS * (1.0 - pow(1.0 - (double)BENCH_TOPK / BENCH_EXPERTS, n));
-    double bytes = (double)c->vocab_size * c->dim * 2;
-    for (uint32_t l = 0; l < c->n_layers; l++)
-        bytes += (double)dense_bytes(&bw->layers[l]) +
-                 used * (double)expert_bytes(&bw->layers[l].ffn.experts[0]);
+    double used, bytes = bench_decode_bytes(bw, n, &used);
     double ideal = bytes / (copy_gbs * 1e9) * 1e3;
     printf("  decode %2u rows: %8.2f ms per step (%.2f ms per layer, head included), %8.1f "
            "tokens/s; weights read %.2f GB (%.0f experts per layer expected) in %.2f ms at the "
@@ -1387,6 +1395,27 @@ static double bench_decode(bench_ctx *b, const bench_weights *bw, uint32_t n, do
     snprintf(what, sizeof what, "decode step of %u rows", n);
     *head_ms = bench_profile(b, &st, what, c->n_layers);
     return ms;
+}
+
+/* The decode steps again with the weight-streaming kernel without split-k over blocks (its
+ * previous version), for the comparison in one run. */
+static void bench_decode_prev(bench_ctx *b, const bench_weights *bw, const uint32_t *ns,
+                              size_t count, double copy_gbs)
+{
+    if (kern_cuda_set_stream(b->be, 1, 0) != DI_OK)
+        return;
+    for (size_t i = 0; i < count; i++) {
+        static bench_dstep d;
+        bench_dstep_make(&d, 0, ns[i]);
+        fwd_step st = d.st;
+        double ms = bench_step_ms(b, &st, BENCH_REPS), used;
+        double ideal = bench_decode_bytes(bw, ns[i], &used) / (copy_gbs * 1e9) * 1e3;
+        if (ms > 0)
+            printf("  decode %2u rows without split-k over blocks: %8.2f ms per step, %.1f%% of "
+                   "copy\n", ns[i], ms,
+                   100.0 * ideal / ms);
+    }
+    kern_cuda_set_stream(b->be, 0, 0);
 }
 
 
@@ -1647,6 +1676,7 @@ static void bench_forward(chk_env *env)
             double dec_ms = -1, dec_head = -1, dev_ms = -1;
             for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]) && st == DI_OK; i++)
                 dec_ms = bench_decode(&b, &bw, ns[i], copy, &dec_head);
+            bench_decode_prev(&b, &bw, ns, sizeof(ns) / sizeof(ns[0]), copy);
             if (st == DI_OK) {
                 bench_sampling(&b, BENCH_MAX_SEQS, &dev_ms);
                 bench_whole(c->n_layers, full.n_layers ? full.n_layers : 40, ms, prefill_head,

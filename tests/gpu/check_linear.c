@@ -7,8 +7,10 @@
  * (+-448, subnormal, signed zero) codes and UE8M0 scales near both ends; rows 1, 3, 63, 127,
  * n off multiples of 32 (a partial last 32-row scale block for FP8), groups 8, padded strides.
  * Every case runs on the default backend (FP8/FP4 calls of up to 16 rows with bf16 output on the
- * weight-streaming kernel of moe_mma.cu, the rest on cuBLASLt) and a subset again on the plain
- * GEMM kernel (simple_gemm).
+ * weight-streaming kernel of moe_mma.cu, split over the blocks of a cluster where the shape has
+ * few outputs, the rest on cuBLASLt) and a subset again on the plain GEMM kernel (simple_gemm);
+ * the FP8/FP4 cases of up to 64 rows again with that kernel taking them all
+ * (kern_cuda_set_stream, four and eight n8 tiles of rows).
  * With --bench: the ops at V4.1-Flash shapes next to the copy bandwidth and an 8192^3 BF16 GEMM
  * measured in the same run.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error.
@@ -281,7 +283,9 @@ typedef struct shape {
 static const shape shapes[] = {
     {OP_FP8, 1, 64, 64, 1, 1},      {OP_FP8, 3, 33, 96, 1, 1},     {OP_FP8, 63, 100, 256, 1, 1},
     {OP_FP8, 127, 257, 512, 1, 1},  {OP_FP8, 64, 1280, 5120, 1, 0}, {OP_FP8, 8, 512, 5120, 1, 0},
-    {OP_FP8, 5, 96, 8192, 1, 0},    {OP_FP4, 1, 64, 64, 1, 1},     {OP_FP4, 3, 33, 96, 1, 1},
+    {OP_FP8, 5, 96, 8192, 1, 0},    {OP_FP8, 20, 40, 1024, 1, 1},  {OP_FP8, 40, 100, 3200, 1, 1},
+    {OP_FP4, 33, 70, 2048, 1, 1},   {OP_FP4, 24, 260, 3136, 1, 1}, {OP_FP4, 1, 64, 64, 1, 1},
+    {OP_FP4, 3, 33, 96, 1, 1},
     {OP_FP4, 63, 100, 256, 1, 1},   {OP_FP4, 127, 257, 512, 1, 1}, {OP_FP4, 8, 2304, 5120, 1, 0},
     {OP_BF16, 1, 64, 128, 8, 1},    {OP_BF16, 3, 33, 96, 8, 1},    {OP_BF16, 63, 64, 128, 1, 1},
     {OP_BF16, 127, 100, 256, 8, 1}, {OP_BF16, 8, 1024, 4096, 8, 0}, {OP_HEAD, 1, 1000, 256, 1, 1},
@@ -334,6 +338,29 @@ static void sweep(chk_env *env, const kern_backend *simple)
     for (int i = 0; i < OP_COUNT; i++)
         print_stats(op_name[i], &per_op[i]);
     print_stats("all ops on the plain GEMM", &plain);
+    /* FP8/FP4 calls of 17-64 rows on the weight-streaming kernel (kern_cuda_set_stream) */
+    sweep_stats wide = {0, 0, 0.0, 1.0};
+    kern_cuda_stats w0, w1;
+    kern_cuda_get_stats(&env->gpu, &w0);
+    kern_cuda_set_stream(&env->gpu, 0, 64);
+    for (size_t si = 0; si < N_SHAPES; si++) {
+        const shape *sh = &shapes[si];
+        if ((sh->op != OP_FP8 && sh->op != OP_FP4) || sh->m <= 16 || sh->m > 64)
+            continue;
+        for (size_t c = 0; c < (sh->full ? N_PAIRS : 2); c++) {
+            lin_case lc;
+            shape_cases(sh, sh->full ? c : (c == 0 ? 3 : 5), &lc); /* bf16 out */
+            run_case(env, &env->gpu, &lc, &wide);
+        }
+    }
+    kern_cuda_set_stream(&env->gpu, 0, 0);
+    kern_cuda_get_stats(&env->gpu, &w1);
+    print_stats("FP8/FP4 17-64 rows streamed", &wide);
+    if (w1.linear_stream - w0.linear_stream != (uint64_t)wide.cases) {
+        fprintf(stderr, "FAIL: %" PRIu64 " of %d cases of 17-64 rows took the weight-streaming "
+                "kernel\n", w1.linear_stream - w0.linear_stream, wide.cases);
+        chk_count(env, 1);
+    }
     /* batch-invariant mode: the fixed 64-row chunks, padded strides, groups and accumulation
      * held to the same tolerance, on cases the default path passes above (a small shape's
      * every output kind, a large shape's two cases: at k >= 4096, arange x against
@@ -527,7 +554,7 @@ static void *dev_copy_of(chk_env *env, const void *host, size_t bytes)
 typedef struct bench_row {
     const char *name;
     uint32_t n, k, m;
-    double op_ms, op_flops, op_bytes, gemm_ms, gemm_bytes;
+    double op_ms, prev_ms, op_flops, op_bytes, gemm_ms, gemm_bytes;
 } bench_row;
 
 /* Times `op` (weight format of the shape) and the BF16 GEMM of the same shape alone. */
@@ -582,6 +609,14 @@ static void bench_shape_m(chk_env *env, const bench_shape *bs, uint32_t m, bench
     row->name = bs->name, row->n = bs->n, row->k = bs->k, row->m = m;
     row->op_flops = 2.0 * m * bs->n * bs->k;
     row->op_ms = chk_time_ms(env, bench_call, &op, op_sets < 3 ? 3 : op_sets, reps);
+    /* the other setting: up to 16 rows without split-k over blocks, 17-64 rows on the
+     * weight-streaming kernel */
+    row->prev_ms = -1;
+    if (bs->op != OP_HEAD && m <= 64 &&
+        kern_cuda_set_stream(&env->gpu, m <= 16, m <= 16 ? 16 : 64) == DI_OK) {
+        row->prev_ms = chk_time_ms(env, bench_call, &op, op_sets < 3 ? 3 : op_sets, reps);
+        kern_cuda_set_stream(&env->gpu, 0, 0);
+    }
     row->gemm_ms = chk_time_ms(env, bench_call, &gemm, gemm_sets < 3 ? 3 : gemm_sets, reps);
     row->op_bytes = (double)x_bytes + y_bytes + (bs->op == OP_HEAD ? wb_bytes : wq_bytes + s_bytes);
     row->gemm_bytes = (double)x_bytes + y_bytes + wb_bytes;
@@ -616,14 +651,17 @@ static void bench(chk_env *env)
         }
     kern_cuda_stats st;
     kern_cuda_get_stats(&env->gpu, &st);
-    printf("\nLinear ops (whole op: FP8/FP4 up to 16 rows the weight-streaming kernel, else "
-           "quantise x + dequantise W + cuBLASLt; GEMM: the BF16 GEMM of the same shape alone)\n");
+    printf("\nLinear ops (whole op: FP8/FP4 up to 16 rows the weight-streaming kernel with "
+           "split-k over blocks where the shape has few outputs, else quantise x + dequantise W "
+           "+ cuBLASLt; other: up to 16 rows the kernel without split-k, 17-64 rows the kernel "
+           "instead of cuBLASLt; GEMM: the BF16 GEMM of the same shape alone; the times are "
+           "from the host's issue of the op to its end)\n");
     printf("ceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s; GB/s counts each"
            " input once and the output once;\nroof%% = max(TFLOP/s / GEMM ceiling, GB/s / copy)."
            " Inputs rotate over >= 256 MB per shape (one set when larger).\n",
            copy, peak);
-    printf("%-10s %12s %5s | %9s %8s %7s %5s | %9s %8s %7s %5s\n", "weight", "n x k", "m", "op us",
-           "TFLOP/s", "GB/s", "roof%", "GEMM us", "TFLOP/s", "GB/s", "roof%");
+    printf("%-10s %12s %5s | %9s %8s %7s %5s %8s | %9s %8s %7s %5s\n", "weight", "n x k", "m",
+           "op us", "TFLOP/s", "GB/s", "roof%", "other us", "GEMM us", "TFLOP/s", "GB/s", "roof%");
     for (size_t i = 0; i < r; i++) {
         bench_row *b = &rows[i];
         if (b->op_ms <= 0 || b->gemm_ms <= 0) {
@@ -635,8 +673,9 @@ static void bench(chk_env *env)
         double oroof = fmax(otf / peak, ogb / copy) * 100, groof = fmax(gtf / peak, ggb / copy) * 100;
         char shape[32];
         snprintf(shape, sizeof(shape), "%ux%u", b->n, b->k);
-        printf("%-10s %12s %5u | %9.1f %8.1f %7.0f %5.0f | %9.1f %8.1f %7.0f %5.0f\n", b->name,
-               shape, b->m, b->op_ms * 1e3, otf, ogb, oroof, b->gemm_ms * 1e3, gtf, ggb, groof);
+        printf("%-10s %12s %5u | %9.1f %8.1f %7.0f %5.0f %8.1f | %9.1f %8.1f %7.0f %5.0f\n",
+               b->name, shape, b->m, b->op_ms * 1e3, otf, ogb, oroof, b->prev_ms * 1e3,
+               b->gemm_ms * 1e3, gtf, ggb, groof);
     }
     printf("GEMMs so far: %" PRIu64 " cuBLASLt, %" PRIu64 " plain kernel; %" PRIu64
            " cuBLASLt plans built\n",
@@ -647,10 +686,17 @@ static void bench(chk_env *env)
             if (!strcmp(rows[i].name, "expert w1") && !strcmp(rows[j].name, "expert8 w1") &&
                 rows[i].m == rows[j].m && rows[i].op_ms > 0 && rows[j].op_ms > 0)
                 printf("expert w1 2304x5120, m = %u: FP4 %.1f us, FP8 %.1f us: FP4 takes %.2fx "
-                       "the FP8 time (%s)\n", rows[i].m, rows[i].op_ms * 1e3, rows[j].op_ms * 1e3,
+                       "the FP8 time (%s; the other setting %.2fx); their bytes at the copy "
+                       "bandwidth: FP4 %.1f us (%.0f%% reached), FP8 %.1f us (%.0f%%)\n",
+                       rows[i].m, rows[i].op_ms * 1e3, rows[j].op_ms * 1e3,
                        rows[i].op_ms / rows[j].op_ms,
                        rows[i].m <= 16 ? "both on the weight-streaming kernel"
-                                       : "both dequantised, then cuBLASLt");
+                                       : "both dequantised, then cuBLASLt",
+                       rows[j].prev_ms > 0 ? rows[i].prev_ms / rows[j].prev_ms : 0.0,
+                       rows[i].op_bytes / (copy * 1e3),
+                       100 * rows[i].op_bytes / (copy * 1e3) / (rows[i].op_ms * 1e3),
+                       rows[j].op_bytes / (copy * 1e3),
+                       100 * rows[j].op_bytes / (copy * 1e3) / (rows[j].op_ms * 1e3));
     free(rows);
 }
 
@@ -676,10 +722,13 @@ int main(int argc, char **argv)
     kern_cuda_get_stats(&env.gpu, &st);
     printf("check_linear: %d CUDA-vs-C cases, %d with mismatches; GEMMs: %" PRIu64
            " cuBLASLt, %" PRIu64 " plain kernel (no cuBLASLt algorithm for the shape); %" PRIu64
-           " FP8/FP4 calls of <= 16 rows on the weight-streaming kernel\n",
-           env.checks, env.failures, st.gemm_cublaslt, st.gemm_simple, st.linear_stream);
-    if (st.linear_stream == 0) {
-        fprintf(stderr, "FAIL: no linear call took the weight-streaming kernel\n");
+           " FP8/FP4 calls on the weight-streaming kernel, %" PRIu64
+           " launches of it split over blocks\n",
+           env.checks, env.failures, st.gemm_cublaslt, st.gemm_simple, st.linear_stream,
+           st.stream_split);
+    if (st.linear_stream == 0 || st.stream_split == 0) {
+        fprintf(stderr, "FAIL: no linear call took the weight-streaming kernel%s\n",
+                st.linear_stream ? " split over blocks" : "");
         env.failures++;
     }
     kern_cuda_destroy(&simple);

@@ -39,7 +39,8 @@
 
 static const char usage[] =
     "usage: check_moe [--bench] [--seed N]\n"
-    "  CUDA moe_gate, swiglu, moe_experts against the C twins; --bench adds V4.1-Flash timings\n";
+    "  CUDA moe_gate, swiglu, moe_experts against the C twins; --bench adds V4.1-Flash timings\n"
+    "  (CHECK_MOE_SWEEP=0 skips the checks and fails: the bench alone, for a profiler)\n";
 
 #define SHOW 5
 
@@ -253,6 +254,8 @@ typedef struct moe_backends {
     kern_backend perexp;        /* large buckets expert by expert (cuBLASLt) instead of the
                                  * wide kernel */
     kern_backend perexp_never;  /* the same with the grouped path off (the bench) */
+    kern_backend nosplit;       /* grouped path only, no split-k over blocks (kern_cuda_config
+                                 * stream_splits = 1: the previous kernel's sums) */
 } moe_backends;
 
 static moe_backends g_be;
@@ -664,6 +667,7 @@ static void sweep(chk_env *env)
         check_experts(env, &g_be.cores, THR_ALWAYS, &grouped[i], worst);
         check_experts(env, &g_be.unstaged, THR_ALWAYS, &grouped[i], worst);
         check_experts(env, &g_be.host, THR_ALWAYS, &grouped[i], worst);
+        check_experts(env, &g_be.nosplit, THR_ALWAYS, &grouped[i], worst);
     }
     for (size_t i = 0; i < sizeof(gemm) / sizeof(gemm[0]); i++)
         check_experts(env, &g_be.gemm, THR_NEVER, &gemm[i], worst);
@@ -694,6 +698,17 @@ static void sweep(chk_env *env)
            worst[2]);
     printf("moe_experts: %" PRIu64 " cases planned on the device gave the host plan's bits\n",
            g_device_vs_host);
+    /* split-k over blocks taken by the default backend, never by the one without it */
+    kern_cuda_stats sd, sn;
+    kern_cuda_get_stats(&env->gpu, &sd);
+    kern_cuda_get_stats(&g_be.nosplit, &sn);
+    printf("moe_experts: %" PRIu64 " weight-streaming launches split over blocks (default "
+           "backend), %" PRIu64 " without split-k\n", sd.stream_split, sn.stream_split);
+    if (sd.stream_split == 0 || sn.stream_split != 0) {
+        fprintf(stderr, "FAIL moe_experts: split-k over blocks taken %" PRIu64 " times by default, "
+                "%" PRIu64 " times with stream_splits = 1\n", sd.stream_split, sn.stream_split);
+        chk_count(env, 1);
+    }
     check_refusals(env);
     check_buckets(env);
 }
@@ -710,7 +725,8 @@ typedef struct bench_arg {
 } bench_arg;
 
 /* The timed ops: moe_experts forced onto each path, then moe_gate. */
-enum { OP_MMA, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_PEREXP, OP_GATE, BENCH_OPS };
+enum { OP_MMA, OP_NOSPLIT, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_PEREXP, OP_GATE,
+       BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
@@ -811,7 +827,8 @@ static void bench(chk_env *env)
                               .logits = chk_dev_copy(env, hz, (size_t)T * B_E * 4), .temp = 1.0f,
                               .route_scale = 1.5f, .ids = chk_dev_alloc(env, nk * 4),
                               .weights = chk_dev_alloc(env, nk * 4)};
-        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped, host plan",
+        static const char *const names[BENCH_OPS] = {"moe_experts grouped", "grouped, no split-k",
+                                                     "grouped, host plan",
                                                      "grouped unstaged",
                                                      "grouped cuda-core",
                                                      "moe_experts cublaslt", "cublaslt per-expert",
@@ -825,6 +842,7 @@ static void bench(chk_env *env)
             const int ex_op = op != OP_GATE;
             if (ex_op)
                 env->gpu = op == OP_MMA        ? g_be.grouped
+                           : op == OP_NOSPLIT  ? g_be.nosplit
                            : op == OP_HOST     ? g_be.host
                            : op == OP_UNSTAGED ? g_be.unstaged
                            : op == OP_CORES    ? g_be.cores
@@ -863,6 +881,7 @@ int main(int argc, char **argv)
     kern_cuda_config host = {.moe_grouped_rows = THR_ALWAYS, .moe_host_plan = 1};
     kern_cuda_config perexp = {.moe_per_expert = 1};
     kern_cuda_config perexp_never = {.moe_grouped_rows = -1, .moe_per_expert = 1};
+    kern_cuda_config nosplit = {.moe_grouped_rows = THR_ALWAYS, .stream_splits = 1};
     di_error e;
     if (kern_cuda_create(&always, &g_be.grouped, &e) != DI_OK ||
         kern_cuda_create(&cores, &g_be.cores, &e) != DI_OK ||
@@ -870,16 +889,22 @@ int main(int argc, char **argv)
         kern_cuda_create(&never, &g_be.gemm, &e) != DI_OK ||
         kern_cuda_create(&host, &g_be.host, &e) != DI_OK ||
         kern_cuda_create(&perexp, &g_be.perexp, &e) != DI_OK ||
-        kern_cuda_create(&perexp_never, &g_be.perexp_never, &e) != DI_OK) {
+        kern_cuda_create(&perexp_never, &g_be.perexp_never, &e) != DI_OK ||
+        kern_cuda_create(&nosplit, &g_be.nosplit, &e) != DI_OK) {
         fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
         return 2;
     }
-    sweep(&env);
+    const char *sw = getenv("CHECK_MOE_SWEEP");
+    if (sw && !strcmp(sw, "0"))
+        chk_count(&env, 1); /* nothing checked: not a pass */
+    else
+        sweep(&env);
     int rc = chk_finish(&env, "check_moe", want_bench, bench);
     kern_cuda_destroy(&g_be.grouped);
     kern_cuda_destroy(&g_be.cores);
     kern_cuda_destroy(&g_be.unstaged);
     kern_cuda_destroy(&g_be.gemm);
+    kern_cuda_destroy(&g_be.nosplit);
     kern_cuda_destroy(&g_be.host);
     kern_cuda_destroy(&g_be.perexp);
     kern_cuda_destroy(&g_be.perexp_never);
