@@ -81,8 +81,8 @@ static di_status launch_codes(cuda_ctx *c, const uint16_t *src, size_t ld, uint3
         return DI_OK;
     if (blocks > 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "moe mma: %u rows of %u to quantise", rows, K);
-    mma_codes_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, c->stream>>>(src, ld, rows, K,
-                                                                       (__half *)codes, scales);
+    cuda_launch(c, "mma_codes_kernel", mma_codes_kernel, (unsigned)blocks, CUDA_THREADS, 0,
+                c->stream, src, ld, rows, K, (__half *)codes, scales);
     return cuda_launched(c, "mma_codes_kernel");
 }
 
@@ -483,7 +483,8 @@ static di_status launch_mma(cuda_ctx *c, const cuda_moe_grouped *g)
         return cuda_fail(c, DI_EINVAL, "%s: %u groups x %u outputs in one launch", name,
                          g->n_groups, N);
     if (!g->aligned16) {
-        moe_mma_kernel<NT, UP, FP8><<<(unsigned)blocks, MMA_WARPS * 32, 0, c->stream>>>(*g);
+        cuda_launch(c, "moe_mma_kernel", moe_mma_kernel<NT, UP, FP8>, (unsigned)blocks,
+                    MMA_WARPS * 32, 0, c->stream, *g);
         return cuda_launched(c, name);
     }
     /* the staged kernel: its shared memory opted in above 48 KiB once per instantiation (the
@@ -495,7 +496,8 @@ static di_status launch_mma(cuda_ctx *c, const cuda_moe_grouped *g)
                               "moe_stg_kernel: cudaFuncSetAttribute");
     if (st != DI_OK)
         return st;
-    moe_stg_kernel<NT, UP, FP8><<<(unsigned)blocks, MMA_WARPS * 32, smem, c->stream>>>(*g);
+    cuda_launch(c, "moe_stg_kernel", moe_stg_kernel<NT, UP, FP8>, (unsigned)blocks, MMA_WARPS * 32,
+                smem, c->stream, *g);
     return cuda_launched(c, UP ? "moe_stg_kernel<up>" : "moe_stg_kernel<down>");
 }
 
