@@ -255,12 +255,16 @@ static di_status indexer(fwd_run *r, fwd_kv *kv, const fwd_layer_w *L, di_error 
     /* head weights [T, ih] bf16 */
     if ((st = linear_bf16(r, r->x, T, c->dim, L->i_wproj, ih, r->iw, 0, l, err)) != DI_OK)
         return st;
-    size_t width = maxv > 0 ? (size_t)maxv : 1;
+    /* the scores' row stride rounded up to a power of two (at least 64): a decode step's
+     * width grows with the context, and a step of the same stride can replay a CUDA graph */
+    size_t width = 64;
+    while (width < (size_t)maxv)
+        width *= 2;
     size_t block = SCORE_BUDGET_BYTES / (width * sizeof(float));
     block = block < 1 ? 1 : (block > T ? T : block);
     if ((st = ensure_scores(r, block, width, err)) != DI_OK)
         return st;
-    size_t cb = c->candidate_block_size, cwidth = (width + cb - 1) / cb;
+    size_t cb = c->candidate_block_size, cwidth = ((size_t)(maxv > 0 ? maxv : 1) + cb - 1) / cb;
     if (L->role->publishes_candidates && (st = ensure_cand(r, cwidth, err)) != DI_OK)
         return st;
     for (uint32_t t0 = 0; t0 < T; t0 += (uint32_t)block) {

@@ -382,7 +382,8 @@ static di_status launch_sparse_attn(cuda_ctx *c, const attn_args *a, uint32_t n_
     if (st != DI_OK)
         return st;
     dim3 grid(n_rows, (a->n_heads + ATTN_HG - 1) / ATTN_HG);
-    sparse_attn_kernel<<<grid, ATTN_THREADS, L.total, stream>>>(*a);
+    cuda_launch(c, "sparse_attn_kernel", sparse_attn_kernel, grid, ATTN_THREADS, L.total, stream,
+                *a);
     return cuda_launched(c, "sparse_attn_kernel");
 }
 
@@ -460,6 +461,11 @@ di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p)
     uint32_t ne_pad = (max_ent + ATTN_TE - 1) / ATTN_TE * ATTN_TE;
     if (ne_pad == 0)
         ne_pad = ATTN_TE;
+    /* a graph's bound: rounded up while the layout still fits (cuda_graph_bound) */
+    uint32_t g_ent = cuda_graph_bound(c, max_ent, (uint64_t)ATTN_MAX_BLK * ATTN_BLOCK - p->window);
+    uint32_t g_pad = (g_ent + ATTN_TE - 1) / ATTN_TE * ATTN_TE;
+    if (g_pad > ne_pad && attn_layout(p->head_dim, g_pad).total <= ATTN_SMEM_LIMIT)
+        ne_pad = g_pad;
     if (attn_layout(p->head_dim, ne_pad).total > ATTN_SMEM_LIMIT)
         return cuda_fail(c, DI_EUNSUPPORTED, "sparse_attn: %u keys per row of %u numbers need "
                          "more shared memory than a block has", max_ent, p->head_dim);

@@ -205,20 +205,8 @@ di_status cuda_meta_upload(cuda_ctx *c, int to_work, size_t extra, uint8_t **dev
     di_status st = to_work ? cuda_work(c, len + extra, &base) : cuda_scratch(c, len + extra, &base);
     if (st != DI_OK)
         return st;
-    /* the host buffer is pageable: the copy has taken the bytes when the call returns; while
-     * capturing, the bytes go through the segment's pinned arena */
-    const uint8_t *src = c->meta;
-    if (c->meta_len && c->graph.capturing) {
-        uint8_t *h = NULL;
-        st = cuda_graph_host(c, c->meta_len, &h);
-        if (st == DI_OK)
-            memcpy(h, c->meta, c->meta_len);
-        src = h;
-    }
-    if (st == DI_OK && c->meta_len)
-        st = cuda_check(c, cudaMemcpyAsync(base, src, c->meta_len, cudaMemcpyHostToDevice,
-                                           c->stream),
-                        "metadata upload: cudaMemcpyAsync");
+    st = cuda_upload(c, base, c->meta, c->meta_len); /* logged with the segment's uploads
+                                                        * while graphs are on (graph.cu) */
     if (st != DI_OK)
         return st;
     *dev = base;
@@ -242,9 +230,14 @@ di_status cuda_meta_seqs(cuda_ctx *c, const char *what, const kern_seq *seqs, ui
     if (tables > 0xffffffffu)
         return cuda_fail(c, DI_EINVAL, "%s: %llu block-table entries", what,
                          (unsigned long long)tables);
+    /* the table array padded to a power of two (at least 64 entries): a step whose sequences
+     * grew by a block has the same metadata layout, so its graph is launched as it is */
+    uint64_t table_cap = 64;
+    while (table_cap < tables)
+        table_cap *= 2;
     di_status st = cuda_meta_push(c, NULL, (size_t)n * sizeof(cuda_seq), seq_off);
     if (st == DI_OK)
-        st = cuda_meta_push(c, NULL, (size_t)(tables ? tables : 1) * sizeof(uint32_t), table_off);
+        st = cuda_meta_push(c, NULL, (size_t)table_cap * sizeof(uint32_t), table_off);
     if (st == DI_OK && rows)
         st = cuda_meta_push(c, NULL, (size_t)rows * sizeof(int32_t), row_seq_off);
     if (st != DI_OK)
@@ -289,22 +282,6 @@ di_status cuda_meta_seqs(cuda_ctx *c, const char *what, const kern_seq *seqs, ui
         if (rs[r] < 0)
             return cuda_fail(c, DI_EINVAL, "%s: row %u belongs to no sequence", what, r);
     return DI_OK;
-}
-
-di_status cuda_upload(cuda_ctx *c, void *dst, const void *src, size_t bytes)
-{
-    if (bytes == 0)
-        return DI_OK;
-    /* The staging buffer is pageable: the copy has taken the bytes when the call returns, so
-     * the caller's array (pinned or not) and the staging buffer are free again at once. While
-     * a segment is captured it is the segment's pinned arena instead (graph.cu). */
-    uint8_t *h = NULL;
-    di_status st = cuda_graph_host(c, bytes, &h);
-    if (st != DI_OK)
-        return st;
-    memcpy(h, src, bytes);
-    return cuda_check(c, cudaMemcpyAsync(dst, h, bytes, cudaMemcpyHostToDevice, c->stream),
-                      "upload: cudaMemcpyAsync");
 }
 
 static void *cuda_alloc(void *ctx, size_t bytes)

@@ -69,7 +69,7 @@ typedef struct kern_cuda_config {
     int moe_per_expert;         /* 1: buckets past the grouped path run expert by expert on
                                  * the linear path (cuBLASLt) instead of the wide kernel (the
                                  * previous version, for comparison) */
-    int graphs;                 /* 1: start with graph capture on (kern_cuda_graphs) */
+    int graphs;                 /* 1: start with graphs on (kern_cuda_graphs) */
     uint32_t graph_split;       /* kern_cuda_graph_split's ops per segment (0: whole) */
     int stream_splits;          /* 1: the weight-streaming kernel (grouped MoE path, FP8/FP4
                                  * linears of few rows) without split-k over blocks (the
@@ -100,13 +100,21 @@ typedef struct kern_cuda_stats {
     uint64_t moe_device_plan;   /* moe_experts calls bucketed on the device (no read-back) */
     uint64_t syncs;             /* host waits on the stream (transfers, read-backs, buffer
                                  * growth, kern_cuda_sync) */
-    uint64_t graph_launches;    /* captured segments launched (kern_cuda_graphs) */
-    uint64_t graph_instantiations; /* of them, instantiated afresh (new key, or the update of
-                                 * the key's graph refused: the shapes changed) */
-    uint64_t graph_updates;     /* of them, run by updating the key's graph in place */
+    uint64_t graph_launches;    /* segments launched as graphs (kern_cuda_graphs) */
+    uint64_t graph_instantiations; /* of them, captured from the log and instantiated (a key
+                                 * not kept) */
+    uint64_t graph_replays;     /* of them, a kept graph launched as it is (no capture) */
+    uint64_t graph_shape_misses; /* instantiations whose ops and row counts matched a kept
+                                 * graph's (an argument or a size differed) */
+    struct {
+        char what[56];          /* "op: kernel or transfer: shape" (launch shape or size) or
+                                 * "...: arguments": the first action that differed */
+        uint64_t n;             /* misses charged to it */
+    } graph_misses[8];          /* of those, by the first differing action (the first 8 kinds) */
     uint64_t graph_nodes;       /* nodes of the segment launched last */
-    uint64_t op_host_ns;        /* host time spent inside op entries (issuing work) */
-    uint64_t graph_host_ns;     /* host time spent ending captures, updating and launching */
+    uint64_t op_host_ns;        /* host time spent inside op entries (issuing or logging work) */
+    uint64_t graph_host_ns;     /* host time spent ending segments: finding, capturing,
+                                 * instantiating and launching their graphs */
 } kern_cuda_stats;
 
 /* Fills *out with the CUDA backend on cfg->device: a stream, a cuBLASLt handle with its
@@ -132,7 +140,8 @@ const char *kern_cuda_op_name(size_t index);
 /* The message of the backend's last failure ("" when none). Valid until the next op. */
 const char *kern_cuda_last_error(const kern_backend *be);
 
-/* The backend's cudaStream_t, for events and graph capture around its ops. */
+/* The backend's cudaStream_t, for events around its ops. While graphs are on, work queued on
+ * it after an op and before the next synchronisation point is refused (kern_cuda_graphs). */
 void *kern_cuda_stream(const kern_backend *be);
 
 /* Waits until every queued op has finished. DI_OK; the failure of an earlier transfer not yet
@@ -156,21 +165,22 @@ di_status kern_cuda_set_batch_invariant(kern_backend *be, int on);
  * benchmarks comparing them on one loaded model. DI_OK; DI_EINVAL when be is not a CUDA
  * backend. Takes effect at the next op. */
 di_status kern_cuda_set_stream(kern_backend *be, int stream_splits, int linear_stream_rows);
-/* CUDA graphs (graph.cu). With graphs on, the ops between two synchronisation points (a
- * transfer, a read-back, buffer growth, alloc, free, kern_cuda_sync) are captured from the
- * stream as one segment instead of being launched; at the next such point the segment is
- * launched as a graph. Each segment has a key (its ops and their row counts): the first of a
- * key is instantiated, later ones update that instantiation in place
- * (cudaGraphExecUpdate) and are instantiated afresh when the update is refused (the shapes
- * changed); CUDA_GRAPH_SLOTS (64) keys are kept, least recently used replaced. The uploads of a
- * captured segment go through a pinned host arena. The numbers are the eager path's, bit for
- * bit (the same kernels with the same arguments in the same order). A failed op ends the
- * segment: what was captured before it runs. on = 0 launches the segment being captured and
- * stops capturing. DI_OK; DI_EINVAL (not a CUDA backend); a CUDA failure. */
+/* CUDA graphs (graph.cu). With graphs on, the device work of the ops between two
+ * synchronisation points (a transfer, a read-back, buffer growth, alloc, free, kern_cuda_sync)
+ * is logged on the host as one segment instead of being queued; at the next such point the
+ * segment is launched as a graph. Its key hashes every logged action (kernels with their launch
+ * shapes and argument bytes, copies, the size and destination of each upload): the graph of a
+ * key seen before is launched as it is, the uploads' bytes written into the pinned arena its
+ * copies read; a new key is captured from the log and instantiated. CUDA_GRAPH_SLOTS (128) keys
+ * are kept, least recently used replaced. The numbers are the eager path's, bit for bit (the
+ * same kernels with the same arguments in the same order). A failed op ends the segment: what
+ * was logged before it runs. on = 0 launches the segment being logged and stops logging. DI_OK;
+ * DI_EINVAL (not a CUDA backend); a CUDA failure; DI_EINTERNAL when device work bypassed the
+ * log. */
 di_status kern_cuda_graphs(kern_backend *be, int on, di_error *err);
 
 /* With graphs on, a segment also ends before its ops-th op (0: only at synchronisation
- * points), so that the device runs a step's first segments while the host captures the
+ * points), so that the device runs a step's first segments while the host logs the
  * following ones. DI_OK; DI_EINVAL (not a CUDA backend). */
 di_status kern_cuda_graph_split(kern_backend *be, uint32_t ops, di_error *err);
 

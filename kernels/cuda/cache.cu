@@ -127,14 +127,14 @@ static di_status launch_quant_rows(cuda_ctx *c, kern_qfmt fmt, const uint16_t *s
         return cuda_fail(c, DI_EINVAL, "quantise: %u rows of %u numbers", n_rows, n);
     unsigned grid = blocks_for(threads);
     if (fmt == KERN_Q_FP8_B32)
-        quant_rows_kernel<NUMFMT_FP8_B32><<<grid, CUDA_THREADS, 0, stream>>>(src, n, n_rows, dst,
-                                                                           dst_base, dst_stride);
+        cuda_launch(c, "quant_rows_kernel", quant_rows_kernel<NUMFMT_FP8_B32>, grid, CUDA_THREADS,
+                    0, stream, src, n, n_rows, dst, dst_base, dst_stride);
     else if (fmt == KERN_Q_FP4_B32)
-        quant_rows_kernel<NUMFMT_FP4_B32><<<grid, CUDA_THREADS, 0, stream>>>(src, n, n_rows, dst,
-                                                                           dst_base, dst_stride);
+        cuda_launch(c, "quant_rows_kernel", quant_rows_kernel<NUMFMT_FP4_B32>, grid, CUDA_THREADS,
+                    0, stream, src, n, n_rows, dst, dst_base, dst_stride);
     else
-        quant_rows_kernel<NUMFMT_FP4_B16><<<grid, CUDA_THREADS, 0, stream>>>(src, n, n_rows, dst,
-                                                                           dst_base, dst_stride);
+        cuda_launch(c, "quant_rows_kernel", quant_rows_kernel<NUMFMT_FP4_B16>, grid, CUDA_THREADS,
+                    0, stream, src, n, n_rows, dst, dst_base, dst_stride);
     return cuda_launched(c, "quant_rows_kernel");
 }
 
@@ -144,8 +144,8 @@ static di_status launch_compress_pool(cuda_ctx *c, const uint8_t *const *src, co
     size_t threads = (size_t)p->n_emit * p->dim;
     if (threads / CUDA_THREADS >= 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "compress_pool: %u entries of %u", p->n_emit, p->dim);
-    compress_pool_kernel<<<blocks_for(threads), CUDA_THREADS, 0, stream>>>(src, p->ratio, p->dim,
-                                                                         p->n_emit, p->latent);
+    cuda_launch(c, "compress_pool_kernel", compress_pool_kernel, blocks_for(threads), CUDA_THREADS,
+                0, stream, src, p->ratio, p->dim, p->n_emit, p->latent);
     return cuda_launched(c, "compress_pool_kernel");
 }
 

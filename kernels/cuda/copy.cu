@@ -45,13 +45,13 @@ static di_status launch_copy_list(cuda_ctx *c, const cuda_copy_item *items, uint
 {
     dim3 block(CUDA_THREADS / COPY_ITEMS_Y, COPY_ITEMS_Y);
     unsigned grid = (n + COPY_ITEMS_Y - 1) / COPY_ITEMS_Y;
-    switch (align) {
-    case 16: copy_list_kernel<16><<<grid, block, 0, stream>>>(items, n, bytes); break;
-    case 8: copy_list_kernel<8><<<grid, block, 0, stream>>>(items, n, bytes); break;
-    case 4: copy_list_kernel<4><<<grid, block, 0, stream>>>(items, n, bytes); break;
-    case 2: copy_list_kernel<2><<<grid, block, 0, stream>>>(items, n, bytes); break;
-    default: copy_list_kernel<1><<<grid, block, 0, stream>>>(items, n, bytes); break;
-    }
+    void (*k)(const cuda_copy_item *, uint32_t, size_t) =
+        align == 16 ? copy_list_kernel<16>
+        : align == 8 ? copy_list_kernel<8>
+        : align == 4 ? copy_list_kernel<4>
+        : align == 2 ? copy_list_kernel<2>
+                     : copy_list_kernel<1>;
+    cuda_launch(c, "copy_list_kernel", k, grid, block, 0, stream, items, n, bytes);
     return cuda_launched(c, "copy_list_kernel");
 }
 

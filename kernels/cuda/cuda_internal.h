@@ -8,6 +8,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include <type_traits>
+
 #include "common/util/status.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/kernels.h"
@@ -69,35 +71,79 @@ typedef struct cuda_expert_table {
     int aligned, aligned16;     /* every w1, w3, w2 is 4-byte / 16-byte aligned */
 } cuda_expert_table;
 
-/* graph.cu: stream capture of the ops between two synchronisation points (kern_cuda_graphs). */
-#define CUDA_GRAPH_SLOTS 64
-#define CUDA_GRAPH_ARENAS 4 /* segments in flight before the host waits */
+/* graph.cu: the ops between two synchronisation points logged as one segment and launched as
+ * a graph (kern_cuda_graphs). While graphs are on, the ops' device work (kernel launches,
+ * copies, uploads, GEMMs) goes into a host log instead of the stream; the segment's key hashes
+ * every logged action (kernel, launch shape, argument bytes, copy addresses and sizes; an
+ * upload's size and place, not its bytes). A key seen before is launched as it is, its uploads'
+ * bytes written into the pinned arena its graph copies from; a new key is captured from the
+ * log and instantiated. */
+#define CUDA_GRAPH_SLOTS 128
+enum {
+    CUDA_ACT_KERNEL = 1,        /* a kernel launch */
+    CUDA_ACT_COPY,              /* cudaMemcpy2DAsync between device addresses */
+    CUDA_ACT_UPLOAD,            /* host bytes of the log's upload buffer to a device address */
+    CUDA_ACT_MEMSET,            /* cudaMemsetAsync */
+    CUDA_ACT_GEMM               /* a GEMM (gemm.cu issues it) */
+};
+typedef struct cuda_act {
+    int kind;                   /* CUDA_ACT_* */
+    const char *op;             /* the op entry it came from (diagnostics) */
+    const char *name;           /* the kernel, or the transfer (diagnostics) */
+    const void *func;           /* kernel: its host stub */
+    dim3 grid, block;           /* kernel launch shape */
+    size_t smem;                /* kernel dynamic shared memory (bytes) */
+    unsigned cluster;           /* kernel: blocks of a thread-block cluster along x (1: none) */
+    uint32_t n_args;            /* kernel: arguments, their bytes at args_off in the log's
+                                 * argument buffer, each 16-byte aligned, sizes in arg_size */
+    size_t args_off;
+    void *dst;                  /* copy, upload, memset: destination */
+    const void *src;            /* copy: source */
+    size_t dpitch, spitch, width, height; /* copy: cudaMemcpy2DAsync's shape (bytes) */
+    size_t up_off;              /* upload: offset of its bytes in the upload buffer */
+    int value;                  /* memset: byte value; width = bytes */
+    size_t gemm_off;            /* gemm: offset of its cuda_gemm in the argument buffer */
+} cuda_act;
+
 typedef struct cuda_graph_slot {
-    uint64_t key;               /* hash of the segment's ops and their row counts (0: unused) */
-    cudaGraphExec_t exec;       /* instantiated graph, updated in place by later captures */
+    uint64_t key;               /* hash of the segment's actions (0: unused) */
+    uint64_t shape;             /* hash of its op names and row counts only (diagnostics) */
+    cudaGraphExec_t exec;       /* instantiated graph */
     uint64_t used;              /* tick of its last launch (LRU) */
+    uint8_t *arena;             /* pinned copy of the uploads' bytes the graph's copies read */
+    size_t arena_cap;
+    size_t up_len;              /* bytes of it the segment uses */
+    cudaEvent_t done;           /* recorded after its last launch: the arena is free after it */
+    int done_set;
+    uint64_t *act_key;          /* [n_acts] hash of each action (diagnostics of a miss) */
+    uint64_t *act_shape;        /* [n_acts] hash of its launch shape or size alone */
+    uint32_t n_acts;
+    size_t nodes;               /* nodes of its graph */
 } cuda_graph_slot;
 
 typedef struct cuda_graph_state {
-    int on;                     /* capture segments (kern_cuda_graphs) */
-    int capturing;              /* the stream is capturing a segment */
-    int in_op;                  /* an op entry is running (a break inside it resumes capture) */
-    uint64_t key;               /* running hash of the segment being captured */
+    int on;                     /* log segments (kern_cuda_graphs) */
+    int open;                   /* a segment is being logged */
+    int issuing;                /* the log is being issued to the stream: actions go there */
+    int in_op;                  /* an op entry is running (a break inside it resumes logging) */
+    const char *op;             /* the op entry running */
+    uint64_t op_rows;           /* its row count */
+    uint64_t key;               /* running hash of the segment's actions */
+    uint64_t shape;             /* running hash of its op names and row counts */
     uint32_t ops;               /* ops in it */
     uint32_t split;             /* > 0: a segment ends before its split-th op, so the device
-                                 * runs it while the host captures the next (kern_cuda_graph_split) */
+                                 * runs it while the host logs the next (kern_cuda_graph_split) */
+    cuda_act *acts;             /* [n_acts] the segment's log */
+    uint32_t n_acts, acts_cap;
+    uint64_t *act_key;          /* [n_acts] each action's own hash */
+    uint64_t *act_shape;        /* [n_acts] the hash of its launch shape or size alone */
+    uint8_t *args;              /* kernel arguments and GEMM descriptors of the log */
+    size_t args_len, args_cap;
+    uint8_t *up;                /* bytes of the log's uploads (host, pageable) */
+    size_t up_len, up_cap;
     cuda_graph_slot slots[CUDA_GRAPH_SLOTS];
     uint64_t tick;
-    cudaGraphExec_t last;       /* exec launched last (kern_cuda_graph_relaunch) */
-    int last_arena;             /* the arena its copies read */
-    uint8_t *pin[CUDA_GRAPH_ARENAS]; /* pinned host arenas of the uploads of captured segments,
-                                 * in turn: the graph's copies read them when it runs, so an
-                                 * arena is reused only after the event says its graph is done */
-    size_t pin_cap[CUDA_GRAPH_ARENAS];
-    size_t pin_len;             /* bytes used in the current arena */
-    int cur;                    /* arena of the segment being captured */
-    cudaEvent_t done[CUDA_GRAPH_ARENAS]; /* recorded after the last graph reading each arena */
-    int done_set[CUDA_GRAPH_ARENAS];
+    int last;                   /* slot launched last (kern_cuda_graph_relaunch); -1: none */
 } cuda_graph_state;
 
 typedef struct cuda_ctx {
@@ -170,21 +216,96 @@ di_status cuda_op_begin(cuda_ctx *c, const void *params, const char *op);
 
 /* ---- graphs (graph.cu) ---- */
 
-/* Before an op: starts capturing a segment when graphs are on (and no profile runs); mixes
- * the op and its row count into the segment's key. */
+/* Before an op: opens a segment when graphs are on (and no profile runs); mixes the op and
+ * its row count into the segment's shape. */
 di_status cuda_graph_op_enter(cuda_ctx *c, const char *op, uint64_t rows);
-/* After an op: a failed op ends the segment (what was captured runs, as it would have). */
+/* After an op: a failed op ends the segment (what was logged before it runs, as it would have). */
 void cuda_graph_op_leave(cuda_ctx *c, di_status st);
-/* Ends the segment being captured, if any, and launches it (instantiated, or an earlier
- * instantiation of the same key updated); called before anything that synchronises or
- * allocates. Inside an op, capture resumes after it (cuda_graph_resume). */
+/* Ends the segment being logged, if any, and launches it (the graph of its key, else one
+ * captured from the log); called before anything that synchronises or allocates. Inside an op,
+ * logging resumes after it (cuda_graph_resume). */
 di_status cuda_graph_break(cuda_ctx *c);
 di_status cuda_graph_resume(cuda_ctx *c);
-/* Host memory for an upload of `bytes`: the pageable staging when not capturing, else the
- * segment's pinned arena (the graph's copy reads it each time the graph runs). */
-di_status cuda_graph_host(cuda_ctx *c, size_t bytes, uint8_t **out);
+/* 1 while device work goes into the segment's log rather than the stream. */
+static inline int cuda_graph_logging(const cuda_ctx *c)
+{
+    return c->graph.open && !c->graph.issuing;
+}
+/* A launch bound taken from the step's contents (the most entries a row sees), for an op whose
+ * rows do not depend on it (the bound sizes the grid and loops; a row's numbers are its own):
+ * n itself eagerly; while logging, the next power of two >= max(n, 64) when it is <= cap, so
+ * that the next steps of a growing context keep their graph. */
+static inline uint32_t cuda_graph_bound(const cuda_ctx *c, uint32_t n, uint64_t cap)
+{
+    if (!cuda_graph_logging(c))
+        return n;
+    uint64_t b = 64;
+    while (b < n)
+        b *= 2;
+    return b <= cap ? (uint32_t)b : n;
+}
 di_status cuda_graph_init(cuda_ctx *c);
 void cuda_graph_release(cuda_ctx *c);
+
+/* The device work of every op goes through these (they log it while a segment is open). */
+/* A kernel launch on stream (c->stream while logging): args[n] point to the arguments,
+ * sizes[n] their bytes. A failure to log also becomes the pending failure (call sites check
+ * the launch with cuda_launched). */
+di_status cuda_launch_argv(cuda_ctx *c, const char *kernel, const void *func, dim3 grid,
+                           dim3 block, size_t smem, cudaStream_t stream, void **args,
+                           const size_t *sizes, unsigned n);
+/* The same with thread-block clusters of `cluster` blocks along x (1: a plain launch). */
+di_status cuda_launch_argv_cluster(cuda_ctx *c, const char *kernel, const void *func, dim3 grid,
+                                   dim3 block, size_t smem, cudaStream_t stream, unsigned cluster,
+                                   void **args, const size_t *sizes, unsigned n);
+/* cudaMemcpy2DAsync between device addresses (height 1: a plain copy). */
+di_status cuda_copy_2d(cuda_ctx *c, void *dst, size_t dpitch, const void *src, size_t spitch,
+                       size_t width, size_t height, const char *what);
+/* cudaMemsetAsync. */
+di_status cuda_memset(cuda_ctx *c, void *dst, int value, size_t bytes, const char *what);
+/* Host bytes to device memory; src may be reused at once. */
+di_status cuda_upload(cuda_ctx *c, void *dst, const void *src, size_t bytes);
+/* gemm.cu: whether a GEMM goes into the log (1, *g copied there) or runs now (0). */
+int cuda_graph_log_gemm(cuda_ctx *c, const struct cuda_gemm *g);
+/* gemm.cu: issues a logged GEMM. */
+di_status cuda_gemm_issue(cuda_ctx *c, const struct cuda_gemm *g);
+
+template <typename... P>
+static inline di_status cuda_launch_pack(cuda_ctx *c, const char *kernel, const void *func,
+                                         dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                         unsigned cluster, P... v)
+{
+    void *args[sizeof...(P) + 1] = {(void *)&v...};
+    size_t sizes[sizeof...(P) + 1] = {sizeof(P)...};
+    return cuda_launch_argv_cluster(c, kernel, func, grid, block, smem, stream, cluster, args,
+                                    sizes, (unsigned)sizeof...(P));
+}
+
+/* func<<<grid, block, smem, stream>>>(a...) through the log (above): every kernel launch of
+ * the backend goes through it (tests/kernels/launch_sites.sh checks that none bypasses it). */
+template <typename... P, typename... A>
+static inline di_status cuda_launch(cuda_ctx *c, const char *kernel, void (*func)(P...),
+                                    dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                    A &&...a)
+{
+    static_assert(sizeof...(P) == sizeof...(A), "cuda_launch: argument count");
+    return cuda_launch_pack<typename std::remove_cv<P>::type...>(
+        c, kernel, (const void *)func, grid, block, smem, stream, 1u,
+        static_cast<typename std::remove_cv<P>::type>(a)...);
+}
+
+/* cuda_launch with thread-block clusters of `cluster` blocks along x (1: a plain launch). */
+template <typename... P, typename... A>
+static inline di_status cuda_launch_cluster(cuda_ctx *c, const char *kernel, void (*func)(P...),
+                                            dim3 grid, dim3 block, size_t smem,
+                                            cudaStream_t stream, unsigned cluster, A &&...a)
+{
+    static_assert(sizeof...(P) == sizeof...(A), "cuda_launch_cluster: argument count");
+    return cuda_launch_pack<typename std::remove_cv<P>::type...>(
+        c, kernel, (const void *)func, grid, block, smem, stream, cluster,
+        static_cast<typename std::remove_cv<P>::type>(a)...);
+}
+
 /* Bits of cuda_ctx.err_flag: the bad input a kernel met. */
 #define CUDA_ERR_MOE_ID 1       /* moe_experts: an expert id outside [0, n_experts) */
 #define CUDA_ERR_STEP_AHEAD 2   /* kern_cuda_step_ahead: an accepted count out of range */
@@ -202,9 +323,6 @@ static inline size_t cuda_align_up(size_t bytes)
 /* Makes the scratch at least `bytes` long (waiting for queued work before replacing it) and
  * returns its start. DI_ENOMEM with the size in the message. */
 di_status cuda_scratch(cuda_ctx *c, size_t bytes, uint8_t **out);
-/* Copies `bytes` of host memory to device memory dst, queued on the stream; src may be reused
- * as soon as this returns (it goes through the pageable staging buffer). */
-di_status cuda_upload(cuda_ctx *c, void *dst, const void *src, size_t bytes);
 /* The work buffer (cuda_ctx.work): at least `bytes` long, same rules as cuda_scratch. */
 di_status cuda_work(cuda_ctx *c, size_t bytes, uint8_t **out);
 /* Copies device (or host) memory to host memory and waits for it: the few ops that need a

@@ -23,8 +23,8 @@ static di_status launch_embed(cuda_ctx *c, const kern_embed *p, const int32_t *d
                               cudaStream_t stream)
 {
     dim3 grid(p->n_rows, p->n_copies);
-    embed_kernel<<<grid, CUDA_THREADS, 0, stream>>>(dev_ids, p->table, p->out, p->dim,
-                                                     p->n_copies);
+    cuda_launch(c, "embed_kernel", embed_kernel, grid, CUDA_THREADS, 0, stream, dev_ids, p->table,
+                p->out, p->dim, p->n_copies);
     return cuda_launched(c, "embed_kernel");
 }
 

@@ -142,22 +142,25 @@ static di_status launch_hash(cuda_ctx *c, const kern_engram_hash *p, const uint6
     size_t n = (size_t)p->n_rows * p->n_layers * (p->max_ngram - 1) * p->n_heads;
     if (n / CUDA_THREADS >= 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "engram_hash: %zu outputs", n);
-    engram_hash_kernel<<<(unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0, stream>>>(
-        tok, mult, primes, offsets, p->n_rows, p->n_layers, p->max_ngram, p->n_heads, p->out);
+    cuda_launch(c, "engram_hash_kernel", engram_hash_kernel,
+                (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0, stream, tok,
+                mult, primes, offsets, p->n_rows, p->n_layers, p->max_ngram, p->n_heads, p->out);
     return cuda_launched(c, "engram_hash_kernel");
 }
 
 static di_status launch_lookup(cuda_ctx *c, const kern_engram_lookup *p, const uint8_t *table,
                                const uint8_t *scale, int direct, cudaStream_t stream)
 {
-    engram_lookup_kernel<<<p->n_rows * p->n_cols, CUDA_THREADS, 0, stream>>>(
-        p->hash, p->hash_stride, table, scale, p->table_rows, p->n_cols, p->head_dim, direct, p->out);
+    cuda_launch(c, "engram_lookup_kernel", engram_lookup_kernel, p->n_rows * p->n_cols,
+                CUDA_THREADS, 0, stream, p->hash, p->hash_stride, table, scale, p->table_rows,
+                p->n_cols, p->head_dim, direct, p->out);
     return cuda_launched(c, "engram_lookup_kernel");
 }
 
 static di_status launch_gate(cuda_ctx *c, const kern_engram_gate *p, cudaStream_t stream)
 {
-    engram_gate_kernel<<<p->n_rows * p->n_copies, CUDA_THREADS, 0, stream>>>(*p);
+    cuda_launch(c, "engram_gate_kernel", engram_gate_kernel, p->n_rows * p->n_copies, CUDA_THREADS,
+                0, stream, *p);
     return cuda_launched(c, "engram_gate_kernel");
 }
 

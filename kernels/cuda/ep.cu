@@ -52,9 +52,10 @@ static di_status ep_combine(void *ctx, const kern_ep_combine *p)
         st = cuda_meta_upload(c, 0, 0, &dev, NULL);
     if (st == DI_OK) {
         size_t n = (size_t)p->n_rows * p->dim;
-        ep_combine_kernel<<<(unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0,
-                            c->stream>>>(p->outs, (const int32_t *)(dev + off), p->top_k,
-                                         p->shared, p->dim, p->n_rows, p->y);
+        cuda_launch(c, "ep_combine_kernel", ep_combine_kernel,
+                    (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0, c->stream,
+                    p->outs, (const int32_t *)(dev + off), p->top_k, p->shared, p->dim, p->n_rows,
+                    p->y);
         st = cuda_launched(c, "ep_combine_kernel");
     }
     cuda_graph_op_leave(c, st);

@@ -55,16 +55,16 @@ static di_status launch_fakequant(cuda_ctx *c, kern_qfmt fmt, const uint16_t *sr
                          n_rows, n);
     switch (fmt) {
     case KERN_Q_FP8_B32:
-        fakequant_kernel<NUMFMT_FP8_B32><<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(
-            src, src_stride, dst, dst_stride, n_rows, quads);
+        cuda_launch(c, "fakequant_kernel", fakequant_kernel<NUMFMT_FP8_B32>, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, src, src_stride, dst, dst_stride, n_rows, quads);
         break;
     case KERN_Q_FP4_B32:
-        fakequant_kernel<NUMFMT_FP4_B32><<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(
-            src, src_stride, dst, dst_stride, n_rows, quads);
+        cuda_launch(c, "fakequant_kernel", fakequant_kernel<NUMFMT_FP4_B32>, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, src, src_stride, dst, dst_stride, n_rows, quads);
         break;
     case KERN_Q_FP4_B16:
-        fakequant_kernel<NUMFMT_FP4_B16><<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(
-            src, src_stride, dst, dst_stride, n_rows, quads);
+        cuda_launch(c, "fakequant_kernel", fakequant_kernel<NUMFMT_FP4_B16>, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, src, src_stride, dst, dst_stride, n_rows, quads);
         break;
     }
     return cuda_launched(c, "fakequant_kernel");

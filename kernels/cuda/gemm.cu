@@ -79,9 +79,9 @@ static di_status launch_simple(cuda_ctx *c, const cuda_gemm *g, cudaStream_t str
         return cuda_fail(c, DI_EINVAL, "gemm: m %u or batch %u too large for the plain kernel",
                          g->m, g->batch);
     if (g->out_f32)
-        gemm_simple_kernel<true><<<grid, block, 0, stream>>>(*g);
+        cuda_launch(c, "gemm_simple_kernel", gemm_simple_kernel<true>, grid, block, 0, stream, *g);
     else
-        gemm_simple_kernel<false><<<grid, block, 0, stream>>>(*g);
+        cuda_launch(c, "gemm_simple_kernel", gemm_simple_kernel<false>, grid, block, 0, stream, *g);
     di_status st = cuda_launched(c, "gemm_simple_kernel");
     if (st == DI_OK)
         c->stats.gemm_simple++;
@@ -279,6 +279,13 @@ static di_status gemm_once(cuda_ctx *c, const cuda_gemm *g)
 {
     if (g->accumulate && !g->out_f32)
         return cuda_fail(c, DI_EINVAL, "gemm: accumulate needs an f32 output");
+    if (cuda_graph_log_gemm(c, g)) /* issued with the segment (cuda_gemm_issue) */
+        return DI_OK;
+    return cuda_gemm_issue(c, g);
+}
+
+di_status cuda_gemm_issue(cuda_ctx *c, const cuda_gemm *g)
+{
     if (c->simple_gemm)
         return launch_simple(c, g, c->stream);
     cuda_plan_key key;
@@ -314,7 +321,9 @@ static di_status gemm_once(cuda_ctx *c, const cuda_gemm *g)
 static di_status bi_buffer(cuda_ctx *c, size_t bytes, uint8_t **out)
 {
     if (c->bi_bytes < bytes) {
-        di_status st = cuda_check(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize");
+        di_status st = cuda_graph_break(c); /* queued work may still use the old buffer */
+        if (st == DI_OK)
+            st = cuda_check(c, cudaStreamSynchronize(c->stream), "cudaStreamSynchronize");
         if (st != DI_OK)
             return st;
         if (c->bi)
@@ -328,6 +337,9 @@ static di_status bi_buffer(cuda_ctx *c, size_t bytes, uint8_t **out)
             return cuda_fail(c, DI_ENOMEM, "gemm: %zu bytes of batch-invariant staging", want);
         }
         c->bi_bytes = want;
+        di_status rs = cuda_graph_resume(c);
+        if (rs != DI_OK)
+            return rs;
     }
     *out = c->bi;
     return DI_OK;
@@ -355,26 +367,20 @@ static di_status gemm_invariant(cuda_ctx *c, const cuda_gemm *g)
     uint8_t *y = (uint8_t *)g->y;
     for (uint32_t r0 = 0; r0 < g->m && st == DI_OK; r0 += CUDA_BI_ROWS) {
         const uint32_t rows = g->m - r0 < CUDA_BI_ROWS ? g->m - r0 : CUDA_BI_ROWS;
-        st = cuda_check(c, cudaMemcpy2DAsync(buf, xw * 2, x + (size_t)r0 * g->ldx * 2, g->ldx * 2,
-                                             xw * 2, rows, cudaMemcpyDeviceToDevice, c->stream),
-                        "gemm: rows into the batch-invariant staging");
+        st = cuda_copy_2d(c, buf, xw * 2, x + (size_t)r0 * g->ldx * 2, g->ldx * 2, xw * 2, rows,
+                          "gemm: rows into the batch-invariant staging");
         if (st == DI_OK && rows < CUDA_BI_ROWS)
-            st = cuda_check(c, cudaMemsetAsync(buf + (size_t)rows * xw * 2, 0,
-                                               (size_t)(CUDA_BI_ROWS - rows) * xw * 2, c->stream),
-                            "gemm: zero rows of the staging");
+            st = cuda_memset(c, buf + (size_t)rows * xw * 2, 0,
+                             (size_t)(CUDA_BI_ROWS - rows) * xw * 2,
+                             "gemm: zero rows of the staging");
         if (st == DI_OK && g->accumulate)
-            st = cuda_check(c, cudaMemcpy2DAsync(buf + xb, yw * ysz,
-                                                 y + (size_t)r0 * g->ldy * ysz, g->ldy * ysz,
-                                                 yw * ysz, rows, cudaMemcpyDeviceToDevice,
-                                                 c->stream),
-                            "gemm: y into the staging");
+            st = cuda_copy_2d(c, buf + xb, yw * ysz, y + (size_t)r0 * g->ldy * ysz,
+                              g->ldy * ysz, yw * ysz, rows, "gemm: y into the staging");
         if (st == DI_OK)
             st = gemm_once(c, &f);
         if (st == DI_OK)
-            st = cuda_check(c, cudaMemcpy2DAsync(y + (size_t)r0 * g->ldy * ysz, g->ldy * ysz,
-                                                 buf + xb, yw * ysz, yw * ysz, rows,
-                                                 cudaMemcpyDeviceToDevice, c->stream),
-                            "gemm: rows out of the staging");
+            st = cuda_copy_2d(c, y + (size_t)r0 * g->ldy * ysz, g->ldy * ysz, buf + xb, yw * ysz,
+                              yw * ysz, rows, "gemm: rows out of the staging");
         if (st == DI_OK)
             c->stats.gemm_invariant++;
     }

@@ -360,24 +360,25 @@ static di_status launch_hc_mixes(cuda_ctx *c, const kern_hc_mixes *p, cudaStream
                         "hc_mixes: cudaFuncSetAttribute");
         if (st != DI_OK)
             return st;
-        hc_mixes_rows_kernel<<<(unsigned)(groups * splits), CUDA_THREADS, smem, stream>>>(
-            *p, splits, (double *)part);
+        cuda_launch(c, "hc_mixes_rows_kernel", hc_mixes_rows_kernel, (unsigned)(groups * splits),
+                    CUDA_THREADS, smem, stream, *p, splits, (double *)part);
         st = cuda_launched(c, "hc_mixes_rows_kernel");
     } else {
-        hc_mixes_part_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(*p, splits, split_k,
-                                                                           (double *)part);
+        cuda_launch(c, "hc_mixes_part_kernel", hc_mixes_part_kernel, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, *p, splits, split_k, (double *)part);
         st = cuda_launched(c, "hc_mixes_part_kernel");
     }
     if (st != DI_OK)
         return st;
-    hc_mixes_finish_kernel<<<p->n_rows, HC_MAX * HC_MAX, 0, stream>>>(*p, splits,
-                                                                      (const double *)part);
+    cuda_launch(c, "hc_mixes_finish_kernel", hc_mixes_finish_kernel, p->n_rows, HC_MAX * HC_MAX, 0,
+                stream, *p, splits, (const double *)part);
     return cuda_launched(c, "hc_mixes_finish_kernel");
 }
 
 static di_status launch_hc_collapse(cuda_ctx *c, const kern_hc_collapse *p, cudaStream_t stream)
 {
-    hc_collapse_kernel<<<elem_blocks((size_t)p->n_rows * p->dim), CUDA_THREADS, 0, stream>>>(*p);
+    cuda_launch(c, "hc_collapse_kernel", hc_collapse_kernel,
+                elem_blocks((size_t)p->n_rows * p->dim), CUDA_THREADS, 0, stream, *p);
     return cuda_launched(c, "hc_collapse_kernel");
 }
 
@@ -385,9 +386,11 @@ static di_status launch_hc_expand(cuda_ctx *c, const kern_hc_expand *p, cudaStre
 {
     unsigned blocks = elem_blocks((size_t)p->n_rows * p->dim);
     if (p->n_copies == 4)
-        hc_expand_kernel<4><<<blocks, CUDA_THREADS, 0, stream>>>(*p);
+        cuda_launch(c, "hc_expand_kernel", hc_expand_kernel<4>, blocks, CUDA_THREADS, 0, stream,
+                    *p);
     else
-        hc_expand_kernel<0><<<blocks, CUDA_THREADS, 0, stream>>>(*p);
+        cuda_launch(c, "hc_expand_kernel", hc_expand_kernel<0>, blocks, CUDA_THREADS, 0, stream,
+                    *p);
     return cuda_launched(c, "hc_expand_kernel");
 }
 

@@ -365,7 +365,8 @@ static di_status launch_index_scores(cuda_ctx *c, scores_args *a, uint32_t n_row
     for (uint32_t r0 = 0; st == DI_OK && r0 < n_rows; r0 += 65535) {
         a->row0 = r0;
         dim3 grid(tiles, n_rows - r0 < 65535 ? n_rows - r0 : 65535);
-        index_scores_kernel<<<grid, IDX_THREADS, L.total, stream>>>(*a);
+        cuda_launch(c, "index_scores_kernel", index_scores_kernel, grid, IDX_THREADS, L.total,
+                    stream, *a);
         st = cuda_launched(c, "index_scores_kernel");
     }
     return st;
@@ -376,22 +377,22 @@ static di_status launch_candidates(cuda_ctx *c, const kern_index_candidates *p,
                                    cudaStream_t stream)
 {
     size_t n = (size_t)p->n_rows * width;
-    cand_scores_kernel<<<(unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0,
-                         stream>>>(p->scores, p->stride, dev_nv, p->block, width, p->n_rows, bs);
+    cuda_launch(c, "cand_scores_kernel", cand_scores_kernel,
+                (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0, stream,
+                p->scores, p->stride, dev_nv, p->block, width, p->n_rows, bs);
     di_status st = cuda_launched(c, "cand_scores_kernel");
     if (st != DI_OK)
         return st;
-    cand_select_kernel<<<p->n_rows, SEL_THREADS, 0, stream>>>(bs, dev_nv, p->block, width,
-                                                              p->top_blocks, p->mask,
-                                                              p->mask_stride);
+    cuda_launch(c, "cand_select_kernel", cand_select_kernel, p->n_rows, SEL_THREADS, 0, stream, bs,
+                dev_nv, p->block, width, p->top_blocks, p->mask, p->mask_stride);
     return cuda_launched(c, "cand_select_kernel");
 }
 
 static di_status launch_topk(cuda_ctx *c, const kern_index_topk *p, const int32_t *dev_nv,
                              cudaStream_t stream)
 {
-    topk_select_kernel<<<p->n_rows, SEL_THREADS, 0, stream>>>(p->scores, p->stride, dev_nv, p->k,
-                                                              p->out);
+    cuda_launch(c, "topk_select_kernel", topk_select_kernel, p->n_rows, SEL_THREADS, 0, stream,
+                p->scores, p->stride, dev_nv, p->k, p->out);
     return cuda_launched(c, "topk_select_kernel");
 }
 
@@ -459,6 +460,8 @@ di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
         (st = cuda_meta_push(c, p->row_seq, (size_t)p->n_rows * 4, &rs_off)) != DI_OK ||
         (st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
         return st;
+    uint64_t vis_cap = p->cand_mask ? (uint64_t)p->cand_stride * p->cand_block : p->stride;
+    max_vis = cuda_graph_bound(c, max_vis, vis_cap < p->stride ? vis_cap : p->stride);
     scores_args a;
     memset(&a, 0, sizeof(a));
     a.q = p->q, a.w = p->w, a.w_scale = p->w_scale;
@@ -489,6 +492,9 @@ di_status cuda_op_index_candidates(void *ctx, const kern_index_candidates *p)
     if ((st = max_visible(c, "index_candidates", p->n_visible, p->n_rows, p->stride, &max_vis)) != DI_OK)
         return st;
     uint32_t width = (max_vis + p->block - 1) / p->block;
+    if (width <= p->mask_stride) /* a graph's bound (cuda_graph_bound) */
+        width = (cuda_graph_bound(c, max_vis, (uint64_t)p->mask_stride * p->block) + p->block -
+                 1) / p->block;
     if (width > p->mask_stride)
         return cuda_fail(c, DI_EINVAL, "index_candidates: %u blocks exceed mask_stride %zu", width,
                          p->mask_stride);

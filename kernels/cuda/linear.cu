@@ -110,17 +110,17 @@ static di_status launch_dequant(cuda_ctx *c, kern_wfmt fmt, const kern_linear *p
     bool aligned = (uintptr_t)p->w % 16 == 0;
     const uint8_t *w = (const uint8_t *)p->w;
     if (fmt == KERN_W_FP8 && aligned)
-        dequant_fp8_kernel<true><<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(w, p->w_scale, out,
-                                                                                p->n, p->k);
+        cuda_launch(c, "dequant_fp8_kernel", dequant_fp8_kernel<true>, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, w, p->w_scale, out, p->n, p->k);
     else if (fmt == KERN_W_FP8)
-        dequant_fp8_kernel<false><<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(w, p->w_scale, out,
-                                                                                 p->n, p->k);
+        cuda_launch(c, "dequant_fp8_kernel", dequant_fp8_kernel<false>, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, w, p->w_scale, out, p->n, p->k);
     else if (aligned)
-        dequant_fp4_kernel<true><<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(w, p->w_scale, out,
-                                                                                p->n, p->k);
+        cuda_launch(c, "dequant_fp4_kernel", dequant_fp4_kernel<true>, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, w, p->w_scale, out, p->n, p->k);
     else
-        dequant_fp4_kernel<false><<<(unsigned)blocks, CUDA_THREADS, 0, stream>>>(w, p->w_scale, out,
-                                                                                 p->n, p->k);
+        cuda_launch(c, "dequant_fp4_kernel", dequant_fp4_kernel<false>, (unsigned)blocks,
+                    CUDA_THREADS, 0, stream, w, p->w_scale, out, p->n, p->k);
     return cuda_launched(c, fmt == KERN_W_FP8 ? "dequant_fp8_kernel" : "dequant_fp4_kernel");
 }
 

@@ -186,29 +186,30 @@ static unsigned elem_grid(size_t n)
 static di_status launch_moe_gate(cuda_ctx *c, const kern_moe_gate *p, cudaStream_t stream)
 {
     size_t smem = (size_t)p->n_experts * 9;
-    moe_gate_kernel<<<p->n_rows, 32, smem, stream>>>(*p);
+    cuda_launch(c, "moe_gate_kernel", moe_gate_kernel, p->n_rows, 32, smem, stream, *p);
     return cuda_launched(c, "moe_gate_kernel");
 }
 
 static di_status launch_swiglu(cuda_ctx *c, const kern_swiglu *p, cudaStream_t stream)
 {
-    swiglu_kernel<<<elem_grid((size_t)p->n_rows * p->n), CUDA_THREADS, 0, stream>>>(*p);
+    cuda_launch(c, "swiglu_kernel", swiglu_kernel, elem_grid((size_t)p->n_rows * p->n),
+                CUDA_THREADS, 0, stream, *p);
     return cuda_launched(c, "swiglu_kernel");
 }
 
 static di_status launch_gather(cuda_ctx *c, const kern_moe_experts *p, const int32_t *pair,
                                uint32_t n_pairs, uint16_t *xg, float *wg, cudaStream_t stream)
 {
-    moe_gather_kernel<<<n_pairs, CUDA_THREADS, 0, stream>>>(p->x, p->weights, pair, p->top_k,
-                                                             p->dim, xg, wg);
+    cuda_launch(c, "moe_gather_kernel", moe_gather_kernel, n_pairs, CUDA_THREADS, 0, stream, p->x,
+                p->weights, pair, p->top_k, p->dim, xg, wg);
     return cuda_launched(c, "moe_gather_kernel");
 }
 
 static di_status launch_combine(cuda_ctx *c, const kern_moe_experts *p, const uint16_t *og,
                                 const int32_t *pos, const uint16_t *os, cudaStream_t stream)
 {
-    moe_combine_kernel<<<elem_grid((size_t)p->n_rows * p->dim), CUDA_THREADS, 0, stream>>>(
-        og, pos, p->top_k, os, p->dim, p->n_rows, p->y);
+    cuda_launch(c, "moe_combine_kernel", moe_combine_kernel, elem_grid((size_t)p->n_rows * p->dim),
+                CUDA_THREADS, 0, stream, og, pos, p->top_k, os, p->dim, p->n_rows, p->y);
     return cuda_launched(c, "moe_combine_kernel");
 }
 

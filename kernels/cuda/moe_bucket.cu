@@ -122,6 +122,6 @@ di_status cuda_moe_bucket_run(cuda_ctx *c, const cuda_moe_bucket *a)
         if (st != DI_OK)
             return st;
     }
-    moe_bucket_kernel<<<1, BUCKET_THREADS, smem, c->stream>>>(*a);
+    cuda_launch(c, "moe_bucket_kernel", moe_bucket_kernel, 1, BUCKET_THREADS, smem, c->stream, *a);
     return cuda_launched(c, "moe_bucket_kernel");
 }

@@ -257,7 +257,8 @@ static di_status launch_one(cuda_ctx *c, const cuda_moe_grouped *g)
         if (st != DI_OK)
             return st;
     }
-    moe_grouped_kernel<R, UP, FP8><<<(unsigned)blocks, GRP_WARPS * 32, smem, c->stream>>>(*g, wr);
+    cuda_launch(c, "moe_grouped_kernel", moe_grouped_kernel<R, UP, FP8>, (unsigned)blocks,
+                GRP_WARPS * 32, smem, c->stream, *g, wr);
     return cuda_launched(c, name);
 }
 

@@ -84,8 +84,8 @@ static di_status launch_codes(cuda_ctx *c, const uint16_t *src, size_t ld, uint3
         return DI_OK;
     if (blocks > 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "moe mma: %u rows of %u to quantise", rows, K);
-    mma_codes_kernel<<<(unsigned)blocks, CUDA_THREADS, 0, c->stream>>>(src, ld, rows, K,
-                                                                       (__half *)codes, scales);
+    cuda_launch(c, "mma_codes_kernel", mma_codes_kernel, (unsigned)blocks, CUDA_THREADS, 0,
+                c->stream, src, ld, rows, K, (__half *)codes, scales);
     return cuda_launched(c, "mma_codes_kernel");
 }
 
@@ -590,7 +590,8 @@ static di_status launch_mma(cuda_ctx *c, const cuda_moe_grouped *g)
                          g->n_groups, N);
     if (!g->aligned16) {
         if constexpr (NT <= 2) {
-            moe_mma_kernel<NT, UP, FP8><<<(unsigned)blocks, MMA_WARPS * 32, 0, c->stream>>>(*g);
+            cuda_launch(c, name, moe_mma_kernel<NT, UP, FP8>, (unsigned)blocks, MMA_WARPS * 32, 0,
+                        c->stream, *g);
             return cuda_launched(c, name);
         }
         return cuda_fail(c, DI_EINVAL, "%s: %u rows need 16-byte aligned weights", name,
@@ -608,17 +609,8 @@ static di_status launch_mma(cuda_ctx *c, const cuda_moe_grouped *g)
                               "moe_stg_kernel: cudaFuncSetAttribute");
     if (st != DI_OK)
         return st;
-    cudaLaunchConfig_t cfg = {};
-    cudaLaunchAttribute attr[1];
-    cfg.gridDim = dim3((unsigned)(blocks * splits));
-    cfg.blockDim = dim3(MMA_WARPS * 32);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = c->stream;
-    attr[0].id = cudaLaunchAttributeClusterDimension;
-    attr[0].val.clusterDim.x = splits, attr[0].val.clusterDim.y = 1, attr[0].val.clusterDim.z = 1;
-    cfg.attrs = attr, cfg.numAttrs = splits > 1; /* a plain launch unsplit */
-    st = cuda_check(c, cudaLaunchKernelEx(&cfg, moe_stg_kernel<NT, UP, FP8>, *g, splits, per),
-                    name);
+    st = cuda_launch_cluster(c, name, moe_stg_kernel<NT, UP, FP8>, (unsigned)(blocks * splits),
+                             MMA_WARPS * 32, smem, c->stream, splits, *g, splits, per);
     if (st == DI_OK && splits > 1)
         c->stats.stream_split++;
     return st == DI_OK ? cuda_launched(c, name) : st;

@@ -266,6 +266,7 @@ di_status cuda_moe_wide_run(cuda_ctx *c, const cuda_moe_wide *w)
         return st;
     uint32_t nb = (w->n_out + WIDE_BN - 1) / WIDE_BN;
     dim3 grid(nb * (w->up ? 2 : 1), w->n_tiles);
-    moe_wide_kernel<<<grid, WIDE_THREADS, WIDE_SMEM, c->stream>>>(*w);
+    cuda_launch(c, "moe_wide_kernel", moe_wide_kernel, grid, WIDE_THREADS, WIDE_SMEM, c->stream,
+                *w);
     return cuda_launched(c, "moe_wide_kernel");
 }

@@ -57,8 +57,8 @@ __global__ void rmsnorm_kernel(const uint16_t *x, size_t x_stride, const uint16_
 
 static di_status launch_rmsnorm(cuda_ctx *c, const kern_rmsnorm *p, cudaStream_t stream)
 {
-    rmsnorm_kernel<<<p->n_rows, CUDA_THREADS, 0, stream>>>(p->x, p->x_stride, p->weight, p->y,
-                                                           p->y_stride, p->dim, p->eps);
+    cuda_launch(c, "rmsnorm_kernel", rmsnorm_kernel, p->n_rows, CUDA_THREADS, 0, stream, p->x,
+                p->x_stride, p->weight, p->y, p->y_stride, p->dim, p->eps);
     return cuda_launched(c, "rmsnorm_kernel");
 }
 

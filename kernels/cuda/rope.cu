@@ -80,9 +80,9 @@ __global__ void rope_kernel(uint16_t *x, size_t row_stride, size_t head_stride, 
 static di_status launch_rope(cuda_ctx *c, const kern_rope *p, const int64_t *dev_pos,
                              const float *dev_freqs, cudaStream_t stream)
 {
-    rope_kernel<<<p->n_rows, CUDA_THREADS, 0, stream>>>(p->x, p->row_stride, p->head_stride,
-                                                        p->offset, p->rope_dim / 2, p->n_heads,
-                                                        dev_pos, dev_freqs, p->inverse);
+    cuda_launch(c, "rope_kernel", rope_kernel, p->n_rows, CUDA_THREADS, 0, stream, p->x,
+                p->row_stride, p->head_stride, p->offset, p->rope_dim / 2, p->n_heads, dev_pos,
+                dev_freqs, p->inverse);
     return cuda_launched(c, "rope_kernel");
 }
 

@@ -536,7 +536,7 @@ di_status cuda_op_sample(void *ctx, const kern_sample *p)
     a.cand_key = (uint64_t *)extra;
     a.cand_mass = (uint32_t *)(extra + key_bytes);
     a.out = (kern_sample_out *)(dev + out_off);
-    sample_kernel<<<p->n_rows, SMP_THREADS, 0, c->stream>>>(a);
+    cuda_launch(c, "sample_kernel", sample_kernel, p->n_rows, SMP_THREADS, 0, c->stream, a);
     st = cuda_launched(c, "sample_kernel");
     if (st == DI_OK)
         st = cuda_download(c, p->out, a.out, (size_t)p->n_rows * sizeof(kern_sample_out));

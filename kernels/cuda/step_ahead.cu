@@ -52,8 +52,9 @@ extern "C" di_status kern_cuda_step_ahead(kern_backend *be, const kern_step_ahea
     if (st == DI_OK)
         st = cuda_check(c, cudaSetDevice(c->device), "cudaSetDevice");
     if (st == DI_OK) {
-        step_ahead_kernel<<<(unsigned)((threads + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS,
-                            0, c->stream>>>(*p, c->err_flag_dev);
+        cuda_launch(c, "step_ahead_kernel", step_ahead_kernel,
+                    (unsigned)((threads + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0,
+                    c->stream, *p, c->err_flag_dev);
         st = cuda_launched(c, "step_ahead_kernel");
     }
     cuda_graph_op_leave(c, st);

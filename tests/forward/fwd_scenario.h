@@ -234,6 +234,22 @@ static inline di_status scn_propose(scn_ctx *x)
     return s;
 }
 
+/* The sequences' tokens (random from p->seed), blocks, slots and prompt lengths. */
+static inline void scn_seqs_init(scn_ctx *x, const int64_t *prompt_len)
+{
+    di_rng r;
+    di_rng_init(&r, x->p->seed);
+    for (uint32_t i = 0; i < SCN_SEQS; i++) {
+        scn_seq *s = &x->seq[i];
+        for (uint32_t t = 0; t < SCN_MAX_TOKENS; t++)
+            s->toks[t] = 3 + (int32_t)di_rng_below(&r, x->c->vocab_size - 3);
+        for (uint32_t b = 0; b < 5; b++) /* reversed, interleaved: ids differ from entries */
+            s->blocks[b] = SCN_BLOCKS - 1 - (2 * b + i);
+        s->slot = SCN_SLOTS - 1 - i;
+        s->prompt_len = prompt_len[i];
+    }
+}
+
 /* Runs the scenario on a model made with the nextn, YOCO mode and keep window of p and
  * max_rows >= SCN_CHUNK, with KV storage of SCN_BLOCKS blocks and SCN_SLOTS slots, zeroed. out is
  * filled on success (free with scn_out_free); on failure it holds what was recorded. */
@@ -266,18 +282,8 @@ static inline di_status scn_run(fwd_run *run, fwd_kv *kv, const fwd_model *m,
         return di_fail(err, DI_ENOMEM, "scenario buffers");
     }
     *x = (scn_ctx){.run = run, .kv = kv, .c = c, .p = p, .out = out, .tmp = tmp, .err = err};
-    di_rng r;
-    di_rng_init(&r, p->seed);
     const int64_t plen[SCN_SEQS] = {300, 77};
-    for (uint32_t i = 0; i < SCN_SEQS; i++) {
-        scn_seq *s = &x->seq[i];
-        for (uint32_t t = 0; t < SCN_MAX_TOKENS; t++)
-            s->toks[t] = 3 + (int32_t)di_rng_below(&r, V - 3);
-        for (uint32_t b = 0; b < 5; b++) /* reversed, interleaved: ids differ from entries */
-            s->blocks[b] = SCN_BLOCKS - 1 - (2 * b + i);
-        s->slot = SCN_SLOTS - 1 - i;
-        s->prompt_len = plen[i];
-    }
+    scn_seqs_init(x, plen);
     di_status st = DI_OK;
     /* prompts: sequence 0 in chunks, sequence 1 in one */
     for (uint32_t i = 0; i < SCN_SEQS && st == DI_OK; i++) {

@@ -1,6 +1,7 @@
 /* check_step: the graph machinery of the CUDA backend (kern_cuda_graphs) on small segments: a
- * segment instantiated, the next of its key updated in place, one whose kernels changed
- * instantiated afresh, an op failing inside a segment (what was captured before it runs), each
+ * segment captured, the next with the same actions launched as kept with its new uploaded
+ * metadata, one whose arguments or kernels changed captured afresh, an op failing inside a
+ * segment (what was logged before it runs), device work bypassing the log refused, each
  * result against the host's copy; then the one-step-ahead fix-up (kern_cuda_step_ahead)
  * against its C twin (kernels/cpu/step_ahead.h), bit for bit: random steps of 1 to 64
  * sequences with 0 to 3 drafts, accepted counts from 0 (a finished sequence: placeholder rows) to all, rows in
@@ -162,15 +163,18 @@ static void check_bad_count(chk_env *env)
     free_case(env, &b);
 }
 
-/* copy_rows of 4 rows of 64 bytes, checked against the host copy; in place (overlap: staged,
- * a second kernel) when inplace. Returns mismatches. */
-static size_t graph_copy(chk_env *env, uint8_t *src, uint8_t *dst, int inplace, const char *what)
+/* copy_rows of 4 rows of 64 bytes in the order rows[4] (the row list is the op's uploaded
+ * metadata), checked against the host's copy; in place (overlap: staged, a second kernel) when
+ * inplace. Returns mismatches. */
+static size_t graph_copy(chk_env *env, uint8_t *src, uint8_t *dst, const int32_t *rows,
+                         int inplace, const char *what)
 {
-    uint8_t h[256], g[256];
+    uint8_t h[256], g[256], want[256];
     for (int i = 0; i < 256; i++)
         h[i] = (uint8_t)(i * 7 + (inplace ? 3 : 1) + (uintptr_t)dst);
+    for (int r = 0; r < 4; r++)
+        memcpy(want + r * 64, h + rows[r] * 64, 64);
     chk_put(env, src, h, sizeof(h));
-    static const int32_t rows[4] = {0, 1, 2, 3};
     kern_copy_rows c = {.n_rows = 4, .row_bytes = 64, .src = src, .src_stride = 64,
                         .rows = rows, .dst = inplace ? src : dst, .dst_stride = 64};
     di_error e;
@@ -182,7 +186,7 @@ static size_t graph_copy(chk_env *env, uint8_t *src, uint8_t *dst, int inplace, 
         return 1;
     }
     chk_get(env, g, inplace ? src : dst, sizeof(g));
-    if (memcmp(g, h, sizeof(g)) != 0) {
+    if (memcmp(g, want, sizeof(g)) != 0) {
         fprintf(stderr, "MISMATCH %s: rows copied wrong\n", what);
         return 1;
     }
@@ -190,36 +194,53 @@ static size_t graph_copy(chk_env *env, uint8_t *src, uint8_t *dst, int inplace, 
 }
 
 static size_t graph_expect(const kern_cuda_stats *a, const kern_cuda_stats *b, uint64_t inst,
-                           uint64_t upd, const char *what)
+                           uint64_t replays, const char *what)
 {
     uint64_t i = b->graph_instantiations - a->graph_instantiations;
-    uint64_t u = b->graph_updates - a->graph_updates;
-    if (i == inst && u == upd)
+    uint64_t r = b->graph_replays - a->graph_replays;
+    if (i == inst && r == replays)
         return 0;
-    fprintf(stderr, "MISMATCH %s: %" PRIu64 " instantiated and %" PRIu64 " updated, expected %"
-            PRIu64 " and %" PRIu64 "\n", what, i, u, inst, upd);
+    fprintf(stderr, "MISMATCH %s: %" PRIu64 " instantiated and %" PRIu64 " launched as kept, "
+            "expected %" PRIu64 " and %" PRIu64 "\n", what, i, r, inst, replays);
     return 1;
 }
 
 static void check_graph_paths(chk_env *env)
 {
     uint8_t *a = chk_dev_alloc(env, 1024), *b = chk_dev_alloc(env, 1024);
+    static const int32_t fwd[4] = {0, 1, 2, 3}, rev[4] = {3, 1, 0, 2};
     di_error e;
     kern_cuda_stats s0, s1;
     size_t bad = chk_expect(env, kern_cuda_graphs(&env->gpu, 1, &e), DI_OK, "graphs on");
     kern_cuda_get_stats(&env->gpu, &s0);
-    bad += graph_copy(env, a, b, 0, "graph: first segment");
+    bad += graph_copy(env, a, b, fwd, 0, "graph: first segment");
     kern_cuda_get_stats(&env->gpu, &s1);
-    bad += graph_expect(&s0, &s1, 1, 0, "graph: first segment");
+    bad += graph_expect(&s0, &s1, 1, 0, "graph: first segment (captured)");
     s0 = s1;
-    bad += graph_copy(env, a + 512, b + 512, 0, "graph: same key, other buffers");
+    /* the same kernels and sizes with another row list: the kept graph, its upload's bytes new */
+    bad += graph_copy(env, a, b, rev, 0, "graph: same segment, other row list");
     kern_cuda_get_stats(&env->gpu, &s1);
-    bad += graph_expect(&s0, &s1, 0, 1, "graph: same key, other buffers (updated in place)");
+    bad += graph_expect(&s0, &s1, 0, 1, "graph: same segment, other row list (kept graph)");
     s0 = s1;
-    bad += graph_copy(env, a, b, 1, "graph: same key, in place");
+    /* the rows' addresses are uploaded too (copy items): still the kept graph */
+    bad += graph_copy(env, a + 512, b + 512, fwd, 0, "graph: other buffers");
     kern_cuda_get_stats(&env->gpu, &s1);
-    bad += graph_expect(&s0, &s1, 1, 0, "graph: same key, a staged copy (update refused)");
-    /* an op failing inside a segment: the copy captured before it still runs */
+    bad += graph_expect(&s0, &s1, 0, 1, "graph: other buffers (uploaded addresses: kept graph)");
+    s0 = s1;
+    bad += graph_copy(env, a, b, rev, 1, "graph: in place");
+    kern_cuda_get_stats(&env->gpu, &s1);
+    bad += graph_expect(&s0, &s1, 1, 0, "graph: a staged copy (other kernels: captured)");
+    int charged = 0;
+    for (int k = 0; k < 8; k++)
+        charged |= strncmp(s1.graph_misses[k].what, "copy_rows: ", 11) == 0;
+    if (!charged && bad++ < 4)
+        fprintf(stderr, "MISMATCH graph: the staged copy's capture is not charged to copy_rows "
+                "('%s')\n", s1.graph_misses[0].what);
+    s0 = s1;
+    bad += graph_copy(env, a, b, fwd, 0, "graph: the first segment again");
+    kern_cuda_get_stats(&env->gpu, &s1);
+    bad += graph_expect(&s0, &s1, 0, 1, "graph: the first segment again (kept graph)");
+    /* an op failing inside a segment: the copy logged before it still runs */
     uint8_t h[64], g[64];
     for (int i = 0; i < 64; i++)
         h[i] = (uint8_t)(200 - i);
@@ -235,10 +256,17 @@ static void check_graph_paths(chk_env *env)
     chk_get(env, g, b + 768, sizeof(g));
     if (memcmp(g, h, sizeof(g)) != 0 && bad++ < 4)
         fprintf(stderr, "MISMATCH graph: the copy before the failed op did not run\n");
+    /* device work queued on the stream behind the log's back is reported, not run out of order */
+    bad += chk_expect(env, env->gpu.ops.copy_rows(env->gpu.ctx, &c), DI_OK, "graph: copy (2)");
+    cudaMemsetAsync(b, 0, 64, (cudaStream_t)kern_cuda_stream(&env->gpu));
+    bad += chk_expect(env, kern_cuda_sync(&env->gpu, &e), DI_EINTERNAL,
+                      "graph: a memset outside the log inside a segment");
+    bad += chk_expect(env, kern_cuda_sync(&env->gpu, &e), DI_OK, "graph: the next sync");
     kern_cuda_graphs(&env->gpu, 0, &e);
     chk_count(env, bad);
-    printf("graphs: instantiated, updated in place, re-instantiated when the kernels changed, "
-           "a failed op inside a segment: %s\n", bad ? "MISMATCHES" : "as eager");
+    printf("graphs: captured, kept graph launched with new metadata, captured when the kernels "
+           "changed, a failed op inside a segment, work outside the log refused: %s\n",
+           bad ? "MISMATCHES" : "as eager");
     chk_dev_free(env, a), chk_dev_free(env, b);
 }
 
