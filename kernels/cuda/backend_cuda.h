@@ -68,6 +68,10 @@ typedef struct kern_cuda_config {
                                  * back) at every row count, as before the device bucketing */
     int graphs;                 /* 1: start with graph capture on (kern_cuda_graphs) */
     uint32_t graph_split;       /* kern_cuda_graph_split's ops per segment (0: whole) */
+    int attn_old;               /* 1: sparse_attn runs every row on the kernel of one CTA per
+                                 * (row, 16 heads), as before the decode kernel */
+    int attn_splits;            /* > 0: the decode kernel splits each row's key slots in this
+                                 * many parts (0: chosen from the row count) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */
