@@ -50,6 +50,8 @@
 #define AD_PLD (AD_TE + 8)            /* row stride of P (bf16) */
 #define AD_SPLIT_UNIT 16              /* slots: a split is a multiple of this */
 #define AD_COMBINE_THREADS 128
+#define AD_MAX_SPLIT 1024             /* splits per row at most (the combine's factors) */
+#define AD_MIN_SPLIT AD_TE            /* slots per split at least, unless the mode fixes it */
 
 typedef struct ad_args {
     const uint16_t *q;          /* [T, H, hd] */
@@ -74,8 +76,15 @@ typedef struct ad_args {
 } ad_args;
 
 typedef struct ad_smem {
-    size_t q, k, s, p, ptr, fmt, lut, head, misc, total;
+    size_t q, k, s, p, stage, ptr, fmt, lut, head, misc, total;
 } ad_smem;
+
+/* Bytes of a staged entry (the larger of the two formats, in 16-byte chunks). */
+static __host__ __device__ uint32_t ad_stage_stride(uint32_t hd)
+{
+    uint32_t ring = hd + hd / 32, comp = hd / 2 + hd / 16, m = ring > comp ? ring : comp;
+    return (m + 15) / 16 * 16;
+}
 
 static __host__ __device__ size_t ad_round(size_t b)
 {
@@ -90,12 +99,13 @@ static __host__ __device__ ad_smem ad_layout(uint32_t hd)
     L.k = L.q + ad_round(AD_HG * ld * 2);
     L.s = L.k + ad_round(AD_TE * ld * 2);
     L.p = L.s + ad_round((size_t)AD_HG * AD_SLD * 4);
-    L.ptr = L.p + ad_round((size_t)AD_HG * AD_PLD * 2);
-    L.fmt = L.ptr + ad_round(AD_TE * sizeof(void *));
-    L.lut = L.fmt + ad_round(AD_TE);
+    L.stage = L.p + ad_round((size_t)AD_HG * AD_PLD * 2);
+    L.ptr = L.stage + ad_round((size_t)AD_TE * ad_stage_stride(hd));
+    L.fmt = L.ptr + ad_round(2 * AD_TE * sizeof(void *));
+    L.lut = L.fmt + ad_round(2 * AD_TE);
     L.head = L.lut + ad_round((256 + 16) * 4);
     L.misc = L.head + ad_round(4 * AD_HG * 4);
-    L.total = L.misc + ad_round(8 * 4);
+    L.total = L.misc + ad_round(16 * 4);
     return L;
 }
 
@@ -123,6 +133,22 @@ __device__ __forceinline__ void ad_ldm_x4_t(uint32_t *r, const void *p)
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                  : "r"(ad_smem_addr(p)));
+}
+
+__device__ __forceinline__ void ad_cp16(void *dst, const void *src)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ad_smem_addr(dst)), "l"(src)
+                 : "memory");
+}
+
+__device__ __forceinline__ void ad_cp_commit(void)
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void ad_cp_wait_all(void)
+{
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
 
 /* d += a b: m16n8k16, bf16 operands, fp32 accumulators. */
@@ -193,22 +219,23 @@ __device__ __forceinline__ const uint8_t *ad_slot(const ad_args &a, const cuda_s
 }
 
 /* Decodes entries [0, n_pad) of the tile into Ks [AD_TE][ld] bf16 (zero rows from n on):
- * sixteen numbers per thread and step, 16-byte loads where the entry is aligned. */
-__device__ void ad_decode(const uint8_t *const *ptr, const uint8_t *fmt, uint32_t n,
-                          uint32_t n_pad, uint32_t hd, uint16_t *Ks, uint32_t ld,
-                          const float *lut8, const float *lut4)
+ * sixteen numbers per thread and step, from the staged copy (fmt bit 1) or from global memory
+ * (16-byte loads where the entry is aligned). fmt bit 0: the format (0 ring, 1 compressed). */
+__device__ void ad_decode(const uint8_t *const *ptr, const uint8_t *fmt, const uint8_t *stage,
+                          uint32_t sstride, uint32_t n, uint32_t n_pad, uint32_t hd, uint16_t *Ks,
+                          uint32_t ld, const float *lut8, const float *lut4)
 {
     const uint32_t chunks = hd / 16;
     for (uint32_t i = threadIdx.x; i < n_pad * chunks; i += blockDim.x) {
         const uint32_t e = i / chunks, c = (i % chunks) * 16;
         uint32_t w[8] = {0u, 0u, 0u, 0u, 0u, 0u, 0u, 0u};
         if (e < n) {
-            const uint8_t *src = ptr[e];
-            if (fmt[e] == 0) {
+            const uint8_t *src = (fmt[e] & 2u) ? stage + (size_t)e * sstride : ptr[e];
+            if ((fmt[e] & 1u) == 0) {
                 const float sc = dev_ue8m0_decode(src[hd + c / 32]);
                 uint8_t b[16];
                 if (((uintptr_t)(src + c) & 15u) == 0) {
-                    *reinterpret_cast<uint4 *>(b) = __ldg(reinterpret_cast<const uint4 *>(src + c));
+                    *reinterpret_cast<uint4 *>(b) = *reinterpret_cast<const uint4 *>(src + c);
                 } else {
 #pragma unroll
                     for (int k = 0; k < 16; k++)
@@ -221,7 +248,7 @@ __device__ void ad_decode(const uint8_t *const *ptr, const uint8_t *fmt, uint32_
                 const float sc = lut8[src[hd / 2 + c / 16]];
                 uint8_t b[8];
                 if (((uintptr_t)(src + c / 2) & 7u) == 0) {
-                    *reinterpret_cast<uint2 *>(b) = __ldg(reinterpret_cast<const uint2 *>(src + c / 2));
+                    *reinterpret_cast<uint2 *>(b) = *reinterpret_cast<const uint2 *>(src + c / 2);
                 } else {
 #pragma unroll
                     for (int k = 0; k < 8; k++)
@@ -236,6 +263,59 @@ __device__ void ad_decode(const uint8_t *const *ptr, const uint8_t *fmt, uint32_
         dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
         dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
     }
+}
+
+/* Tile k of slots [lo, hi): the split's part of one 64-slot block. */
+__device__ __forceinline__ void ad_tile(uint32_t lo, uint32_t hi, uint32_t k, uint32_t *b0,
+                                        uint32_t *b1)
+{
+    const uint32_t first = (lo / AD_TE + k) * AD_TE, last = first + AD_TE;
+    *b0 = k == 0 ? lo : first;
+    *b1 = last < hi ? last : hi;
+}
+
+/* Warps 0 and 1: the entries of slots [b0, b1) compacted in slot order into ptr, fmt (bit 1
+ * set where the entry is copied to the stage: 16-byte aligned and of a whole number of 16-byte
+ * chunks) and misc[2] = their count. */
+__device__ void ad_entries(const ad_args &a, const cuda_seq &s, const ad_win &w, uint32_t t,
+                           uint32_t b0, uint32_t b1, const uint8_t **ptr, uint8_t *fmt,
+                           uint32_t *misc)
+{
+    const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32, hd = a.head_dim;
+    uint8_t f = 0;
+    const uint8_t *src = b0 + threadIdx.x < b1 ? ad_slot(a, s, w, t, b0 + threadIdx.x, &f) : NULL;
+    if (src) {
+        const uint32_t bytes = f ? hd / 2 + hd / 16 : hd + hd / 32;
+        if (((uintptr_t)src & 15u) == 0 && bytes % 16 == 0)
+            f |= 2u;
+    }
+    unsigned m = __ballot_sync(0xffffffffu, src != NULL);
+    if (lane == 0)
+        misc[warp] = (uint32_t)__popc(m);
+    asm volatile("bar.sync 1, 64;\n" ::: "memory");
+    uint32_t at = (warp ? misc[0] : 0u) + (uint32_t)__popc(m & ((1u << lane) - 1u));
+    if (src) {
+        ptr[at] = src;
+        fmt[at] = f;
+    }
+    if (threadIdx.x == 0)
+        misc[2] = misc[0] + misc[1];
+}
+
+/* All threads: cp.async of the staged entries of a tile (16-byte chunks). */
+__device__ void ad_stage_copy(const uint8_t *const *ptr, const uint8_t *fmt, uint32_t n,
+                              uint32_t hd, uint8_t *stage, uint32_t sstride)
+{
+    const uint32_t per = sstride / 16;
+    for (uint32_t i = threadIdx.x; i < n * per; i += blockDim.x) {
+        const uint32_t e = i / per, k = i % per;
+        if (!(fmt[e] & 2u))
+            continue;
+        const uint32_t bytes = (fmt[e] & 1u) ? hd / 2 + hd / 16 : hd + hd / 32;
+        if (k * 16 < bytes)
+            ad_cp16(stage + (size_t)e * sstride + k * 16, ptr[e] + k * 16);
+    }
+    ad_cp_commit();
 }
 
 /* ---- kernels ---- */
@@ -255,12 +335,14 @@ attn_decode_kernel(ad_args a)
     uint16_t *Qs = (uint16_t *)(ad_smem_buf + L.q), *Ks = (uint16_t *)(ad_smem_buf + L.k);
     float *S = (float *)(ad_smem_buf + L.s);
     uint16_t *P = (uint16_t *)(ad_smem_buf + L.p);
-    const uint8_t **ptr = (const uint8_t **)(ad_smem_buf + L.ptr);
-    uint8_t *fmt = ad_smem_buf + L.fmt;
+    uint8_t *stage = ad_smem_buf + L.stage;
+    const uint32_t sstride = ad_stage_stride(hd);
+    const uint8_t **ptrs = (const uint8_t **)(ad_smem_buf + L.ptr); /* [2][AD_TE] */
+    uint8_t *fmts = ad_smem_buf + L.fmt;                           /* [2][AD_TE] */
     float *lut8 = (float *)(ad_smem_buf + L.lut), *lut4 = lut8 + 256;
     float *m_run = (float *)(ad_smem_buf + L.head), *l_run = m_run + AD_HG;
     float *alpha_s = l_run + AD_HG, *den = alpha_s + AD_HG;
-    uint32_t *misc = (uint32_t *)(ad_smem_buf + L.misc);
+    uint32_t *miscs = (uint32_t *)(ad_smem_buf + L.misc);          /* [2][4] */
 
     for (uint32_t i = threadIdx.x; i < 256 + 16; i += blockDim.x)
         lut8[i] = i < 256 ? dev_e4m3_decode((uint8_t)i) : dev_e2m1_decode((uint8_t)(i - 256));
@@ -289,45 +371,45 @@ attn_decode_kernel(ad_args a)
         acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.0f;
     __syncthreads();
 
-    for (uint32_t b0 = lo; b0 < hi;) {
-        const uint32_t b1 = (b0 / AD_TE + 1) * AD_TE < hi ? (b0 / AD_TE + 1) * AD_TE : hi;
-        /* 1. the tile's entries, compacted in slot order by warps 0 and 1 */
-        if (threadIdx.x < 64) {
-            uint8_t f = 0;
-            const uint8_t *src = b0 + threadIdx.x < b1 ? ad_slot(a, s, w, t, b0 + threadIdx.x, &f)
-                                                       : NULL;
-            unsigned m = __ballot_sync(0xffffffffu, src != NULL);
-            if (lane == 0)
-                misc[warp] = (uint32_t)__popc(m);
-            asm volatile("bar.sync 1, 64;\n" ::: "memory");
-            uint32_t at = (warp ? misc[0] : 0u) + (uint32_t)__popc(m & ((1u << lane) - 1u));
-            if (src) {
-                ptr[at] = src;
-                fmt[at] = f;
-            }
-            if (threadIdx.x == 0)
-                misc[2] = misc[0] + misc[1];
-        }
+    /* tiles: the split's parts of 64-slot blocks; tile k+1's addresses are found during tile
+     * k's scores and its entries copied (cp.async) during tile k's softmax and values */
+    const uint32_t n_tiles = hi > lo ? (hi - 1) / AD_TE - lo / AD_TE + 1 : 0;
+    if (n_tiles > 0) {
+        uint32_t b0, b1;
+        ad_tile(lo, hi, 0, &b0, &b1);
+        if (threadIdx.x < 64)
+            ad_entries(a, s, w, t, b0, b1, ptrs, fmts, miscs);
         __syncthreads();
-        const uint32_t n_e = misc[2], n_pad = (n_e + 15) / 16 * 16;
-        b0 = b1;
-        if (n_e == 0) { /* an empty block changes nothing (the twin's alpha is 1, its sum 0) */
-            __syncthreads(); /* misc is written again by the next tile */
-            continue;
-        }
-        ad_decode(ptr, fmt, n_e, n_pad, hd, Ks, ld, lut8, lut4);
+        ad_stage_copy(ptrs, fmts, miscs[2], hd, stage, sstride);
+    }
+    for (uint32_t k = 0; k < n_tiles; k++) {
+        const uint32_t cur = k & 1u, nxt = cur ^ 1u;
+        const uint8_t **ptr = ptrs + cur * AD_TE;
+        const uint8_t *fmt = fmts + cur * AD_TE;
+        ad_cp_wait_all();
         __syncthreads();
+        const uint32_t n_e = miscs[cur * 4 + 2], n_pad = (n_e + 15) / 16 * 16;
+        /* 1. the tile's entries in bf16 (an empty tile changes nothing: the twin's alpha is 1,
+         *    its sum 0) */
+        if (n_e)
+            ad_decode(ptr, fmt, stage, sstride, n_e, n_pad, hd, Ks, ld, lut8, lut4);
+        __syncthreads();
+        if (k + 1 < n_tiles && threadIdx.x < 64) {
+            uint32_t b0, b1;
+            ad_tile(lo, hi, k + 1, &b0, &b1);
+            ad_entries(a, s, w, t, b0, b1, ptrs + nxt * AD_TE, fmts + nxt * AD_TE, miscs + nxt * 4);
+        }
 
         /* 2. S = Q K^T: warp (mt, ng) takes heads mt*16.. and entries ng*16.. */
-        if (mt < n_mt && ng * 16 < n_pad) {
+        if (n_e && mt < n_mt && ng * 16 < n_pad) {
             float c0[4] = {0.f, 0.f, 0.f, 0.f}, c1[4] = {0.f, 0.f, 0.f, 0.f};
             const uint16_t *qa = Qs + (size_t)(mt * 16 + (lane & 15)) * ld + (lane >> 4) * 8;
             const uint16_t *kb = Ks + (size_t)(ng * 16 + (lane & 7) + ((lane >> 4) << 3)) * ld +
                                  ((lane >> 3) & 1) * 8;
-            for (uint32_t k = 0; k < hd; k += 16) {
+            for (uint32_t kk = 0; kk < hd; kk += 16) {
                 uint32_t fa[4], fb[4];
-                ad_ldm_x4(fa, qa + k);
-                ad_ldm_x4(fb, kb + k);
+                ad_ldm_x4(fa, qa + kk);
+                ad_ldm_x4(fb, kb + kk);
                 ad_mma(c0, fa, fb[0], fb[1]);
                 ad_mma(c1, fa, fb[2], fb[3]);
             }
@@ -339,9 +421,12 @@ attn_decode_kernel(ad_args a)
             s1[8] = __fmul_rn(c1[2], a.scale), s1[9] = __fmul_rn(c1[3], a.scale);
         }
         __syncthreads();
+        if (k + 1 < n_tiles) /* the stage was read by the decode above */
+            ad_stage_copy(ptrs + nxt * AD_TE, fmts + nxt * AD_TE, miscs[nxt * 4 + 2], hd, stage,
+                          sstride);
 
         /* 3. the blockwise softmax step: 8 threads per head */
-        {
+        if (n_e) {
             const uint32_t h = threadIdx.x / 8, sub = threadIdx.x % 8;
             const float *Sh = S + (size_t)h * AD_SLD;
             const float m_old = m_run[h];
@@ -372,7 +457,7 @@ attn_decode_kernel(ad_args a)
         __syncthreads();
 
         /* 4. O = O * alpha + P V: warp (mt, ng) owns heads mt*16.. and columns ng*128.. */
-        if (mt < n_mt && ng * AD_NT * 8 < hd) {
+        if (n_e && mt < n_mt && ng * AD_NT * 8 < hd) {
             const uint32_t r = mt * 16 + lane / 4;
             const float a0 = alpha_s[r], a1 = alpha_s[r + 8];
 #pragma unroll
@@ -383,22 +468,23 @@ attn_decode_kernel(ad_args a)
             const uint16_t *pa = P + (size_t)(mt * 16 + (lane & 15)) * AD_PLD + (lane >> 4) * 8;
             const uint16_t *vb = Ks + (size_t)((lane & 7) + ((lane >> 3) & 1) * 8) * ld +
                                  ng * AD_NT * 8 + (lane >> 4) * 8;
-            for (uint32_t k = 0; k < n_pad; k += 16) {
+            for (uint32_t kk = 0; kk < n_pad; kk += 16) {
                 uint32_t fa[4];
-                ad_ldm_x4(fa, pa + k);
+                ad_ldm_x4(fa, pa + kk);
 #pragma unroll
                 for (int jp = 0; jp < AD_NT / 2; jp++) {
                     if (ng * AD_NT * 8 + jp * 16 < hd) {
                         uint32_t fb[4];
-                        ad_ldm_x4_t(fb, vb + (size_t)k * ld + jp * 16);
+                        ad_ldm_x4_t(fb, vb + (size_t)kk * ld + jp * 16);
                         ad_mma(acc[2 * jp], fa, fb[0], fb[1]);
                         ad_mma(acc[2 * jp + 1], fa, fb[2], fb[3]);
                     }
                 }
             }
         }
-        __syncthreads();
     }
+    ad_cp_wait_all();
+    __syncthreads();
 
     /* finish the row, or leave the split's (O, m, l) to the combine */
     if (!a.part && threadIdx.x < AD_HG) {
@@ -436,10 +522,13 @@ attn_decode_kernel(ad_args a)
     }
 }
 
-/* One block per (row, head): the splits combined in split order. */
+/* One block per (row, head): the splits combined in split order (the factors computed once
+ * per split). */
 __global__ void __launch_bounds__(AD_COMBINE_THREADS)
 attn_combine_kernel(ad_args a)
 {
+    __shared__ float f[AD_MAX_SPLIT];
+    __shared__ float l_s;
     const uint32_t t = blockIdx.x, h = blockIdx.y, hd = a.head_dim;
     if (a.seqs[a.row_seq[t]].n_rows > CUDA_ATTN_DECODE_ROWS)
         return;
@@ -448,20 +537,23 @@ attn_combine_kernel(ad_args a)
     float M = -1e30f;
     for (uint32_t j = 0; j < a.n_split; j++)
         M = ml[j * sstride] > M ? ml[j * sstride] : M;
-    float l = 0.0f;
-    for (uint32_t j = 0; j < a.n_split; j++) {
-        const float f = (float)exp((double)__fsub_rn(ml[j * sstride], M));
-        l = __fadd_rn(l, __fmul_rn(ml[j * sstride + 1], f));
+    for (uint32_t j = threadIdx.x; j < a.n_split; j += blockDim.x)
+        f[j] = (float)exp((double)__fsub_rn(ml[j * sstride], M));
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float l = 0.0f;
+        for (uint32_t j = 0; j < a.n_split; j++)
+            l = __fadd_rn(l, __fmul_rn(ml[j * sstride + 1], f[j]));
+        l_s = __fadd_rn(l, (float)exp((double)__fsub_rn(a.sink[h], M)));
     }
-    l = __fadd_rn(l, (float)exp((double)__fsub_rn(a.sink[h], M)));
+    __syncthreads();
+    const float l = l_s;
     const float *part = a.part + ((size_t)t * a.n_split * a.n_heads + h) * hd;
     const size_t pstride = (size_t)a.n_heads * hd;
     for (uint32_t d = threadIdx.x; d < hd; d += blockDim.x) {
         float o = 0.0f;
-        for (uint32_t j = 0; j < a.n_split; j++) {
-            const float f = (float)exp((double)__fsub_rn(ml[j * sstride], M));
-            o = __fadd_rn(o, __fmul_rn(part[j * pstride + d], f));
-        }
+        for (uint32_t j = 0; j < a.n_split; j++)
+            o = __fadd_rn(o, __fmul_rn(part[j * pstride + d], f[j]));
         a.out[((size_t)t * a.n_heads + h) * hd + d] = dev_f32_to_bf16(__fdiv_rn(o, l));
     }
 }
@@ -509,6 +601,9 @@ int cuda_attn_decode_plan(cuda_ctx *c, const kern_sparse_attn *p, cuda_attn_plan
         const uint32_t sms = (uint32_t)cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
         want = sms / (pl->rows * groups);
     }
+    const uint32_t most = (slots + AD_MIN_SPLIT - 1) / AD_MIN_SPLIT; /* splits of >= 64 slots */
+    if (c->attn_splits <= 0 && !c->batch_invariant && want > most)
+        want = most;
     want = want < 1 ? 1 : want > units ? (units ? units : 1) : want;
     if (c->batch_invariant && c->attn_splits <= 0)
         pl->chunk = CUDA_ATTN_BI_CHUNK;
@@ -517,10 +612,10 @@ int cuda_attn_decode_plan(cuda_ctx *c, const kern_sparse_attn *p, cuda_attn_plan
     if (pl->chunk == 0)
         pl->chunk = AD_SPLIT_UNIT;
     pl->n_split = slots ? (slots + pl->chunk - 1) / pl->chunk : 1;
-    if (pl->n_split > 65535u) {
-        pl->n_split = 65535u;
-        pl->chunk = (slots + 65534u) / 65535u;
+    if (pl->n_split > AD_MAX_SPLIT) {
+        pl->chunk = (slots + AD_MAX_SPLIT - 1) / AD_MAX_SPLIT;
         pl->chunk = (pl->chunk + AD_SPLIT_UNIT - 1) / AD_SPLIT_UNIT * AD_SPLIT_UNIT;
+        pl->n_split = (slots + pl->chunk - 1) / pl->chunk;
     }
     pl->scratch = pl->n_split > 1 ? (size_t)p->n_rows * pl->n_split * p->n_heads *
                                         ((size_t)p->head_dim + 2) * 4 + 256

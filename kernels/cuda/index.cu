@@ -74,7 +74,7 @@ typedef struct scores_args {
 } scores_args;
 
 typedef struct scores_smem {
-    size_t q, k, part, hw, total;
+    size_t q, k, part, hw, kp, total;
 } scores_smem;
 
 static __host__ __device__ size_t idx_round(size_t b)
@@ -96,7 +96,8 @@ static __host__ __device__ scores_smem scores_layout(uint32_t nh, uint32_t hd, u
     L.k = L.q + idx_round(nq * ld * 2);
     L.part = L.k + idx_round((size_t)IDX_TE * ld * 2);
     L.hw = L.part + idx_round(nq * IDX_TE * 4);
-    L.total = L.hw + idx_round(nq * 8);
+    L.kp = L.hw + idx_round(nq * 8);
+    L.total = L.kp + idx_round(IDX_TE * sizeof(void *));
     return L;
 }
 
@@ -189,18 +190,21 @@ __device__ void select_threshold(const float *v, uint32_t n, uint32_t k, uint32_
 /* ---- kernels ---- */
 
 /* Decodes index keys e0 .. e0 + IDX_TE - 1 of sequence s into Ks (zeros for entries not
- * scored): hd/2 packed E2M1 then hd/32 UE8M0 per key. Four numbers per thread and step. */
+ * scored): hd/2 packed E2M1 then hd/32 UE8M0 per key. The keys' addresses first (one thread
+ * per key, into kp), then four numbers per thread and step. */
 __device__ void decode_keys(const scores_args &a, const cuda_seq &s, uint32_t e0, uint32_t nv,
-                            uint16_t *Ks, uint32_t ld)
+                            uint16_t *Ks, uint32_t ld, const uint8_t **kp)
 {
     const uint32_t hd = a.head_dim, quads = hd / 4;
+    for (uint32_t e = threadIdx.x; e < IDX_TE; e += blockDim.x)
+        kp[e] = e0 + e < nv ? cuda_entry_addr(a.blocks, a.block_bytes, a.per_block, a.index_offset,
+                                              a.index_entry_bytes, &s, a.tables, e0 + e)
+                            : NULL;
+    __syncthreads();
     for (uint32_t i = threadIdx.x; i < IDX_TE * quads; i += blockDim.x) {
         uint32_t e = i / quads, c = (i % quads) * 4;
         uint32_t w0 = 0, w1 = 0;
-        const uint8_t *src = e0 + e < nv ? cuda_entry_addr(a.blocks, a.block_bytes, a.per_block,
-                                                             a.index_offset, a.index_entry_bytes,
-                                                             &s, a.tables, e0 + e)
-                                         : NULL;
+        const uint8_t *src = kp[e];
         if (src) {
             float sc = dev_ue8m0_decode(src[hd / 2 + c / 32]);
             uint32_t b0 = src[c / 2], b1 = src[c / 2 + 1];
@@ -248,7 +252,7 @@ index_scores_kernel(scores_args a)
                                       a.w_scale)))
                         : 0.0;
     }
-    decode_keys(a, s, e0, nv, Ks, ld);
+    decode_keys(a, s, e0, nv, Ks, ld, (const uint8_t **)(idx_smem_buf + L.kp));
     __syncthreads();
     /* part[qr][e] = fp32 of the sum over the 32-number blocks, in block order and in double,
      * of q[qr] . k[e] restricted to the block (each block's sum exact in fp32) */
@@ -277,17 +281,21 @@ index_scores_kernel(scores_args a)
                                 wmma::mem_row_major);
     }
     __syncthreads();
-    /* per (row, entry): one thread sums the heads in order (fp32, as the twin) */
+    /* each head's term bf16(w * relu(bf16(dot))) in place, in parallel; then per (row, entry)
+     * one thread sums the terms in head order (fp32, as the twin) */
+    for (uint32_t i = threadIdx.x; i < nq * IDX_TE; i += blockDim.x) {
+        const uint32_t qr = i / IDX_TE;
+        float d = dev_bf16_to_f32(dev_f32_to_bf16(part[i]));
+        part[i] = dev_bf16_to_f32(dev_f32_to_bf16(__fmul_rn((float)hw[qr], d > 0.0f ? d : 0.0f)));
+    }
+    __syncthreads();
     for (uint32_t i = threadIdx.x; i < n_rows * IDX_TE; i += blockDim.x) {
         const uint32_t r = i / IDX_TE, e = i % IDX_TE, ge = e0 + e, t = t0 + r;
         if (ge >= a.max_vis)
             continue;
         float acc = 0.0f;
-        for (uint32_t h = 0; h < nh; h++) {
-            float d = dev_bf16_to_f32(dev_f32_to_bf16(part[(size_t)(r * nhp + h) * IDX_TE + e]));
-            float w = __fmul_rn((float)hw[r * nhp + h], d > 0.0f ? d : 0.0f);
-            acc = __fadd_rn(acc, dev_bf16_to_f32(dev_f32_to_bf16(w)));
-        }
+        for (uint32_t h = 0; h < nh; h++)
+            acc = __fadd_rn(acc, part[(size_t)(r * nhp + h) * IDX_TE + e]);
         const uint32_t nvt = (uint32_t)a.n_visible[t];
         bool masked = a.cand_mask && !a.cand_mask[(size_t)t * a.cand_stride + ge / a.cand_block];
         a.scores[(size_t)t * a.stride + ge] =
@@ -436,6 +444,25 @@ static di_status max_visible(cuda_ctx *c, const char *op, const int32_t *nv, uin
     return DI_OK;
 }
 
+/* The scores' row groups: runs of consecutive rows of one sequence, at most `cap` rows each,
+ * written as (first row, rows) pairs to grp when it is not NULL; returns their count, the
+ * largest in *widest. */
+static uint32_t score_groups(const kern_index_scores *p, uint32_t cap, uint32_t *grp,
+                             uint32_t *widest)
+{
+    uint32_t g = 0;
+    for (uint32_t t = 0; t < p->n_rows; g++) {
+        uint32_t n = 1;
+        while (t + n < p->n_rows && n < cap && p->row_seq[t + n] == p->row_seq[t])
+            n++;
+        if (grp)
+            grp[2 * g] = t, grp[2 * g + 1] = n;
+        *widest = n > *widest ? n : *widest;
+        t += n;
+    }
+    return g;
+}
+
 di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
 {
     cuda_ctx *c = (cuda_ctx *)ctx;
@@ -485,28 +512,14 @@ di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
     cuda_meta_reset(c);
     size_t seq_off = 0, table_off = 0, nv_off = 0, rs_off = 0, grp_off = 0;
     uint8_t *dev = NULL;
-    uint32_t n_groups = 0;
-    for (uint32_t t = 0; t < p->n_rows; n_groups++) {
-        uint32_t n = 1;
-        while (t + n < p->n_rows && n < group_rows && p->row_seq[t + n] == p->row_seq[t])
-            n++;
-        t += n;
-    }
+    uint32_t widest = 1, n_groups = score_groups(p, group_rows, NULL, &widest);
+    group_rows = widest; /* the launch's shared memory: the largest group's (occupancy) */
     if ((st = cuda_meta_seqs(c, "index_scores", p->seqs, n_seqs, 0, &seq_off, &table_off, NULL)) != DI_OK ||
         (st = cuda_meta_push(c, p->n_visible, (size_t)p->n_rows * 4, &nv_off)) != DI_OK ||
         (st = cuda_meta_push(c, p->row_seq, (size_t)p->n_rows * 4, &rs_off)) != DI_OK ||
         (st = cuda_meta_push(c, NULL, (size_t)n_groups * 8, &grp_off)) != DI_OK)
         return st;
-    {
-        uint32_t *grp = (uint32_t *)cuda_meta_at(c, grp_off), g = 0;
-        for (uint32_t t = 0; t < p->n_rows; g++) {
-            uint32_t n = 1;
-            while (t + n < p->n_rows && n < group_rows && p->row_seq[t + n] == p->row_seq[t])
-                n++;
-            grp[2 * g] = t, grp[2 * g + 1] = n;
-            t += n;
-        }
-    }
+    score_groups(p, group_rows, (uint32_t *)cuda_meta_at(c, grp_off), &widest);
     if ((st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
         return st;
     scores_args a;
