@@ -72,6 +72,9 @@ typedef struct kern_cuda_config {
                                  * (row, 16 heads), as before the decode kernel */
     int attn_splits;            /* > 0: the decode kernel splits each row's key slots in this
                                  * many parts (0: chosen from the row count) */
+    int index_group_rows;       /* index_scores scores up to this many consecutive rows of one
+                                 * sequence in one CTA, their keys decoded once (at most 8);
+                                 * 0 = 1: each row alone, the faster on the H200 (docs/cuda.md) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */

@@ -3,9 +3,10 @@
  * (kern_index_topk). C twins: kernels/cpu/ops_index.c.
  *
  * Scores, one CTA per (group of rows, tile of IDX_TE entries), tensor cores through WMMA. A group
- * is up to IDX_GROUP_ROWS consecutive rows of one sequence (a decode step's 1 + nextn rows, a
- * prefill chunk's rows in groups), which read the same keys: the tile's index keys are decoded
- * once for the group (E2M1 x UE8M0: exact in bf16) and, for every 32-number block of the head
+ * is one row, or with kern_cuda_config.index_group_rows up to IDX_GROUP_ROWS consecutive rows
+ * of one sequence (a decode step's 1 + nextn rows), which read the same keys: the tile's index
+ * keys are decoded once for the group (E2M1 x UE8M0: exact in bf16) and, for every 32-number
+ * block of the head
  * width, Q K^T restricted to that block is two 16x16x16 MMAs into a fresh fp32 accumulator. The
  * queries are (B) fake-quantised, so every product in a block is a multiple of the same power
  * of two below 2^13 times it and the block's sum is exact in fp32 whatever the order; the blocks
@@ -502,9 +503,10 @@ di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
                              "has %u blocks of %u", t, p->n_visible[t], p->seqs[s].n_blocks,
                              p->pool.entries_per_block);
     }
-    /* groups: runs of consecutive rows of one sequence, as many rows as shared memory takes
-     * (up to IDX_GROUP_ROWS) */
-    uint32_t group_rows = IDX_GROUP_ROWS;
+    /* groups: runs of consecutive rows of one sequence, up to kern_cuda_config.index_group_rows
+     * (1 by default), IDX_GROUP_ROWS and what shared memory takes */
+    uint32_t group_rows = c->index_group_rows < IDX_GROUP_ROWS ? (uint32_t)c->index_group_rows
+                                                               : IDX_GROUP_ROWS;
     const size_t smem = (size_t)cuda_device_attr(c, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                                  &c->smem_optin, 48 * 1024);
     while (group_rows > 1 && scores_layout(p->n_heads, p->head_dim, group_rows).total > smem)

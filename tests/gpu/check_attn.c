@@ -321,34 +321,6 @@ static di_status bench_call(void *arg, int i)
     return b->be->ops.sparse_attn(b->be->ctx, &b->p);
 }
 
-/* Median ms of 20 calls (3 first) on the backend's own stream; -1 when a call fails. */
-static double time_on(kern_backend *be, bench_arg *b)
-{
-    cudaStream_t s = (cudaStream_t)kern_cuda_stream(be);
-    cudaEvent_t t0, t1;
-    GPU_OK(cudaEventCreate(&t0));
-    GPU_OK(cudaEventCreate(&t1));
-    float ms[20];
-    di_status st = DI_OK;
-    for (int i = 0; i < 3 && st == DI_OK; i++)
-        st = bench_call(b, i);
-    for (int i = 0; i < 20 && st == DI_OK; i++) {
-        GPU_OK(cudaEventRecord(t0, s));
-        st = bench_call(b, i);
-        GPU_OK(cudaEventRecord(t1, s));
-        GPU_OK(cudaEventSynchronize(t1));
-        GPU_OK(cudaEventElapsedTime(&ms[i], t0, t1));
-    }
-    GPU_OK(cudaEventDestroy(t0));
-    GPU_OK(cudaEventDestroy(t1));
-    if (st != DI_OK) {
-        fprintf(stderr, "benchmark call failed (%s): %s\n", di_status_name(st),
-                kern_cuda_last_error(be));
-        return -1.0;
-    }
-    return gpu_median(ms, 20);
-}
-
 /* n_seqs sequences of `per` rows (the last at position B_POS), each with its 64 blocks of 128
  * compressed entries drawn from a pool of B_POOL, a full window in its ring and 512 top-k
  * entries per row; timed on the decode kernel and on the kernel of one CTA per (row, 16 heads)
@@ -411,7 +383,7 @@ static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, double copy,
     snprintf(label, sizeof(label), "%u x %u", n_seqs, per);
     for (int k = 0; k < 2; k++) {
         b.be = k == 0 ? &env->gpu : g_old;
-        double ms = time_on(b.be, &b);
+        double ms = chk_time_ms_on(env, b.be, bench_call, &b, 3, 20);
         const char *name = k == 0 ? "sparse_attn decode" : "  one CTA per 16 heads";
         if (ms > 0) {
             double tf = flops / (ms * 1e-3) / 1e12, gb = bytes / (ms * 1e-3) / 1e9;

@@ -120,6 +120,9 @@ typedef struct score_case {
     uint32_t stride_pad;
 } score_case;
 
+/* The backend with kern_cuda_config.index_group_rows = 8 (set in main). */
+static kern_backend *g_grouped;
+
 static void check_scores(chk_env *env, const score_case *sc)
 {
     di_rng rng;
@@ -170,6 +173,24 @@ static void check_scores(chk_env *env, const score_case *sc)
     chk_cpu_status(env->cpu.ops.index_scores(env->cpu.ctx, &p), what);
     if (!bad)
         bad = cmp_scores(what, out, gout, T, stride, max_vis);
+    /* the rows of a sequence scored together (index_group_rows 8): the same bits */
+    float *grouped = chk_malloc((size_t)T * stride * 4);
+    chk_poison(grouped, (size_t)T * stride * 4);
+    chk_put(env, dout, grouped, (size_t)T * stride * 4);
+    p.q = dq, p.w = dw, p.seqs = kv.seqs_d, p.pool = kv.pool_d, p.cand_mask = sc->masked ? dmask : NULL;
+    p.scores = dout;
+    char w2[300];
+    snprintf(w2, sizeof(w2), "%s (rows of a sequence together)", what);
+    di_error e;
+    if (!bad)
+        bad = chk_gpu_status(env, g_grouped->ops.index_scores(g_grouped->ctx, &p), w2);
+    if (!bad)
+        bad = chk_gpu_status(env, kern_cuda_sync(g_grouped, &e), w2);
+    if (!bad) {
+        chk_get(env, grouped, dout, (size_t)T * stride * 4);
+        bad = chk_cmp_bytes(w2, gout, grouped, (size_t)T * stride * 4);
+    }
+    free(grouped);
     chk_count(env, bad);
     chk_dev_free(env, dq), chk_dev_free(env, dw), chk_dev_free(env, dmask), chk_dev_free(env, dout);
     chk_kv_free(env, &kv);
@@ -419,6 +440,7 @@ enum { B_HEADS = 32, B_HD = 128, B_TOPK = 512, B_PER_BLOCK = 128, B_POOL = 4096,
 
 typedef struct bench_arg {
     chk_env *env;
+    kern_backend *be;           /* the backend of the scores */
     kern_index_scores s;
     kern_index_topk k;
     int op;
@@ -428,7 +450,8 @@ static di_status bench_call(void *arg, int i)
 {
     bench_arg *b = arg;
     kern_backend *g = &b->env->gpu;
-    return b->op == 0 ? g->ops.index_scores(g->ctx, &b->s) : g->ops.index_topk(g->ctx, &b->k);
+    return b->op == 0 ? b->be->ops.index_scores(b->be->ctx, &b->s)
+                      : g->ops.index_topk(g->ctx, &b->k);
 }
 
 /* n_seqs sequences of `per` rows each (the rows of a sequence share its keys), `visible`
@@ -478,14 +501,21 @@ static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, uint32_t vis
                             .n_visible = nv, .out = chk_dev_alloc(env, (size_t)rows * B_TOPK * 4)};
     char label[32];
     snprintf(label, sizeof(label), "%u x %u", n_seqs, per);
-    for (int op = 0; op < 2; op++) {
-        b.op = op;
-        double ms = chk_time_ms(env, bench_call, &b, 3, 20);
+    static const int ops[3] = {0, 2, 1}; /* scores (rows alone), scores (rows together), top-k */
+    for (int oi = 0; oi < 3; oi++) {
+        int op = ops[oi];
+        if (op == 2 && per == 1)
+            continue;
+        b.op = op == 1;
+        b.be = op == 2 ? g_grouped : &env->gpu;
+        double ms = chk_time_ms_on(env, b.be, bench_call, &b, 3, 20);
+        op = op == 2 ? 0 : op;
         double flops = op == 0 ? 2.0 * rows * B_HEADS * B_HD * (double)visible : 0;
         double bytes = op == 0 ? n_seqs * (double)visible * B_KEY +
                                      rows * ((double)visible * 4 + B_HEADS * B_HD * 2.0)
                                : rows * (double)visible * 4;
-        const char *name = op == 0 ? "index_scores" : "index_topk 512";
+        const char *name = op == 1 ? "index_topk 512" : b.be == g_grouped ? "  rows together"
+                                                                             : "index_scores";
         if (ms <= 0) {
             printf("%-16s %9s %8u failed (message above)\n", name, label, visible);
             continue;
@@ -520,6 +550,16 @@ int main(int argc, char **argv)
 {
     chk_env env;
     int want_bench = chk_init(&env, argc, argv, usage);
+    kern_backend grouped;
+    kern_cuda_config cfg = {.index_group_rows = 8};
+    di_error e;
+    if (kern_cuda_create(&cfg, &grouped, &e) != DI_OK) {
+        fprintf(stderr, "CUDA backend (index_group_rows 8): %s\n", e.msg);
+        return 2;
+    }
+    g_grouped = &grouped;
     sweep(&env);
-    return chk_finish(&env, "check_index", want_bench, bench);
+    int rc = chk_finish(&env, "check_index", want_bench, bench);
+    kern_cuda_destroy(&grouped);
+    return rc;
 }
