@@ -590,27 +590,18 @@ int cuda_attn_decode_plan(cuda_ctx *c, const kern_sparse_attn *p, cuda_attn_plan
                                                                &c->smem_optin, 48 * 1024))
         return 0;
     const uint32_t slots = ad_max_slots(p);
-    const uint32_t units = (slots + AD_SPLIT_UNIT - 1) / AD_SPLIT_UNIT;
-    uint32_t want;
-    if (c->attn_splits > 0) {
-        want = (uint32_t)c->attn_splits;
-    } else if (c->batch_invariant) {
-        want = (slots + CUDA_ATTN_BI_CHUNK - 1) / CUDA_ATTN_BI_CHUNK;
-    } else { /* about one CTA per SM for the call's decode rows and head groups */
+    if (c->batch_invariant) { /* a row's splits depend on its own slots only */
+        pl->chunk = CUDA_ATTN_BI_CHUNK;
+    } else { /* about one CTA per SM for the call's decode rows, splits of >= 64 slots */
         const uint32_t groups = (p->n_heads + AD_HG - 1) / AD_HG;
         const uint32_t sms = (uint32_t)cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
-        want = sms / (pl->rows * groups);
+        const uint32_t units = (slots + AD_SPLIT_UNIT - 1) / AD_SPLIT_UNIT;
+        const uint32_t most = (slots + AD_MIN_SPLIT - 1) / AD_MIN_SPLIT;
+        uint32_t want = sms / (pl->rows * groups);
+        want = want > most ? most : want;
+        want = want < 1 ? 1 : want;
+        pl->chunk = units ? (units + want - 1) / want * AD_SPLIT_UNIT : AD_SPLIT_UNIT;
     }
-    const uint32_t most = (slots + AD_MIN_SPLIT - 1) / AD_MIN_SPLIT; /* splits of >= 64 slots */
-    if (c->attn_splits <= 0 && !c->batch_invariant && want > most)
-        want = most;
-    want = want < 1 ? 1 : want > units ? (units ? units : 1) : want;
-    if (c->batch_invariant && c->attn_splits <= 0)
-        pl->chunk = CUDA_ATTN_BI_CHUNK;
-    else
-        pl->chunk = (units + want - 1) / want * AD_SPLIT_UNIT;
-    if (pl->chunk == 0)
-        pl->chunk = AD_SPLIT_UNIT;
     pl->n_split = slots ? (slots + pl->chunk - 1) / pl->chunk : 1;
     if (pl->n_split > AD_MAX_SPLIT) {
         pl->chunk = (slots + AD_MAX_SPLIT - 1) / AD_MAX_SPLIT;

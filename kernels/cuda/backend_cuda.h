@@ -70,8 +70,6 @@ typedef struct kern_cuda_config {
     uint32_t graph_split;       /* kern_cuda_graph_split's ops per segment (0: whole) */
     int attn_old;               /* 1: sparse_attn runs every row on the kernel of one CTA per
                                  * (row, 16 heads), as before the decode kernel */
-    int attn_splits;            /* > 0: the decode kernel splits each row's key slots in this
-                                 * many parts (0: chosen from the row count) */
     int index_group_rows;       /* index_scores scores up to this many consecutive rows of one
                                  * sequence in one CTA, their keys decoded once (at most 8);
                                  * 0 = 1: each row alone, the faster on the H200 (docs/cuda.md) */

@@ -128,7 +128,6 @@ typedef struct cuda_ctx {
     int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
     int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
     int attn_old;               /* 1: sparse_attn never takes the decode kernel (kern_cuda_config) */
-    int attn_splits;            /* > 0: the decode kernel's split count (kern_cuda_config) */
     int index_group_rows;       /* index_scores' rows per CTA at most, >= 1 (kern_cuda_config) */
     uint8_t *bi;                /* staging of the batch-invariant GEMM chunks (gemm.cu) */
     size_t bi_bytes;
