@@ -74,6 +74,7 @@ typedef struct attn_args {
     uint32_t n_heads, head_dim;
     float scale;
     uint32_t ne_pad;            /* entry capacity of the shared buffers (multiple of ATTN_TE) */
+    uint32_t skip_decode;       /* 1: rows of short sequences are attn_decode.cu's */
 } attn_args;
 
 /* Byte offsets of the shared buffers for a head width and entry capacity. */
@@ -224,6 +225,8 @@ sparse_attn_kernel(attn_args a)
     const uint32_t hd = a.head_dim, ldq = hd + 8, ne_pad = a.ne_pad;
     const uint32_t t = blockIdx.x, h0 = blockIdx.y * ATTN_HG;
     const uint32_t warp = threadIdx.x / 32;
+    if (a.skip_decode && a.seqs[a.row_seq[t]].n_rows <= CUDA_ATTN_DECODE_ROWS)
+        return;
     const attn_smem L = attn_layout(hd, ne_pad);
     uint16_t *Qs = (uint16_t *)(attn_smem_buf + L.q);
     uint16_t *Ks = (uint16_t *)(attn_smem_buf + L.k);
@@ -469,12 +472,14 @@ di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p)
     if (attn_layout(p->head_dim, ne_pad).total > ATTN_SMEM_LIMIT)
         return cuda_fail(c, DI_EUNSUPPORTED, "sparse_attn: %u keys per row of %u numbers need "
                          "more shared memory than a block has", max_ent, p->head_dim);
+    cuda_attn_plan pl;
+    const int decode = !c->attn_old && cuda_attn_decode_plan(c, p, &pl);
     cuda_meta_reset(c);
     size_t seq_off = 0, table_off = 0, rs_off = 0;
-    uint8_t *dev = NULL;
+    uint8_t *dev = NULL, *part = NULL;
     if ((st = cuda_meta_seqs(c, "sparse_attn", p->seqs, p->n_seqs, p->n_rows, &seq_off,
                              &table_off, &rs_off)) != DI_OK ||
-        (st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
+        (st = cuda_meta_upload(c, 0, decode ? pl.scratch : 0, &dev, &part)) != DI_OK)
         return st;
     attn_args a;
     memset(&a, 0, sizeof(a));
@@ -488,5 +493,11 @@ di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p)
     a.per_block = p->pool.entries_per_block;
     a.ring_offset = p->ring_offset, a.ring_positions = p->ring_positions, a.window = p->window;
     a.n_heads = p->n_heads, a.head_dim = p->head_dim, a.scale = p->scale, a.ne_pad = ne_pad;
-    return launch_sparse_attn(c, &a, p->n_rows, c->stream);
+    a.skip_decode = (uint32_t)decode;
+    if (decode && pl.rows == p->n_rows)
+        return cuda_attn_decode(c, p, &pl, a.seqs, a.tables, a.row_seq, part);
+    st = launch_sparse_attn(c, &a, p->n_rows, c->stream);
+    if (st == DI_OK && decode)
+        st = cuda_attn_decode(c, p, &pl, a.seqs, a.tables, a.row_seq, part);
+    return st;
 }

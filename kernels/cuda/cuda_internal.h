@@ -175,6 +175,8 @@ typedef struct cuda_ctx {
                                  * until first queried (cuda_device_attr) */
     int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
     int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
+    int attn_old;               /* 1: sparse_attn never takes the decode kernel (kern_cuda_config) */
+    int index_group_rows;       /* index_scores' rows per CTA at most, >= 1 (kern_cuda_config) */
     uint8_t *bi;                /* staging of the batch-invariant GEMM chunks (gemm.cu) */
     size_t bi_bytes;
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
@@ -545,6 +547,26 @@ di_status cuda_op_ring_store(void *ctx, const kern_ring_store *p);
 di_status cuda_op_compress_pool(void *ctx, const kern_compress_pool *p);
 di_status cuda_op_compressed_store(void *ctx, const kern_compressed_store *p);
 di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p);
+
+/* ---- sparse attention of decode rows (attn_decode.cu) ---- */
+
+/* Rows of a sequence of at most this many rows take the decode kernel. */
+#define CUDA_ATTN_DECODE_ROWS 16
+/* Key slots per split in batch-invariant mode (a multiple of 16). */
+#define CUDA_ATTN_BI_CHUNK 128
+typedef struct cuda_attn_plan {
+    uint32_t rows;              /* rows of the call that take the decode kernel */
+    uint32_t chunk;             /* key slots per split */
+    uint32_t n_split;           /* splits per row */
+    size_t scratch;             /* device scratch for the splits' partial sums (0: one split) */
+} cuda_attn_plan;
+/* 1 when some rows of the call take the decode kernel (*pl filled), 0 when none does. */
+int cuda_attn_decode_plan(cuda_ctx *c, const kern_sparse_attn *p, cuda_attn_plan *pl);
+/* Queues the decode kernel (and the combine of the splits) over the call's decode rows; the
+ * metadata as cuda_meta_seqs uploaded it; scratch holds pl->scratch bytes. */
+di_status cuda_attn_decode(cuda_ctx *c, const kern_sparse_attn *p, const cuda_attn_plan *pl,
+                           const cuda_seq *seqs, const uint32_t *tables, const int32_t *row_seq,
+                           uint8_t *scratch);
 di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p);
 di_status cuda_op_index_candidates(void *ctx, const kern_index_candidates *p);
 di_status cuda_op_index_topk(void *ctx, const kern_index_topk *p);

@@ -2,12 +2,16 @@
  * layer 20's candidate blocks (kern_index_candidates) and the top-k selection
  * (kern_index_topk). C twins: kernels/cpu/ops_index.c.
  *
- * Scores, one CTA per (row, tile of IDX_TE entries), tensor cores through WMMA: the tile's index
- * keys are decoded (E2M1 x UE8M0: exact in bf16) and, for every 32-number block of the head
+ * Scores, one CTA per (group of rows, tile of IDX_TE entries), tensor cores through WMMA. A group
+ * is one row, or with kern_cuda_config.index_group_rows up to IDX_GROUP_ROWS consecutive rows
+ * of one sequence (a decode step's 1 + nextn rows), which read the same keys: the tile's index
+ * keys are decoded once for the group (E2M1 x UE8M0: exact in bf16) and, for every 32-number
+ * block of the head
  * width, Q K^T restricted to that block is two 16x16x16 MMAs into a fresh fp32 accumulator. The
  * queries are (B) fake-quantised, so every product in a block is a multiple of the same power
  * of two below 2^13 times it and the block's sum is exact in fp32 whatever the order; the blocks
- * are then added in double and rounded to fp32 once: the twin's fp32(double dot), bit for bit
+ * are then added in double in block order (in registers) and rounded to fp32 once: the twin's
+ * fp32(double dot), bit for bit
  * (queries that are not FP4 values round differently, within a few fp32 ulps). Then the
  * reference's BF16 roundings (MODEL.md §2.7), as the twin: each head's dot rounded to bf16,
  * ReLU, times the head weight bf16(bf16 w * w_scale), the product rounded to bf16, the heads
@@ -35,6 +39,7 @@
 using namespace nvcuda;
 
 #define IDX_TE 64                     /* entries per scores CTA */
+#define IDX_GROUP_ROWS 8              /* rows of one sequence per scores CTA at most */
 #define IDX_WARPS 8
 #define IDX_THREADS (IDX_WARPS * 32)
 #define IDX_MAX_HEADS 64
@@ -65,11 +70,12 @@ typedef struct scores_args {
     uint32_t cand_block;
     float *scores;              /* [T, stride] */
     size_t stride;
-    uint32_t n_heads, head_dim, max_vis, row0;
+    const uint32_t *groups;     /* [n_groups][2]: a group's first row and row count */
+    uint32_t n_heads, head_dim, max_vis, group0;
 } scores_args;
 
 typedef struct scores_smem {
-    size_t q, k, part, hw, total;
+    size_t q, k, part, hw, kp, total;
 } scores_smem;
 
 static __host__ __device__ size_t idx_round(size_t b)
@@ -82,15 +88,17 @@ static __host__ __device__ uint32_t heads_pad(uint32_t nh)
     return (nh + 15) / 16 * 16;
 }
 
-static __host__ __device__ scores_smem scores_layout(uint32_t nh, uint32_t hd)
+/* Shared buffers of a CTA of `rows` rows. */
+static __host__ __device__ scores_smem scores_layout(uint32_t nh, uint32_t hd, uint32_t rows)
 {
     scores_smem L;
-    size_t ld = (size_t)hd + 8, nhp = heads_pad(nh);
+    size_t ld = (size_t)hd + 8, nq = (size_t)rows * heads_pad(nh);
     L.q = 0;
-    L.k = L.q + idx_round(nhp * ld * 2);
+    L.k = L.q + idx_round(nq * ld * 2);
     L.part = L.k + idx_round((size_t)IDX_TE * ld * 2);
-    L.hw = L.part + idx_round((size_t)(hd / 32) * nhp * IDX_TE * 4);
-    L.total = L.hw + idx_round(nhp * 8);
+    L.hw = L.part + idx_round(nq * IDX_TE * 4);
+    L.kp = L.hw + idx_round(nq * 8);
+    L.total = L.kp + idx_round(IDX_TE * sizeof(void *));
     return L;
 }
 
@@ -183,18 +191,21 @@ __device__ void select_threshold(const float *v, uint32_t n, uint32_t k, uint32_
 /* ---- kernels ---- */
 
 /* Decodes index keys e0 .. e0 + IDX_TE - 1 of sequence s into Ks (zeros for entries not
- * scored): hd/2 packed E2M1 then hd/32 UE8M0 per key. Four numbers per thread and step. */
+ * scored): hd/2 packed E2M1 then hd/32 UE8M0 per key. The keys' addresses first (one thread
+ * per key, into kp), then four numbers per thread and step. */
 __device__ void decode_keys(const scores_args &a, const cuda_seq &s, uint32_t e0, uint32_t nv,
-                            uint16_t *Ks, uint32_t ld)
+                            uint16_t *Ks, uint32_t ld, const uint8_t **kp)
 {
     const uint32_t hd = a.head_dim, quads = hd / 4;
+    for (uint32_t e = threadIdx.x; e < IDX_TE; e += blockDim.x)
+        kp[e] = e0 + e < nv ? cuda_entry_addr(a.blocks, a.block_bytes, a.per_block, a.index_offset,
+                                              a.index_entry_bytes, &s, a.tables, e0 + e)
+                            : NULL;
+    __syncthreads();
     for (uint32_t i = threadIdx.x; i < IDX_TE * quads; i += blockDim.x) {
         uint32_t e = i / quads, c = (i % quads) * 4;
         uint32_t w0 = 0, w1 = 0;
-        const uint8_t *src = e0 + e < nv ? cuda_entry_addr(a.blocks, a.block_bytes, a.per_block,
-                                                             a.index_offset, a.index_entry_bytes,
-                                                             &s, a.tables, e0 + e)
-                                         : NULL;
+        const uint8_t *src = kp[e];
         if (src) {
             float sc = dev_ue8m0_decode(src[hd / 2 + c / 32]);
             uint32_t b0 = src[c / 2], b1 = src[c / 2 + 1];
@@ -211,36 +222,49 @@ __global__ void __launch_bounds__(IDX_THREADS)
 index_scores_kernel(scores_args a)
 {
     extern __shared__ __align__(128) uint8_t idx_smem_buf[];
-    const uint32_t t = a.row0 + blockIdx.y, e0 = blockIdx.x * IDX_TE;
+    const uint32_t g = a.group0 + blockIdx.y, e0 = blockIdx.x * IDX_TE;
+    const uint32_t t0 = a.groups[2 * g], n_rows = a.groups[2 * g + 1];
     const uint32_t hd = a.head_dim, ld = hd + 8, nh = a.n_heads, nhp = heads_pad(nh);
-    const uint32_t nv = (uint32_t)a.n_visible[t];
-    float *out = a.scores + (size_t)t * a.stride;
+    uint32_t nv = 0; /* the group's widest row */
+    for (uint32_t r = 0; r < n_rows; r++)
+        nv = (uint32_t)a.n_visible[t0 + r] > nv ? (uint32_t)a.n_visible[t0 + r] : nv;
     if (e0 >= nv) { /* nothing visible in the tile: -inf up to the call's widest row */
-        for (uint32_t e = e0 + threadIdx.x; e < e0 + IDX_TE && e < a.max_vis; e += blockDim.x)
-            out[e] = -INFINITY;
+        for (uint32_t i = threadIdx.x; i < n_rows * IDX_TE; i += blockDim.x) {
+            uint32_t e = e0 + i % IDX_TE;
+            if (e < a.max_vis)
+                a.scores[(size_t)(t0 + i / IDX_TE) * a.stride + e] = -INFINITY;
+        }
         return;
     }
-    const scores_smem L = scores_layout(nh, hd);
+    const scores_smem L = scores_layout(nh, hd, n_rows);
     uint16_t *Qs = (uint16_t *)(idx_smem_buf + L.q), *Ks = (uint16_t *)(idx_smem_buf + L.k);
     float *part = (float *)(idx_smem_buf + L.part);
     double *hw = (double *)(idx_smem_buf + L.hw);
-    const cuda_seq s = a.seqs[a.row_seq[t]];
-    for (uint32_t i = threadIdx.x; i < nhp * hd; i += blockDim.x) {
-        uint32_t h = i / hd, d = i % hd;
-        Qs[h * ld + d] = h < nh ? a.q[((size_t)t * nh + h) * hd + d] : 0;
+    const cuda_seq s = a.seqs[a.row_seq[t0]];
+    const uint32_t nq = n_rows * nhp; /* query rows: row r's head h at r * nhp + h */
+    for (uint32_t i = threadIdx.x; i < nq * hd; i += blockDim.x) {
+        uint32_t qr = i / hd, d = i % hd, r = qr / nhp, h = qr % nhp;
+        Qs[qr * ld + d] = h < nh ? a.q[((size_t)(t0 + r) * nh + h) * hd + d] : 0;
     }
-    for (uint32_t h = threadIdx.x; h < nhp; h += blockDim.x) /* bf16(bf16 w * the exact scale) */
-        hw[h] = h < nh ? (double)dev_bf16_to_f32(dev_f32_to_bf16(
-                             (float)((double)dev_bf16_to_f32(a.w[(size_t)t * nh + h]) * a.w_scale)))
-                       : 0.0;
-    decode_keys(a, s, e0, nv, Ks, ld);
+    for (uint32_t qr = threadIdx.x; qr < nq; qr += blockDim.x) { /* bf16(bf16 w * the exact scale) */
+        uint32_t r = qr / nhp, h = qr % nhp;
+        hw[qr] = h < nh ? (double)dev_bf16_to_f32(dev_f32_to_bf16(
+                              (float)((double)dev_bf16_to_f32(a.w[(size_t)(t0 + r) * nh + h]) *
+                                      a.w_scale)))
+                        : 0.0;
+    }
+    decode_keys(a, s, e0, nv, Ks, ld, (const uint8_t **)(idx_smem_buf + L.kp));
     __syncthreads();
-    /* per 32-number block b: part[b][h][e] = sum over the block of q[h] k[e] (exact in fp32) */
-    const uint32_t warp = threadIdx.x / 32, n_m = nhp / 16, n_pairs = n_m * (IDX_TE / 16);
+    /* part[qr][e] = fp32 of the sum over the 32-number blocks, in block order and in double,
+     * of q[qr] . k[e] restricted to the block (each block's sum exact in fp32) */
+    const uint32_t warp = threadIdx.x / 32, n_m = nq / 16, n_pairs = n_m * (IDX_TE / 16);
     for (uint32_t pr = warp; pr < n_pairs; pr += IDX_WARPS) {
         uint32_t mt = pr / (IDX_TE / 16), nt = pr % (IDX_TE / 16);
+        ifrag_c acc, sum;
+        double dsum[sizeof(acc.x) / sizeof(acc.x[0])];
+        for (int i = 0; i < acc.num_elements; i++)
+            dsum[i] = 0.0;
         for (uint32_t b = 0; b < hd / 32; b++) {
-            ifrag_c acc;
             wmma::fill_fragment(acc, 0.0f);
             for (uint32_t k = b * 32; k < b * 32 + 32; k += 16) {
                 ifrag_a fa;
@@ -249,26 +273,35 @@ index_scores_kernel(scores_args a)
                 wmma::load_matrix_sync(fb, (const __nv_bfloat16 *)(Ks + (size_t)nt * 16 * ld + k), ld);
                 wmma::mma_sync(acc, fa, fb, acc);
             }
-            wmma::store_matrix_sync(part + ((size_t)b * nhp + mt * 16) * IDX_TE + nt * 16, acc,
-                                    IDX_TE, wmma::mem_row_major);
+            for (int i = 0; i < acc.num_elements; i++)
+                dsum[i] += (double)acc.x[i];
         }
+        for (int i = 0; i < sum.num_elements; i++)
+            sum.x[i] = (float)dsum[i];
+        wmma::store_matrix_sync(part + (size_t)mt * 16 * IDX_TE + nt * 16, sum, IDX_TE,
+                                wmma::mem_row_major);
     }
     __syncthreads();
-    /* per entry: one thread sums the heads in order (fp32, as the twin) */
-    const uint32_t e = threadIdx.x / IDX_SUB, sub = threadIdx.x % IDX_SUB, ge = e0 + e;
-    if (sub != 0 || ge >= a.max_vis)
-        return;
-    float acc = 0.0f;
-    for (uint32_t h = 0; h < nh; h++) {
-        double dot = 0.0;
-        for (uint32_t b = 0; b < hd / 32; b++)
-            dot += (double)part[((size_t)b * nhp + h) * IDX_TE + e];
-        float d = dev_bf16_to_f32(dev_f32_to_bf16((float)dot));
-        float w = __fmul_rn((float)hw[h], d > 0.0f ? d : 0.0f);
-        acc = __fadd_rn(acc, dev_bf16_to_f32(dev_f32_to_bf16(w)));
+    /* each head's term bf16(w * relu(bf16(dot))) in place, in parallel; then per (row, entry)
+     * one thread sums the terms in head order (fp32, as the twin) */
+    for (uint32_t i = threadIdx.x; i < nq * IDX_TE; i += blockDim.x) {
+        const uint32_t qr = i / IDX_TE;
+        float d = dev_bf16_to_f32(dev_f32_to_bf16(part[i]));
+        part[i] = dev_bf16_to_f32(dev_f32_to_bf16(__fmul_rn((float)hw[qr], d > 0.0f ? d : 0.0f)));
     }
-    bool masked = a.cand_mask && !a.cand_mask[(size_t)t * a.cand_stride + ge / a.cand_block];
-    out[ge] = ge >= nv || masked ? -INFINITY : dev_bf16_to_f32(dev_f32_to_bf16((float)acc));
+    __syncthreads();
+    for (uint32_t i = threadIdx.x; i < n_rows * IDX_TE; i += blockDim.x) {
+        const uint32_t r = i / IDX_TE, e = i % IDX_TE, ge = e0 + e, t = t0 + r;
+        if (ge >= a.max_vis)
+            continue;
+        float acc = 0.0f;
+        for (uint32_t h = 0; h < nh; h++)
+            acc = __fadd_rn(acc, part[(size_t)(r * nhp + h) * IDX_TE + e]);
+        const uint32_t nvt = (uint32_t)a.n_visible[t];
+        bool masked = a.cand_mask && !a.cand_mask[(size_t)t * a.cand_stride + ge / a.cand_block];
+        a.scores[(size_t)t * a.stride + ge] =
+            ge >= nvt || masked ? -INFINITY : dev_bf16_to_f32(dev_f32_to_bf16((float)acc));
+    }
 }
 
 /* Candidate block scores: bs[t][b] = max of the block's visible scores (the twin's sequential
@@ -352,19 +385,19 @@ __global__ void topk_select_kernel(const float *scores, size_t stride, const int
 
 /* ---- launchers ---- */
 
-static di_status launch_index_scores(cuda_ctx *c, scores_args *a, uint32_t n_rows,
-                                     cudaStream_t stream)
+static di_status launch_index_scores(cuda_ctx *c, scores_args *a, uint32_t n_groups,
+                                     uint32_t group_rows, cudaStream_t stream)
 {
     assert(a->head_dim % 32 == 0 && a->head_dim <= IDX_MAX_HD && a->n_heads <= IDX_MAX_HEADS);
-    scores_smem L = scores_layout(a->n_heads, a->head_dim);
+    scores_smem L = scores_layout(a->n_heads, a->head_dim, group_rows);
     di_status st = cuda_check(c, cudaFuncSetAttribute(index_scores_kernel,
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       (int)L.total),
                               "index_scores: cudaFuncSetAttribute");
     uint32_t tiles = (a->max_vis + IDX_TE - 1) / IDX_TE;
-    for (uint32_t r0 = 0; st == DI_OK && r0 < n_rows; r0 += 65535) {
-        a->row0 = r0;
-        dim3 grid(tiles, n_rows - r0 < 65535 ? n_rows - r0 : 65535);
+    for (uint32_t g0 = 0; st == DI_OK && g0 < n_groups; g0 += 65535) {
+        a->group0 = g0;
+        dim3 grid(tiles, n_groups - g0 < 65535 ? n_groups - g0 : 65535);
         cuda_launch(c, "index_scores_kernel", index_scores_kernel, grid, IDX_THREADS, L.total,
                     stream, *a);
         st = cuda_launched(c, "index_scores_kernel");
@@ -413,6 +446,25 @@ static di_status max_visible(cuda_ctx *c, const char *op, const int32_t *nv, uin
     return DI_OK;
 }
 
+/* The scores' row groups: runs of consecutive rows of one sequence, at most `cap` rows each,
+ * written as (first row, rows) pairs to grp when it is not NULL; returns their count, the
+ * largest in *widest. */
+static uint32_t score_groups(const kern_index_scores *p, uint32_t cap, uint32_t *grp,
+                             uint32_t *widest)
+{
+    uint32_t g = 0;
+    for (uint32_t t = 0; t < p->n_rows; g++) {
+        uint32_t n = 1;
+        while (t + n < p->n_rows && n < cap && p->row_seq[t + n] == p->row_seq[t])
+            n++;
+        if (grp)
+            grp[2 * g] = t, grp[2 * g + 1] = n;
+        *widest = n > *widest ? n : *widest;
+        t += n;
+    }
+    return g;
+}
+
 di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
 {
     cuda_ctx *c = (cuda_ctx *)ctx;
@@ -452,13 +504,26 @@ di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
                              "has %u blocks of %u", t, p->n_visible[t], p->seqs[s].n_blocks,
                              p->pool.entries_per_block);
     }
+    /* groups: runs of consecutive rows of one sequence, up to kern_cuda_config.index_group_rows
+     * (1 by default), IDX_GROUP_ROWS and what shared memory takes */
+    uint32_t group_rows = c->index_group_rows < IDX_GROUP_ROWS ? (uint32_t)c->index_group_rows
+                                                               : IDX_GROUP_ROWS;
+    const size_t smem = (size_t)cuda_device_attr(c, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                                 &c->smem_optin, 48 * 1024);
+    while (group_rows > 1 && scores_layout(p->n_heads, p->head_dim, group_rows).total > smem)
+        group_rows--;
     cuda_meta_reset(c);
-    size_t seq_off = 0, table_off = 0, nv_off = 0, rs_off = 0;
+    size_t seq_off = 0, table_off = 0, nv_off = 0, rs_off = 0, grp_off = 0;
     uint8_t *dev = NULL;
+    uint32_t widest = 1, n_groups = score_groups(p, group_rows, NULL, &widest);
+    group_rows = widest; /* the launch's shared memory: the largest group's (occupancy) */
     if ((st = cuda_meta_seqs(c, "index_scores", p->seqs, n_seqs, 0, &seq_off, &table_off, NULL)) != DI_OK ||
         (st = cuda_meta_push(c, p->n_visible, (size_t)p->n_rows * 4, &nv_off)) != DI_OK ||
         (st = cuda_meta_push(c, p->row_seq, (size_t)p->n_rows * 4, &rs_off)) != DI_OK ||
-        (st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
+        (st = cuda_meta_push(c, NULL, (size_t)n_groups * 8, &grp_off)) != DI_OK)
+        return st;
+    score_groups(p, group_rows, (uint32_t *)cuda_meta_at(c, grp_off), &widest);
+    if ((st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
         return st;
     uint64_t vis_cap = p->cand_mask ? (uint64_t)p->cand_stride * p->cand_block : p->stride;
     max_vis = cuda_graph_bound(c, max_vis, vis_cap < p->stride ? vis_cap : p->stride);
@@ -472,8 +537,9 @@ di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
     a.per_block = p->pool.entries_per_block;
     a.cand_mask = p->cand_mask, a.cand_stride = p->cand_stride, a.cand_block = p->cand_block;
     a.scores = p->scores, a.stride = p->stride;
+    a.groups = (const uint32_t *)(dev + grp_off);
     a.n_heads = p->n_heads, a.head_dim = p->head_dim, a.max_vis = max_vis;
-    return launch_index_scores(c, &a, p->n_rows, c->stream);
+    return launch_index_scores(c, &a, n_groups, group_rows, c->stream);
 }
 
 di_status cuda_op_index_candidates(void *ctx, const kern_index_candidates *p)

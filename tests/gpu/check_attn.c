@@ -29,6 +29,10 @@ static const char usage[] =
 #define ATOL 2e-2
 #define MIN_COS 0.9999
 
+/* The backend with kern_cuda_config.attn_old: every row on the kernel of one CTA per (row,
+ * 16 heads), the path of prefill chunks (set in main). */
+static kern_backend *g_old;
+
 typedef struct attn_case {
     uint32_t n_seqs;
     chk_seq_shape seqs[MAX_SEQS];
@@ -130,7 +134,7 @@ static size_t check_alone(chk_env *env, const char *what, const attn_case *ac, c
     size_t bad = chk_gpu_status(env, env->gpu.ops.sparse_attn(env->gpu.ctx, &p), what);
     uint16_t *alone = chk_malloc((size_t)n * qrow * 2);
     chk_get(env, alone, one.out, (size_t)n * qrow * 2);
-    char w2[480];
+    char w2[640];
     snprintf(w2, sizeof(w2), "%s (sequence %u alone vs in the batch)", what, s);
     if (!bad)
         bad = chk_cmp_bf16_exact(w2, batch_out + r0 * qrow, alone, (size_t)n * qrow);
@@ -191,8 +195,31 @@ static void check_attn(chk_env *env, const attn_case *ac, double *worst_abs, dou
     chk_cpu_status(env->cpu.ops.sparse_attn(env->cpu.ctx, &p), what);
     if (!bad)
         bad = compare_heads(what, h.out, gout, T, ac->heads, hd, worst_abs, worst_cos);
+    /* the kernel of one CTA per (row, 16 heads) on the same case */
+    p = attn_params(ac, T, &d, &kv.pool_d, ac->n_seqs, kv.seqs_d, ring_offset);
+    char w2[480];
+    snprintf(w2, sizeof(w2), "%s (attn_old)", what);
     if (!bad)
-        bad = check_alone(env, what, ac, &kv, &d, gout, ring_offset);
+        bad = chk_gpu_status(env, g_old->ops.sparse_attn(g_old->ctx, &p), w2);
+    if (!bad) {
+        di_error e;
+        bad = chk_gpu_status(env, kern_cuda_sync(g_old, &e), w2);
+        chk_get(env, gout, d.out, qn * 2);
+        bad = compare_heads(w2, h.out, gout, T, ac->heads, hd, worst_abs, worst_cos);
+    }
+    /* batch-invariant mode: within tolerance, and the last sequence alone gives its rows of
+     * the batch bit for bit */
+    snprintf(w2, sizeof(w2), "%s (batch-invariant mode)", what);
+    kern_cuda_set_batch_invariant(&env->gpu, 1);
+    if (!bad)
+        bad = chk_gpu_status(env, env->gpu.ops.sparse_attn(env->gpu.ctx, &p), w2);
+    if (!bad) {
+        chk_get(env, gout, d.out, qn * 2);
+        bad = compare_heads(w2, h.out, gout, T, ac->heads, hd, worst_abs, worst_cos);
+    }
+    if (!bad)
+        bad = check_alone(env, w2, ac, &kv, &d, gout, ring_offset);
+    kern_cuda_set_batch_invariant(&env->gpu, 0);
     chk_count(env, bad);
     chk_dev_free(env, d.q), chk_dev_free(env, d.out), chk_dev_free(env, d.local);
     chk_dev_free(env, d.topk), chk_dev_free(env, d.sink);
@@ -251,6 +278,8 @@ static void sweep(chk_env *env)
         {3, {S(1, 40, 41, 1), S(1, 0, 1, 0), S(1, 129, 130, 1)}, NOCLIP, NODRAFT, 20, 512, 128, 134, 512, 1, 128, CHK_NORMAL, 3.0f},
         /* a prefill chunk from 0 (no ring reads, no slot) and one continuing mid-window */
         {2, {S(63, 0, 32, 0), S(40, 150, 95, 1)}, NOCLIP, NODRAFT, 4, 64, 128, 134, 64, 2, 64, CHK_NORMAL, 1.0f},
+        /* a prefill chunk and decode rows in one call (both kernels, each row on one) */
+        {3, {S(40, 150, 95, 1), S(1, 5000, 2501, 1), S(6, 3000, 1501, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 512, 2, 64, CHK_NORMAL, 1.0f},
         /* a chunk longer than the window, window clips */
         {2, {S(200, 100, 150, 1), S(30, 300, 301, 1)}, {0, 320, 0, 0, 0, 0}, NODRAFT, 8, 128, 128, 134, 128, 1, 8, CHK_ARANGE, 1.0f},
         {1, {S(127, 1000, 1128, 1)}, {1050, 0, 0, 0, 0, 0}, NODRAFT, 8, 128, 128, 134, 128, 1, 64, CHK_EDGES, 0.5f},
@@ -278,27 +307,32 @@ static void sweep(chk_env *env)
 /* ---- benchmark: V4.1-Flash decode ---- */
 
 enum { B_H = 64, B_HD = 512, B_WIN = 128, B_RING = 134, B_TOPK = 512, B_PER_BLOCK = 128,
-       B_POOL = 4096, B_EB = B_HD + B_HD / 32, B_MAIN = B_HD / 2 + B_HD / 16 };
+       B_POOL = 4096, B_EB = B_HD + B_HD / 32, B_MAIN = B_HD / 2 + B_HD / 16, B_POS = 16383 };
 
 typedef struct bench_arg {
-    chk_env *env;
+    kern_backend *be;
     kern_sparse_attn p;
 } bench_arg;
 
 static di_status bench_call(void *arg, int i)
 {
     bench_arg *b = arg;
-    return b->env->gpu.ops.sparse_attn(b->env->gpu.ctx, &b->p);
+    (void)i;
+    return b->be->ops.sparse_attn(b->be->ctx, &b->p);
 }
 
-/* rows decode rows, each its own sequence at position 8191 (ratio 1: 8192 visible entries), its
- * 64 blocks drawn from a pool of B_POOL, a full window in its ring and 512 top-k entries. */
-static void bench_rows(chk_env *env, uint32_t rows, double copy, double peak)
+/* n_seqs sequences of `per` rows (the last at position B_POS), each with its 64 blocks of 128
+ * compressed entries drawn from a pool of B_POOL, a full window in its ring and 512 top-k
+ * entries per row; timed on the decode kernel and on the kernel of one CTA per (row, 16 heads)
+ * (attn_old) in the same run. */
+static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, double copy, double peak)
 {
     di_rng rng;
     chk_case_rng(env, &rng);
+    const uint32_t rows = n_seqs * per;
     size_t block_bytes = 128 + (size_t)B_PER_BLOCK * B_MAIN, slot = (size_t)B_RING * B_EB;
-    uint8_t *h = chk_malloc(block_bytes * B_POOL > slot * rows ? block_bytes * B_POOL : slot * rows);
+    size_t hbytes = block_bytes * B_POOL > slot * n_seqs ? block_bytes * B_POOL : slot * n_seqs;
+    uint8_t *h = chk_malloc(hbytes > (size_t)rows * B_EB ? hbytes : (size_t)rows * B_EB);
     for (size_t i = 0; i < block_bytes * B_POOL; i++) /* codes of any value, scales near 2^-4 */
         h[i] = (uint8_t)di_rng_u32(&rng);
     for (uint32_t b = 0; b < B_POOL; b++)
@@ -307,49 +341,57 @@ static void bench_rows(chk_env *env, uint32_t rows, double copy, double peak)
                 h[b * block_bytes + 128 + e * B_MAIN + B_HD / 2 + k] = (uint8_t)(0x28 + di_rng_below(&rng, 8));
     uint8_t *blocks = chk_dev_copy(env, h, block_bytes * B_POOL);
     float x[B_HD];
-    for (size_t e = 0; e < (size_t)rows * B_RING; e++) {
+    for (size_t e = 0; e < (size_t)n_seqs * B_RING; e++) {
         chk_fill_f32(x, B_HD, 1.0, &rng);
         di_quant_fp8_b32(x, B_HD, h + e * B_EB, h + e * B_EB + B_HD);
     }
-    uint8_t *slots = chk_dev_copy(env, h, slot * rows);
+    uint8_t *slots = chk_dev_copy(env, h, slot * n_seqs);
     uint8_t *local = chk_dev_copy(env, h, (size_t)rows * B_EB);
     free(h);
-    uint32_t *tables = chk_malloc((size_t)rows * 64 * 4);
-    kern_seq *seqs = chk_malloc(rows * sizeof(kern_seq));
+    uint32_t *tables = chk_malloc((size_t)n_seqs * 64 * 4);
+    kern_seq *seqs = chk_malloc(n_seqs * sizeof(kern_seq));
     int32_t *topk = chk_malloc((size_t)rows * B_TOPK * 4);
-    for (uint32_t r = 0; r < rows; r++) {
+    for (uint32_t s = 0; s < n_seqs; s++) {
         for (uint32_t b = 0; b < 64; b++)
-            tables[r * 64 + b] = (uint32_t)di_rng_below(&rng, B_POOL);
-        seqs[r] = (kern_seq){.row0 = r, .n_rows = 1, .pos0 = 8191, .slot = slots + r * slot,
-                             .blocks = tables + r * 64, .n_blocks = 64, .ring_hi = -1};
+            tables[s * 64 + b] = (uint32_t)di_rng_below(&rng, B_POOL);
+        seqs[s] = (kern_seq){.row0 = s * per, .n_rows = per, .pos0 = B_POS + 1 - per,
+                             .slot = slots + s * slot, .blocks = tables + s * 64, .n_blocks = 64,
+                             .ring_hi = -1};
+    }
+    for (uint32_t r = 0; r < rows; r++)
         for (uint32_t i = 0; i < B_TOPK; i++)
             topk[r * B_TOPK + i] = (int32_t)(i * 16 + di_rng_below(&rng, 16));
-    }
     size_t qn = (size_t)rows * B_H * B_HD;
     uint16_t *hq = chk_malloc(qn * 2);
     chk_fill_bf16_fast(hq, qn, 0.1f, &rng);
     float sink[B_H];
     chk_fill_f32(sink, B_H, 1.0, &rng);
-    bench_arg b = {.env = env};
+    bench_arg b;
     b.p = (kern_sparse_attn){.n_rows = rows, .n_heads = B_H, .head_dim = B_HD, .window = B_WIN,
                              .ring_positions = B_RING, .q = chk_dev_copy(env, hq, qn * 2),
                              .local = local, .topk = chk_dev_copy(env, topk, (size_t)rows * B_TOPK * 4),
-                             .topk_n = B_TOPK, .n_seqs = rows, .seqs = seqs,
+                             .topk_n = B_TOPK, .n_seqs = n_seqs, .seqs = seqs,
                              .sink = chk_dev_copy(env, sink, sizeof(sink)), .scale = 1.0f / 22.627417f,
                              .out = chk_dev_alloc(env, qn * 2)};
     b.p.pool = (kern_kv_pool){.blocks = blocks, .block_bytes = block_bytes,
                               .entries_per_block = B_PER_BLOCK, .main_offset = 128,
                               .main_entry_bytes = B_MAIN};
-    double ms = chk_time_ms(env, bench_call, &b, 3, 20);
     double keys = B_WIN + B_TOPK;
     double flops = 4.0 * rows * B_H * keys * B_HD;
     double bytes = rows * (2.0 * B_H * B_HD * 2 + B_WIN * (double)B_EB + B_TOPK * (double)B_MAIN);
-    if (ms > 0) {
-        double tf = flops / (ms * 1e-3) / 1e12, gb = bytes / (ms * 1e-3) / 1e9;
-        printf("%-26s %5u %9.1f %9.1f %7.0f %6.1f%% %6.1f%%\n", "sparse_attn decode", rows, ms * 1e3,
-               tf, gb, 100 * tf / peak, 100 * gb / copy);
-    } else {
-        printf("%-26s %5u failed (message above)\n", "sparse_attn decode", rows);
+    char label[32];
+    snprintf(label, sizeof(label), "%u x %u", n_seqs, per);
+    for (int k = 0; k < 2; k++) {
+        b.be = k == 0 ? &env->gpu : g_old;
+        double ms = chk_time_ms_on(env, b.be, bench_call, &b, 3, 20);
+        const char *name = k == 0 ? "sparse_attn decode" : "  one CTA per 16 heads";
+        if (ms > 0) {
+            double tf = flops / (ms * 1e-3) / 1e12, gb = bytes / (ms * 1e-3) / 1e9;
+            printf("%-24s %9s %9.1f %9.1f %7.0f %6.1f%% %6.1f%%\n", name, label, ms * 1e3, tf, gb,
+                   100 * tf / peak, 100 * gb / copy);
+        } else {
+            printf("%-24s %9s failed (message above)\n", name, label);
+        }
     }
     chk_dev_free(env, blocks), chk_dev_free(env, slots), chk_dev_free(env, local);
     chk_dev_free(env, (void *)b.p.q), chk_dev_free(env, (void *)b.p.topk);
@@ -362,19 +404,32 @@ static void bench(chk_env *env)
     double copy = gpu_copy_gbs((size_t)1 << 30, 20);
     double peak = chk_gemm_ceiling(env);
     printf("\nsparse_attn at V4.1-Flash decode shapes: 64 heads of 512, %d window + %d top-k keys "
-           "per row, one sequence per row\nceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 "
+           "per row at position %d\nceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 "
            "%.0f TFLOP/s; FLOPs = 4 x rows x heads x keys x 512 (QK and PV); bytes = q, out and "
-           "the keys read once per row\n", B_WIN, B_TOPK, copy, peak);
-    printf("%-26s %5s %9s %9s %7s %7s %7s\n", "op", "rows", "us", "TFLOP/s", "GB/s", "of GEMM",
-           "of copy");
-    bench_rows(env, 64, copy, peak);
-    bench_rows(env, 384, copy, peak);
+           "the keys read once per row\n", B_WIN, B_TOPK, B_POS, copy, peak);
+    printf("%-24s %9s %9s %9s %7s %7s %7s\n", "op", "seqs x rows", "us", "TFLOP/s", "GB/s",
+           "of GEMM", "of copy");
+    bench_rows(env, 1, 1, copy, peak);
+    bench_rows(env, 8, 1, copy, peak);
+    bench_rows(env, 64, 1, copy, peak);
+    bench_rows(env, 64, 6, copy, peak);
+    bench_rows(env, 384, 1, copy, peak);
 }
 
 int main(int argc, char **argv)
 {
     chk_env env;
     int want_bench = chk_init(&env, argc, argv, usage);
+    kern_backend old;
+    kern_cuda_config cfg = {.attn_old = 1};
+    di_error e;
+    if (kern_cuda_create(&cfg, &old, &e) != DI_OK) {
+        fprintf(stderr, "CUDA backend (attn_old): %s\n", e.msg);
+        return 2;
+    }
+    g_old = &old;
     sweep(&env);
-    return chk_finish(&env, "check_attn", want_bench, bench);
+    int rc = chk_finish(&env, "check_attn", want_bench, bench);
+    kern_cuda_destroy(&old);
+    return rc;
 }

@@ -11,8 +11,9 @@
  * values), -inf runs, NaN, rows with nothing visible, k above and below the visible count.
  * The three ops also run chained as the forward runs them (scores -> candidates -> masked
  * scores -> top-k), each stage fed from the CPU's previous stage.
- * With --bench: scores and top-k at V4.1-Flash shapes (32 heads of 128, top-512) for 64 and
- * 384 decode rows, next to the copy bandwidth and BF16 GEMM ceiling of the same run.
+ * With --bench: scores and top-k at V4.1-Flash shapes (32 heads of 128, top-512) for 1, 8, 64
+ * and 384 decode rows and 64 sequences of 6 rows, next to the copy bandwidth and BF16 GEMM
+ * ceiling of the same run.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error. */
 #include <inttypes.h>
 #include <math.h>
@@ -119,6 +120,9 @@ typedef struct score_case {
     uint32_t stride_pad;
 } score_case;
 
+/* The backend with kern_cuda_config.index_group_rows = 8 (set in main). */
+static kern_backend *g_grouped;
+
 static void check_scores(chk_env *env, const score_case *sc)
 {
     di_rng rng;
@@ -169,6 +173,24 @@ static void check_scores(chk_env *env, const score_case *sc)
     chk_cpu_status(env->cpu.ops.index_scores(env->cpu.ctx, &p), what);
     if (!bad)
         bad = cmp_scores(what, out, gout, T, stride, max_vis);
+    /* the rows of a sequence scored together (index_group_rows 8): the same bits */
+    float *grouped = chk_malloc((size_t)T * stride * 4);
+    chk_poison(grouped, (size_t)T * stride * 4);
+    chk_put(env, dout, grouped, (size_t)T * stride * 4);
+    p.q = dq, p.w = dw, p.seqs = kv.seqs_d, p.pool = kv.pool_d, p.cand_mask = sc->masked ? dmask : NULL;
+    p.scores = dout;
+    char w2[300];
+    snprintf(w2, sizeof(w2), "%s (rows of a sequence together)", what);
+    di_error e;
+    if (!bad)
+        bad = chk_gpu_status(env, g_grouped->ops.index_scores(g_grouped->ctx, &p), w2);
+    if (!bad)
+        bad = chk_gpu_status(env, kern_cuda_sync(g_grouped, &e), w2);
+    if (!bad) {
+        chk_get(env, grouped, dout, (size_t)T * stride * 4);
+        bad = chk_cmp_bytes(w2, gout, grouped, (size_t)T * stride * 4);
+    }
+    free(grouped);
     chk_count(env, bad);
     chk_dev_free(env, dq), chk_dev_free(env, dw), chk_dev_free(env, dmask), chk_dev_free(env, dout);
     chk_kv_free(env, &kv);
@@ -377,6 +399,8 @@ static void sweep(chk_env *env)
         {1, {SQ(5, 600, 606)}, 20, 96, 1, 8, 0, 1, 3},
         {2, {SQ(3, 400, 404), SQ(1, 64, 65)}, 32, 128, 1, 128, 1, 0, 0},
         {1, {SQ(2, 62, 64)}, 64, 256, 1, 2, 0, 1, 0},
+        /* decode steps of 1 + 5 rows: a sequence's rows scored together */
+        {3, {SQ(6, 3000, 3006), SQ(6, 1000, 1006), SQ(1, 77, 78)}, 32, 128, 1, 128, 1, 1, 0},
     };
     int c0 = env->checks;
     for (size_t i = 0; i < sizeof(scs) / sizeof(scs[0]); i++)
@@ -416,6 +440,7 @@ enum { B_HEADS = 32, B_HD = 128, B_TOPK = 512, B_PER_BLOCK = 128, B_POOL = 4096,
 
 typedef struct bench_arg {
     chk_env *env;
+    kern_backend *be;           /* the backend of the scores */
     kern_index_scores s;
     kern_index_topk k;
     int op;
@@ -425,11 +450,16 @@ static di_status bench_call(void *arg, int i)
 {
     bench_arg *b = arg;
     kern_backend *g = &b->env->gpu;
-    return b->op == 0 ? g->ops.index_scores(g->ctx, &b->s) : g->ops.index_topk(g->ctx, &b->k);
+    return b->op == 0 ? b->be->ops.index_scores(b->be->ctx, &b->s)
+                      : g->ops.index_topk(g->ctx, &b->k);
 }
 
-static void bench_rows(chk_env *env, uint32_t rows, uint32_t visible, double copy, double peak)
+/* n_seqs sequences of `per` rows each (the rows of a sequence share its keys), `visible`
+ * ratio-1 keys per row. */
+static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, uint32_t visible, double copy,
+                       double peak)
 {
+    const uint32_t rows = n_seqs * per;
     di_rng rng;
     chk_case_rng(env, &rng);
     size_t block_bytes = 128 + (size_t)B_PER_BLOCK * B_KEY;
@@ -443,16 +473,17 @@ static void bench_rows(chk_env *env, uint32_t rows, uint32_t visible, double cop
     uint8_t *blocks = chk_dev_copy(env, h, block_bytes * B_POOL);
     free(h);
     uint32_t nb = (visible + B_PER_BLOCK - 1) / B_PER_BLOCK;
-    uint32_t *tables = chk_malloc((size_t)rows * nb * 4);
-    kern_seq *seqs = chk_malloc(rows * sizeof(kern_seq));
+    uint32_t *tables = chk_malloc((size_t)n_seqs * nb * 4);
+    kern_seq *seqs = chk_malloc(n_seqs * sizeof(kern_seq));
     int32_t *nv = chk_malloc(rows * 4), *rs = chk_malloc(rows * 4);
-    for (uint32_t r = 0; r < rows; r++) {
+    for (uint32_t q = 0; q < n_seqs; q++) {
         for (uint32_t b = 0; b < nb; b++)
-            tables[(size_t)r * nb + b] = (uint32_t)di_rng_below(&rng, B_POOL);
-        seqs[r] = (kern_seq){.row0 = r, .n_rows = 1, .pos0 = visible - 1,
-                             .blocks = tables + (size_t)r * nb, .n_blocks = nb, .ring_hi = -1};
-        nv[r] = (int32_t)visible, rs[r] = (int32_t)r;
+            tables[(size_t)q * nb + b] = (uint32_t)di_rng_below(&rng, B_POOL);
+        seqs[q] = (kern_seq){.row0 = q * per, .n_rows = per, .pos0 = visible - per,
+                             .blocks = tables + (size_t)q * nb, .n_blocks = nb, .ring_hi = -1};
     }
+    for (uint32_t r = 0; r < rows; r++)
+        nv[r] = (int32_t)visible, rs[r] = (int32_t)(r / per);
     size_t qn = (size_t)rows * B_HEADS * B_HD;
     uint16_t *hq = chk_malloc(qn * 2);
     fill_fp4_bf16(hq, qn, 1, &rng);
@@ -468,19 +499,29 @@ static void bench_rows(chk_env *env, uint32_t rows, uint32_t visible, double cop
                               .index_entry_bytes = B_KEY};
     b.k = (kern_index_topk){.n_rows = rows, .k = B_TOPK, .scores = scores, .stride = visible,
                             .n_visible = nv, .out = chk_dev_alloc(env, (size_t)rows * B_TOPK * 4)};
-    for (int op = 0; op < 2; op++) {
-        b.op = op;
-        double ms = chk_time_ms(env, bench_call, &b, 3, 20);
+    char label[32];
+    snprintf(label, sizeof(label), "%u x %u", n_seqs, per);
+    static const int ops[3] = {0, 2, 1}; /* scores (rows alone), scores (rows together), top-k */
+    for (int oi = 0; oi < 3; oi++) {
+        int op = ops[oi];
+        if (op == 2 && per == 1)
+            continue;
+        b.op = op == 1;
+        b.be = op == 2 ? g_grouped : &env->gpu;
+        double ms = chk_time_ms_on(env, b.be, bench_call, &b, 3, 20);
+        op = op == 2 ? 0 : op;
         double flops = op == 0 ? 2.0 * rows * B_HEADS * B_HD * (double)visible : 0;
-        double bytes = op == 0 ? rows * ((double)visible * (B_KEY + 4) + B_HEADS * B_HD * 2.0)
+        double bytes = op == 0 ? n_seqs * (double)visible * B_KEY +
+                                     rows * ((double)visible * 4 + B_HEADS * B_HD * 2.0)
                                : rows * (double)visible * 4;
-        const char *name = op == 0 ? "index_scores" : "index_topk 512";
+        const char *name = op == 1 ? "index_topk 512" : b.be == g_grouped ? "  rows together"
+                                                                             : "index_scores";
         if (ms <= 0) {
-            printf("%-16s %5u %8u failed (message above)\n", name, rows, visible);
+            printf("%-16s %9s %8u failed (message above)\n", name, label, visible);
             continue;
         }
         double tf = flops / (ms * 1e-3) / 1e12, gb = bytes / (ms * 1e-3) / 1e9;
-        printf("%-16s %5u %8u %9.1f %9.2f %7.0f %6.1f%% %6.1f%%\n", name, rows, visible, ms * 1e3,
+        printf("%-16s %9s %8u %9.1f %9.2f %7.0f %6.1f%% %6.1f%%\n", name, label, visible, ms * 1e3,
                tf, gb, 100 * tf / peak, 100 * gb / copy);
     }
     chk_dev_free(env, blocks), chk_dev_free(env, scores), chk_dev_free(env, (void *)b.s.q);
@@ -494,18 +535,31 @@ static void bench(chk_env *env)
     double peak = chk_gemm_ceiling(env);
     printf("\nindexer at V4.1-Flash decode shapes (32 heads of 128, one sequence per row, ratio-1 "
            "keys)\nceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s; bytes = "
-           "keys read once per row, scores written (top-k: scores read)\n", copy, peak);
-    printf("%-16s %5s %8s %9s %9s %7s %7s %7s\n", "op", "rows", "visible", "us", "TFLOP/s", "GB/s",
+           "keys read once per sequence, q read and scores written per row (top-k: scores read)\n", copy, peak);
+    printf("%-16s %9s %8s %9s %9s %7s %7s %7s\n", "op", "seqs x rows", "visible", "us", "TFLOP/s", "GB/s",
            "of GEMM", "of copy");
-    bench_rows(env, 64, 16384, copy, peak);
-    bench_rows(env, 64, 65536, copy, peak);
-    bench_rows(env, 384, 16384, copy, peak);
+    bench_rows(env, 1, 1, 16384, copy, peak);
+    bench_rows(env, 8, 1, 16384, copy, peak);
+    bench_rows(env, 64, 1, 16384, copy, peak);
+    bench_rows(env, 64, 6, 16384, copy, peak);
+    bench_rows(env, 64, 1, 65536, copy, peak);
+    bench_rows(env, 384, 1, 16384, copy, peak);
 }
 
 int main(int argc, char **argv)
 {
     chk_env env;
     int want_bench = chk_init(&env, argc, argv, usage);
+    kern_backend grouped;
+    kern_cuda_config cfg = {.index_group_rows = 8};
+    di_error e;
+    if (kern_cuda_create(&cfg, &grouped, &e) != DI_OK) {
+        fprintf(stderr, "CUDA backend (index_group_rows 8): %s\n", e.msg);
+        return 2;
+    }
+    g_grouped = &grouped;
     sweep(&env);
-    return chk_finish(&env, "check_index", want_bench, bench);
+    int rc = chk_finish(&env, "check_index", want_bench, bench);
+    kern_cuda_destroy(&grouped);
+    return rc;
 }

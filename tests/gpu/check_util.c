@@ -369,7 +369,13 @@ void chk_count(chk_env *env, size_t mismatches)
 
 double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int reps)
 {
-    cudaStream_t s = (cudaStream_t)kern_cuda_stream(&env->gpu);
+    return chk_time_ms_on(env, &env->gpu, fn, arg, warmup, reps);
+}
+
+double chk_time_ms_on(chk_env *env, kern_backend *be, chk_timed_fn fn, void *arg, int warmup,
+                      int reps)
+{
+    cudaStream_t s = (cudaStream_t)kern_cuda_stream(be);
     cudaEvent_t t0, t1;
     GPU_OK(cudaEventCreate(&t0));
     GPU_OK(cudaEventCreate(&t1));
@@ -385,10 +391,11 @@ double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int rep
         GPU_OK(cudaEventElapsedTime(&ms[i], t0, t1));
     }
     chk_sync(env);
+    GPU_OK(cudaStreamSynchronize(s));
     double med = -1.0;
     if (st != DI_OK)
         fprintf(stderr, "benchmark call failed (%s): %s\n", di_status_name(st),
-                kern_cuda_last_error(&env->gpu));
+                kern_cuda_last_error(be));
     else
         med = gpu_median(ms, reps);
     free(ms);

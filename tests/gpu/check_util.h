@@ -166,6 +166,9 @@ size_t chk_kv_block_bytes(const chk_kv *kv);
  * its di_status) the message is printed and the result is -1. */
 typedef di_status (*chk_timed_fn)(void *arg, int i);
 double chk_time_ms(chk_env *env, chk_timed_fn fn, void *arg, int warmup, int reps);
+/* The same on another CUDA backend's stream (its own ops timed). */
+double chk_time_ms_on(chk_env *env, kern_backend *be, chk_timed_fn fn, void *arg, int warmup,
+                      int reps);
 
 /* The matrix-rate ceiling of the run: an 8192^3 BF16 GEMM (bf16 out, the backend's linear_bf16
  * on cuBLASLt) on random data, TFLOP/s (median of 20 after 3 warm-ups). Exit 2 on failure. */
