@@ -158,12 +158,10 @@ static int cmp_double(const void *a, const void *b)
     return x < y ? -1 : x > y;
 }
 
-double pl_prefill_rate(const pl_table *t, size_t idx, uint64_t now_ns)
+/* The rate of a rank not measured yet, before its first prefill's bound: the median of the
+ * measured prefill ranks in rotation or suspect, else the configured default. */
+static double unmeasured_rate(const pl_table *t)
 {
-    const pl_rank *r = &t->ranks[idx];
-    double rate = measured_rate(r);
-    if (rate > 0)
-        return rate;
     double rates[PL_MAX_RANKS];
     size_t n = 0;
     for (size_t i = 0; i < t->n; i++)
@@ -171,17 +169,29 @@ double pl_prefill_rate(const pl_table *t, size_t idx, uint64_t now_ns)
             measured_rate(&t->ranks[i]) > 0)
             rates[n++] = measured_rate(&t->ranks[i]);
     if (n == 0)
-        rate = t->cfg.default_prefill_rate;
-    else {
-        qsort(rates, n, sizeof rates[0], cmp_double);
-        rate = n % 2 ? rates[n / 2] : (rates[n / 2 - 1] + rates[n / 2]) / 2;
-    }
+        return t->cfg.default_prefill_rate;
+    qsort(rates, n, sizeof rates[0], cmp_double);
+    return n % 2 ? rates[n / 2] : (rates[n / 2 - 1] + rates[n / 2]) / 2;
+}
+
+/* r's rate given the rate of an unmeasured rank (unmeasured_rate). */
+static double rate_of(const pl_rank *r, double unmeasured, uint64_t now_ns)
+{
+    double rate = measured_rate(r);
+    if (rate > 0)
+        return rate;
+    rate = unmeasured;
     if (r->first_sent_ns && now_ns > r->first_sent_ns) {
         double bound = (double)r->first_tokens / ((double)(now_ns - r->first_sent_ns) / 1e9);
         if (bound < rate)
             rate = bound;
     }
     return rate > 1e-3 ? rate : 1e-3;
+}
+
+double pl_prefill_rate(const pl_table *t, size_t idx, uint64_t now_ns)
+{
+    return rate_of(&t->ranks[idx], unmeasured_rate(t), now_ns);
 }
 
 /* The health level picks may use for a role: HEALTHY when any is, else SUSPECT, else none. */
@@ -214,18 +224,19 @@ long pl_pick_prefill(pl_table *t, uint64_t prompt, uint64_t cached, size_t exclu
     if (level < 0)
         return -1;
     uint64_t compute = prompt > cached ? prompt - cached : 0;
+    double unmeasured = unmeasured_rate(t);
     long best = -1;
     double best_t = 0;
     if (t->policy == PL_POLICY_ROUND_ROBIN) {
         best = pick_rr(t, PL_PREFILL, exclude, level);
         best_t = (double)(t->ranks[best].load.queued_tokens + compute) /
-                 pl_prefill_rate(t, (size_t)best, now_ns);
+                 rate_of(&t->ranks[best], unmeasured, now_ns);
     } else {
         for (size_t i = 0; i < t->n; i++) {
             const pl_rank *r = &t->ranks[i];
             if (r->role != PL_PREFILL || i == exclude || (int)r->health != level)
                 continue;
-            double rate = pl_prefill_rate(t, i, now_ns);
+            double rate = rate_of(r, unmeasured, now_ns);
             double est = (double)(r->load.queued_tokens + compute) / rate;
             if (di_log_enabled(t->log, DI_LOG_DEBUG))
                 di_log(t->log, DI_LOG_DEBUG,
