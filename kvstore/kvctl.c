@@ -12,6 +12,7 @@
 #include "common/net/kv_client.h"
 #include "common/net/kvstore.pb-c.h"
 #include "common/net/rpc.h"
+#include "common/service/options.h"
 #include "common/util/hostport.h"
 #include "common/util/outclose.h"
 #include "kvstore/cli.h"
@@ -22,7 +23,7 @@
 /* Global options (before the subcommand). */
 typedef struct gopts {
     const char *target;      /* store address */
-    const char *token_file;  /* admin token file */
+    char *token;             /* admin token (from its file or $DI_KVSTORE_ADMIN_TOKEN) */
     const char *tls_ca;      /* CA file for TLS */
     const char *tls_name;    /* certificate name override */
     const char *tls_cert;    /* client certificate (mutual TLS) */
@@ -67,35 +68,45 @@ typedef struct ctl {
 } ctl;
 
 #define G(f) offsetof(gopts, f)
-static const kvcli_opt global_rows[] = {
-    {"target", KVCLI_ADDR, G(target), "127.0.0.1:9470", 0, 0, "HOST:PORT",
-     "the store (or $DI_KVSTORE_TARGET)"},
-    {"admin-token-file", KVCLI_STRING, G(token_file), NULL, 0, 0, "FILE",
-     "admin token (or $DI_KVSTORE_ADMIN_TOKEN)"},
-    {"tls-ca", KVCLI_STRING, G(tls_ca), NULL, 0, 0, "FILE", "CA of the store's certificate"},
-    {"tls-name", KVCLI_STRING, G(tls_name), NULL, 0, 0, "NAME", "name on the store's certificate"},
-    {"tls-cert", KVCLI_STRING, G(tls_cert), NULL, 0, 0, "FILE",
-     "client certificate (PEM) for a store started with --tls-client-ca"},
-    {"tls-key", KVCLI_STRING, G(tls_key), NULL, 0, 0, "FILE", "the client certificate's key (PEM)"},
-    {"json", KVCLI_FLAG, G(json), NULL, 0, 0, NULL, "print JSON instead of tables"},
-    {"deadline", KVCLI_DURATION, G(deadline_ms), "10s", 1, 86400000, "DUR",
-     "deadline of each call (at most 1d)"},
-    {"data-path", KVCLI_STRING, G(data_path), "auto", 0, 0, "PATH",
-     "how KV bytes move: auto (UCX to a store on this host, else gRPC), ucx, grpc"},
+static const svc_opt global_rows[] = {
+    {"target", SVC_OPT_HOSTPORT, G(target), "127.0.0.1:9470", 1, 0, "HOST:PORT",
+     "the store (or $DI_KVSTORE_TARGET)", NULL},
+    {"admin-token-file", SVC_OPT_SECRET, G(token), NULL, 0, 0, "FILE", "admin token",
+     "DI_KVSTORE_ADMIN_TOKEN"},
+    {"tls-ca", SVC_OPT_FILE, G(tls_ca), NULL, 0, 0, "FILE", "CA of the store's certificate",
+     NULL},
+    {"tls-name", SVC_OPT_STRING, G(tls_name), NULL, 0, 0, "NAME",
+     "name on the store's certificate", NULL},
+    {"tls-cert", SVC_OPT_FILE, G(tls_cert), NULL, 0, 0, "FILE",
+     "client certificate (PEM) for a store started with --tls-client-ca", NULL},
+    {"tls-key", SVC_OPT_FILE, G(tls_key), NULL, 0, 0, "FILE",
+     "the client certificate's key (PEM)", NULL},
+    {"json", SVC_OPT_FLAG, G(json), NULL, 0, 0, NULL, "print JSON instead of tables", NULL},
+    {"deadline", SVC_OPT_DURATION, G(deadline_ms), "10s", 1, 86400000, "DUR",
+     "deadline of each call (at most 1d)", NULL},
+    {"data-path", SVC_OPT_CHOICE, G(data_path), "auto", 0, 0, "PATH",
+     "how KV bytes move: auto (UCX to a store on this host, else gRPC), ucx, grpc",
+     "auto|ucx|grpc"},
 };
+#define N_GLOBAL (sizeof(global_rows) / sizeof(global_rows[0]))
 #define S(f) offsetof(sopts, f)
-static const kvcli_opt sub_rows[] = {
-    {"ids", KVCLI_STRING, S(ids), NULL, 0, 0, "LIST", "inspect: token ids 1,2,3 (no file)"},
-    {"text", KVCLI_STRING, S(text), NULL, 0, 0, "FILE",
-     "inspect: a text prompt (UTF-8; - for stdin), tokenized here"},
-    {"tokenizer", KVCLI_STRING, S(tokenizer), NULL, 0, 0, "FILE",
-     "inspect --text: tokenizer.json [$DI_TOKENIZER or the project's DeepSeek V3]"},
-    {"bos", KVCLI_FLAG, S(bos), NULL, 0, 0, NULL, "inspect --text: prepend the BOS token"},
-    {"class", KVCLI_STRING, S(cls), NULL, 0, 0, "LIST", "evict: block,window,handoff [block]"},
-    {"dram-only", KVCLI_FLAG, S(dram_only), NULL, 0, 0, NULL,
-     "evict: drop DRAM copies only (keep disk)"},
-    {"all", KVCLI_FLAG, S(all), NULL, 0, 0, NULL, "evict: every unleased object of the classes"},
+static const svc_opt sub_rows[] = {
+    {"ids", SVC_OPT_STRING, S(ids), NULL, 0, 0, "LIST", "inspect: token ids 1,2,3 (no file)",
+     NULL},
+    {"text", SVC_OPT_STRING, S(text), NULL, 0, 0, "FILE",
+     "inspect: a text prompt (UTF-8; - for stdin), tokenized here", NULL},
+    {"tokenizer", SVC_OPT_FILE, S(tokenizer), NULL, 0, 0, "FILE",
+     "inspect --text: tokenizer.json [$DI_TOKENIZER or the project's DeepSeek V3]", NULL},
+    {"bos", SVC_OPT_FLAG, S(bos), NULL, 0, 0, NULL, "inspect --text: prepend the BOS token",
+     NULL},
+    {"class", SVC_OPT_STRING, S(cls), NULL, 0, 0, "LIST", "evict: block,window,handoff [block]",
+     NULL},
+    {"dram-only", SVC_OPT_FLAG, S(dram_only), NULL, 0, 0, NULL,
+     "evict: drop DRAM copies only (keep disk)", NULL},
+    {"all", SVC_OPT_FLAG, S(all), NULL, 0, 0, NULL, "evict: every unleased object of the classes",
+     NULL},
 };
+#define N_SUB_ROWS (sizeof(sub_rows) / sizeof(sub_rows[0]))
 
 /* ---------------------------------------------------------------- output helpers */
 
@@ -324,7 +335,7 @@ static int check_ttl(ctl *x)
         return 2;
     }
     di_error e;
-    if (kvcli_parse_duration(x->argv[2], &x->a.value, &e) != DI_OK)
+    if (svc_parse_duration(x->argv[2], &x->a.value, &e) != DI_OK)
         return usage_error("ttl set", e.msg);
     return 0;
 }
@@ -359,7 +370,7 @@ static int check_capacity(ctl *x)
     if (!set)
         return 0;
     di_error e;
-    if (kvcli_parse_size(x->argv[2], &x->a.value, &e) != DI_OK)
+    if (svc_parse_size(x->argv[2], &x->a.value, &e) != DI_OK)
         return usage_error("capacity set", e.msg);
     x->a.tier = strcmp(x->argv[1], "dram") == 0 ? DI__KVSTORE__TIER__DRAM
                                                 : DI__KVSTORE__TIER__DISK;
@@ -778,30 +789,29 @@ static void usage(FILE *f)
         fprintf(f, "  %-9s %-44s %s\n", subcommands[i].name, subcommands[i].usage,
                 subcommands[i].help);
     fprintf(f, "\nglobal options:\n");
-    kvcli_print_options(f, global_rows, sizeof(global_rows) / sizeof(global_rows[0]));
+    svc_opts_print(f, global_rows, N_GLOBAL);
     fprintf(f, "\ncommand options:\n");
-    kvcli_print_options(f, sub_rows, sizeof(sub_rows) / sizeof(sub_rows[0]));
+    svc_opts_print(f, sub_rows, N_SUB_ROWS);
     fprintf(f, "\ninspect reads token ids as a JSON array or separated by spaces, commas or "
                "newlines;\n--text tokenizes a prompt with the same tokenizer as the router.\n");
 }
 
 /* The PEM files of TLS: pem[0] CA, pem[1] client certificate, pem[2] its key. */
-static int open_client(ctl *x, char **token, char **pem)
+static int open_client(ctl *x, char **pem)
 {
     di_error e;
     if (!x->g.tls_cert != !x->g.tls_key) {
         di_fail(&e, DI_EINVAL, "--tls-cert and --tls-key go together");
         return fail("auth", &e);
     }
-    if (kvcli_token(x->g.token_file, "DI_KVSTORE_ADMIN_TOKEN", token, &e) != DI_OK ||
-        (x->g.tls_ca && rpc_load_file(x->g.tls_ca, &pem[0], &e) != DI_OK) ||
+    if ((x->g.tls_ca && rpc_load_file(x->g.tls_ca, &pem[0], &e) != DI_OK) ||
         (x->g.tls_cert && rpc_load_file(x->g.tls_cert, &pem[1], &e) != DI_OK) ||
         (x->g.tls_key && rpc_load_file(x->g.tls_key, &pem[2], &e) != DI_OK))
         return fail("auth", &e);
     kvc_options o;
     kvc_options_default(&o);
     o.target = x->g.target;
-    o.token = *token;
+    o.token = x->g.token;
     o.tls_ca_pem = pem[0];
     o.tls_cert_pem = pem[1];
     o.tls_key_pem = pem[2];
@@ -824,65 +834,69 @@ int main(int argc, char **argv)
     di_error e;
     int next = 1, help = 0;
     const char *env_target = getenv("DI_KVSTORE_TARGET");
-    if (kvcli_defaults(global_rows, sizeof(global_rows) / sizeof(global_rows[0]), &x.g, &e) ||
-        kvcli_parse(global_rows, sizeof(global_rows) / sizeof(global_rows[0]), argc, argv, 1,
-                    &x.g, &next, &help, &e)) {
+    if (svc_opts_defaults(global_rows, N_GLOBAL, &x.g, &e) ||
+        svc_opts_parse(global_rows, N_GLOBAL, argc, argv, 1, &x.g, &next, &help, &e) ||
+        svc_opts_load_secrets(global_rows, N_GLOBAL, &x.g, &e)) {
         fprintf(stderr, "di-kvctl: %s\n", e.msg);
+        svc_opts_free(global_rows, N_GLOBAL, &x.g);
         return 2;
     }
     if (help || next >= argc) {
+        svc_opts_free(global_rows, N_GLOBAL, &x.g);
         usage(help ? stdout : stderr);
         return help ? di_close_stdout("di-kvctl", 0) : 2;
     }
+    const subcommand *sub = NULL;
+    char **pos = NULL, *pem[3] = {NULL, NULL, NULL};
+    int rc = 2;
     if (env_target && strcmp(x.g.target, "127.0.0.1:9470") == 0) {
         if (di_hostport_parse(env_target, false, NULL, &e) != DI_OK) {
             fprintf(stderr, "di-kvctl: $DI_KVSTORE_TARGET: %s\n", e.msg);
-            return 2;
+            goto done;
         }
         x.g.target = env_target;
     }
-    const subcommand *sub = NULL;
     for (size_t i = 0; i < N_SUB; i++)
         if (strcmp(argv[next], subcommands[i].name) == 0)
             sub = &subcommands[i];
     if (!sub) {
         fprintf(stderr, "di-kvctl: unknown command \"%s\" (see --help)\n", argv[next]);
-        return 2;
+        goto done;
     }
     /* Subcommand options may come anywhere after the command. */
-    char **pos = calloc((size_t)argc, sizeof(char *));
+    pos = calloc((size_t)argc, sizeof(char *));
     int np = 0;
     for (int i = next + 1; i < argc;) {
-        int stop = i;
-        if (kvcli_parse(sub_rows, sizeof(sub_rows) / sizeof(sub_rows[0]), argc, argv, i, &x.s,
-                        &stop, &help, &e) != DI_OK) {
+        int stop = i, h = 0;
+        if (svc_opts_parse(sub_rows, N_SUB_ROWS, argc, argv, i, &x.s, &stop, &h, &e) != DI_OK) {
             fprintf(stderr, "di-kvctl: %s %s\n", sub->name, e.msg);
-            free(pos);
-            return 2;
+            goto done;
         }
+        help |= h;
         if (stop < argc)
             pos[np++] = argv[stop++];
         i = stop;
     }
     if (help) {
         printf("usage: di-kvctl %s %s\n  %s\n", sub->name, sub->usage, sub->help);
-        free(pos);
-        return di_close_stdout("di-kvctl", 0);
+        rc = di_close_stdout("di-kvctl", 0);
+        goto done;
     }
     x.argc = np;
     x.argv = pos;
-    char *token = NULL, *pem[3] = {NULL, NULL, NULL};
-    int rc = sub->check ? sub->check(&x) : 0;
+    rc = sub->check ? sub->check(&x) : 0;
     if (rc == 0)
-        rc = open_client(&x, &token, pem);
+        rc = open_client(&x, pem);
     if (rc == 0)
         rc = sub->run(&x);
     kvc_close(x.c);
+    rc = di_close_stdout("di-kvctl", rc);
+done:
+    svc_opts_free(global_rows, N_GLOBAL, &x.g);
     free(x.a.keys);
     free(x.a.ids);
-    free(token);
     for (int i = 0; i < 3; i++)
         free(pem[i]);
     free(pos);
-    return di_close_stdout("di-kvctl", rc);
+    return rc;
 }

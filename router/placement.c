@@ -2,6 +2,7 @@
 #include "router/placement.h"
 
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 pl_config pl_config_default(void)
@@ -11,7 +12,7 @@ pl_config pl_config_default(void)
                        .out_after = 5,
                        .out_after_failures = 3,
                        .healthy_after = 2,
-                       .default_prefill_rate = 10000.0,
+                       .default_prefill_rate = 1000.0,
                        .rate_weight = 0.3};
 }
 
@@ -63,7 +64,6 @@ di_status pl_add(pl_table *t, pl_role role, const char *addr, bool registered, u
     r->registered = registered;
     r->health = PL_HEALTHY;
     r->last_beat_ns = now_ns;
-    r->rate = t->cfg.default_prefill_rate;
     *idx = t->n++;
     return DI_OK;
 }
@@ -144,6 +144,56 @@ void pl_observe_prefill(pl_table *t, size_t idx, uint64_t tokens, double seconds
     r->rate_measured = true;
 }
 
+/* A measured rate of r (reported, else observed); 0 when it has none. */
+static double measured_rate(const pl_rank *r)
+{
+    if (r->load.prefill_rate > 0)
+        return r->load.prefill_rate;
+    return r->rate_measured ? r->rate : 0;
+}
+
+static int cmp_double(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* The rate of a rank not measured yet, before its first prefill's bound: the median of the
+ * measured prefill ranks in rotation or suspect, else the configured default. */
+static double unmeasured_rate(const pl_table *t)
+{
+    double rates[PL_MAX_RANKS];
+    size_t n = 0;
+    for (size_t i = 0; i < t->n; i++)
+        if (t->ranks[i].role == PL_PREFILL && t->ranks[i].health != PL_OUT &&
+            measured_rate(&t->ranks[i]) > 0)
+            rates[n++] = measured_rate(&t->ranks[i]);
+    if (n == 0)
+        return t->cfg.default_prefill_rate;
+    qsort(rates, n, sizeof rates[0], cmp_double);
+    return n % 2 ? rates[n / 2] : (rates[n / 2 - 1] + rates[n / 2]) / 2;
+}
+
+/* r's rate given the rate of an unmeasured rank (unmeasured_rate). */
+static double rate_of(const pl_rank *r, double unmeasured, uint64_t now_ns)
+{
+    double rate = measured_rate(r);
+    if (rate > 0)
+        return rate;
+    rate = unmeasured;
+    if (r->first_sent_ns && now_ns > r->first_sent_ns) {
+        double bound = (double)r->first_tokens / ((double)(now_ns - r->first_sent_ns) / 1e9);
+        if (bound < rate)
+            rate = bound;
+    }
+    return rate > 1e-3 ? rate : 1e-3;
+}
+
+double pl_prefill_rate(const pl_table *t, size_t idx, uint64_t now_ns)
+{
+    return rate_of(&t->ranks[idx], unmeasured_rate(t), now_ns);
+}
+
 /* The health level picks may use for a role: HEALTHY when any is, else SUSPECT, else none. */
 static int usable_level(const pl_table *t, pl_role role, size_t exclude)
 {
@@ -168,36 +218,44 @@ static long pick_rr(pl_table *t, pl_role role, size_t exclude, int level)
 }
 
 long pl_pick_prefill(pl_table *t, uint64_t prompt, uint64_t cached, size_t exclude,
-                     double *est_s)
+                     uint64_t now_ns, double *est_s)
 {
     int level = usable_level(t, PL_PREFILL, exclude);
     if (level < 0)
         return -1;
     uint64_t compute = prompt > cached ? prompt - cached : 0;
+    double unmeasured = unmeasured_rate(t);
     long best = -1;
     double best_t = 0;
     if (t->policy == PL_POLICY_ROUND_ROBIN) {
         best = pick_rr(t, PL_PREFILL, exclude, level);
-        best_t = (double)(t->ranks[best].load.queued_tokens + compute) / t->ranks[best].rate;
+        best_t = (double)(t->ranks[best].load.queued_tokens + compute) /
+                 rate_of(&t->ranks[best], unmeasured, now_ns);
     } else {
         for (size_t i = 0; i < t->n; i++) {
             const pl_rank *r = &t->ranks[i];
             if (r->role != PL_PREFILL || i == exclude || (int)r->health != level)
                 continue;
-            double est = (double)(r->load.queued_tokens + compute) / r->rate;
+            double rate = rate_of(r, unmeasured, now_ns);
+            double est = (double)(r->load.queued_tokens + compute) / rate;
             if (di_log_enabled(t->log, DI_LOG_DEBUG))
                 di_log(t->log, DI_LOG_DEBUG,
                        "prefill candidate %s: (queued %llu + prompt %llu - cached %llu) / %.0f "
                        "tok/s = %.4f s", r->addr, (unsigned long long)r->load.queued_tokens,
                        (unsigned long long)prompt, (unsigned long long)(prompt - compute),
-                       r->rate, est);
+                       rate, est);
             if (best < 0 || est < best_t) {
                 best = (long)i;
                 best_t = est;
             }
         }
     }
-    t->ranks[best].load.queued_tokens += compute;
+    pl_rank *b = &t->ranks[best];
+    b->load.queued_tokens += compute;
+    if (measured_rate(b) == 0 && b->first_sent_ns == 0 && compute > 0) {
+        b->first_sent_ns = now_ns ? now_ns : 1;
+        b->first_tokens = compute;
+    }
     if (di_log_enabled(t->log, DI_LOG_DEBUG))
         di_log(t->log, DI_LOG_DEBUG, "prefill -> %s (%s, estimated start %.4f s)",
                t->ranks[best].addr, t->policy == PL_POLICY_ROUND_ROBIN ? "round-robin" : "estimate",
@@ -213,6 +271,7 @@ void pl_prefill_done(pl_table *t, size_t idx, uint64_t computed_tokens)
         return;
     pl_load *l = &t->ranks[idx].load;
     l->queued_tokens = l->queued_tokens > computed_tokens ? l->queued_tokens - computed_tokens : 0;
+    t->ranks[idx].first_sent_ns = 0;
 }
 
 long pl_pick_decode(pl_table *t, uint32_t blocks, size_t exclude)

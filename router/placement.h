@@ -8,8 +8,17 @@
  * where queued_i is the prompt tokens rank i still has to prefill (its last report plus what
  * the router sent it since), prompt the request's prompt tokens, cached the tokens of this
  * prompt the KV store already holds (they are loaded, not computed), and rate_i the rank's
- * measured prefill rate in tokens per second (an exponential average of observed prefills,
- * cfg.default_prefill_rate until one is observed). Ties go to the lower index.
+ * prefill rate in tokens per second (pl_prefill_rate), the first of:
+ *   1. the rate the rank reports in its heartbeat (GetLoad: prompt tokens per second of its
+ *      prefill steps over the last 10 s);
+ *   2. the router's own measurement (an exponential average of its prefill calls' tokens over
+ *      their seconds);
+ *   3. for a rank not measured yet: the median rate of the measured prefill ranks
+ *      (cfg.default_prefill_rate when none is), but no more than its first prefill's tokens
+ *      over the time that prefill has been out: a rank still busy with its first prefill is
+ *      known to be at most that fast, so a slow new rank stops taking requests while its
+ *      first one is running instead of taking every one of them.
+ * Ties go to the lower index.
  * Decode rank: among ranks in rotation with at least the blocks the request needs, the fewest
  * running requests, then the most free blocks, then the lower index.
  * Round-robin (for comparison): the next rank in rotation after the last one picked.
@@ -47,7 +56,7 @@ typedef struct pl_config {
     uint32_t out_after;          /* missed heartbeats to go OUT (> suspect_after) */
     uint32_t out_after_failures; /* failed calls in a row to go OUT (>= 1) */
     uint32_t healthy_after;      /* good heartbeats or calls in a row to come back (>= 1) */
-    double default_prefill_rate; /* tokens/s until one is measured (> 0) */
+    double default_prefill_rate; /* tokens/s of a rank not measured while no rank is (> 0) */
     double rate_weight;          /* weight of a new measurement in the average, (0, 1] */
 } pl_config;
 
@@ -56,6 +65,7 @@ typedef struct pl_load {
     uint64_t queued_tokens; /* prompt tokens waiting for prefill on the rank */
     uint32_t running;       /* requests decoding on the rank */
     uint32_t free_blocks;   /* KV blocks free on the rank */
+    double prefill_rate;    /* the rank's prefill tokens/s over its last 10 s; 0: none yet */
 } pl_load;
 
 typedef struct pl_rank {
@@ -67,7 +77,9 @@ typedef struct pl_rank {
     uint32_t fails;         /* failed calls in a row */
     uint32_t goods;         /* good heartbeats or calls in a row while not HEALTHY */
     bool rate_measured;     /* rate comes from an observation */
-    double rate;            /* prefill tokens/s */
+    double rate;            /* prefill tokens/s observed by the router (rate_measured) */
+    uint64_t first_sent_ns; /* not measured yet: when its first prefill was sent; 0: none out */
+    uint64_t first_tokens;  /* the tokens that prefill computes */
     pl_load load;           /* last report, plus the router's own sends since */
 } pl_rank;
 
@@ -81,7 +93,7 @@ typedef struct pl_table {
 } pl_table;
 
 /* A default config: 1 s heartbeats, suspect after 2 missed, out after 5, out after 3 failed
- * calls, back after 2 good, 10,000 tokens/s default rate, weight 0.3. */
+ * calls, back after 2 good, 1,000 tokens/s default rate, weight 0.3. */
 pl_config pl_config_default(void);
 
 /* Checks cfg and fills t. DI_EINVAL names the bad field. */
@@ -106,13 +118,17 @@ void pl_call_result(pl_table *t, size_t idx, bool ok);
 /* A prefill of `tokens` computed tokens that took `seconds` on rank idx. */
 void pl_observe_prefill(pl_table *t, size_t idx, uint64_t tokens, double seconds);
 
-/* Picks a prefill rank for a prompt; exclude is a rank not to use (SIZE_MAX: none). Adds the
- * computed tokens to the rank's queue. *est_s receives the estimate (may be NULL). Returns
- * the index, or -1 when no rank can take it. */
-long pl_pick_prefill(pl_table *t, uint64_t prompt, uint64_t cached, size_t exclude,
-                     double *est_s);
+/* The prefill rate placement uses for rank idx at now_ns, tokens/s (the rules above; > 0). */
+double pl_prefill_rate(const pl_table *t, size_t idx, uint64_t now_ns);
 
-/* A prefill sent to idx finished (or failed): its computed tokens leave the queue. */
+/* Picks a prefill rank for a prompt at now_ns; exclude is a rank not to use (SIZE_MAX: none).
+ * Adds the computed tokens to the rank's queue. *est_s receives the estimate (may be NULL).
+ * Returns the index, or -1 when no rank can take it. */
+long pl_pick_prefill(pl_table *t, uint64_t prompt, uint64_t cached, size_t exclude,
+                     uint64_t now_ns, double *est_s);
+
+/* A prefill sent to idx finished (or failed): its computed tokens leave the queue (and a
+ * first prefill is no longer out). */
 void pl_prefill_done(pl_table *t, size_t idx, uint64_t computed_tokens);
 
 /* Picks a decode rank with at least `blocks` free blocks; counts the request as running there

@@ -41,6 +41,7 @@ static di_status get_load(rpc_client *c, pl_role role, uint32_t timeout_ms, pl_l
     load->queued_tokens = l->queued_prompt_tokens;
     load->running = l->running;
     load->free_blocks = l->free_blocks;
+    load->prefill_rate = l->prefill_tokens_per_s > 0 ? l->prefill_tokens_per_s : 0;
     *draining = l->draining;
     di__engine__load__free_unpacked(l, NULL);
     return DI_OK;
@@ -194,7 +195,7 @@ static rk_pick picked(rk_table *t, long idx)
 rk_pick rk_pick_prefill(rk_table *t, uint64_t prompt, uint64_t cached, size_t exclude)
 {
     pthread_mutex_lock(&t->mu);
-    rk_pick p = picked(t, pl_pick_prefill(&t->pl, prompt, cached, exclude, NULL));
+    rk_pick p = picked(t, pl_pick_prefill(&t->pl, prompt, cached, exclude, di_mono_ns(), NULL));
     pthread_mutex_unlock(&t->mu);
     return p;
 }

@@ -318,9 +318,10 @@ static int may_retry(const char *method)
     return 0;
 }
 
-/* Sleeps for the k-th retry (50 ms doubling to 500 ms), not past the deadline. 0 when no time
- * is left. */
-static int backoff(unsigned k, uint64_t deadline_ns)
+/* Waits before the k-th retry (50 ms doubling to 500 ms), not past the deadline. 0 when no time
+ * is left. A channel that is not connected (the store down or restarting) is waited on instead
+ * of slept through: it reconnects while waited on, and the retry goes as soon as it has. */
+static int backoff(kvc_client *c, unsigned k, uint64_t deadline_ns)
 {
     uint64_t now = di_mono_ns();
     uint64_t ms = 50ull << (k < 4 ? k : 4);
@@ -328,6 +329,10 @@ static int backoff(unsigned k, uint64_t deadline_ns)
         ms = 500;
     if (now + ms * 1000000ull >= deadline_ns)
         return 0;
+    if (!rpc_client_connected(c->rpc)) {
+        rpc_client_wait_connected(c->rpc, (uint32_t)ms);
+        return 1;
+    }
     struct timespec ts = {.tv_sec = 0, .tv_nsec = (long)(ms * 1000000ull)};
     nanosleep(&ts, NULL);
     return 1;
@@ -348,7 +353,7 @@ static di_status call_packed(kvc_client *c, const char *method, const ProtobufCM
     unsigned k = 0;
     do
         st = rpc_client_call(c->rpc, full, buf, n, ms_until(deadline_ns), reply, len, err);
-    while (st == DI_EUNAVAIL && may_retry(method) && backoff(k++, deadline_ns));
+    while (st == DI_EUNAVAIL && may_retry(method) && backoff(c, k++, deadline_ns));
     free(buf);
     if (st == DI_EUNAVAIL)
         drop_transport(c); /* the store may come back as another instance */

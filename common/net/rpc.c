@@ -147,6 +147,26 @@ di_status rpc_load_file(const char *path, char **out, di_error *err)
     return DI_OK;
 }
 
+/* gRPC is initialised once per process and never shut down. Each server and client still takes
+ * and releases its own reference, but the first one taken stays: the release that brings the
+ * count to zero runs grpc_shutdown, which joins gRPC's executor threads, and after a write that
+ * filled a socket's send buffer (a reply or request of several MB) one of them is a backup
+ * poller that waits up to 10 s for an event that no longer comes. A store that had sent a
+ * 10 MB Get reply took that long to stop and missed its drain deadline. */
+static pthread_once_t grpc_once = PTHREAD_ONCE_INIT;
+
+static void grpc_hold(void)
+{
+    grpc_init();
+}
+
+/* Takes a gRPC reference (paired with grpc_shutdown). */
+static void grpc_ref(void)
+{
+    pthread_once(&grpc_once, grpc_hold);
+    grpc_init();
+}
+
 /* ================================================================== server */
 
 /* What a completion-queue tag points at: a call slot or one batch of an asynchronous call. */
@@ -1011,7 +1031,7 @@ di_status rpc_server_start(const rpc_server_config *cfg, rpc_server **out, int *
     s->svc = cfg->svc;
     s->on_error = cfg->on_error;
     s->on_error_ud = cfg->on_error_ud;
-    grpc_init();
+    grpc_ref();
     int bound = 0;
     st = create_server(s, cfg, &bound, err);
     if (st != DI_OK) {
@@ -1124,7 +1144,7 @@ di_status rpc_client_open(const rpc_client_config *cfg, rpc_client **out, di_err
     }
     pthread_mutex_init(&c->mu, NULL);
     c->max_reply = cfg->max_reply_bytes ? cfg->max_reply_bytes : 64u << 20;
-    grpc_init();
+    grpc_ref();
     grpc_arg args[4];
     size_t na = 0;
     args[na++] = (grpc_arg){.type = GRPC_ARG_INTEGER, .key = GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
@@ -1203,6 +1223,29 @@ void rpc_client_cancel(rpc_client *c)
     if (c->current)
         grpc_call_cancel(c->current, NULL);
     pthread_mutex_unlock(&c->mu);
+}
+
+int rpc_client_connected(rpc_client *c)
+{
+    return grpc_channel_check_connectivity_state(c->channel, 0) == GRPC_CHANNEL_READY;
+}
+
+int rpc_client_wait_connected(rpc_client *c, uint32_t timeout_ms)
+{
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                         gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+    grpc_connectivity_state s = grpc_channel_check_connectivity_state(c->channel, 1);
+    while (s != GRPC_CHANNEL_READY && s != GRPC_CHANNEL_SHUTDOWN) {
+        char tag; /* its address: this waiter's event on the shared pluck queue */
+        grpc_channel_watch_connectivity_state(c->channel, s, deadline, c->cq, &tag);
+        /* The watch completes by its deadline at the latest; plucking polls the channel. */
+        grpc_event ev = grpc_completion_queue_pluck(c->cq, &tag, gpr_inf_future(GPR_CLOCK_REALTIME),
+                                                    NULL);
+        if (ev.type != GRPC_OP_COMPLETE || !ev.success)
+            break; /* the deadline passed without a change */
+        s = grpc_channel_check_connectivity_state(c->channel, 1);
+    }
+    return s == GRPC_CHANNEL_READY;
 }
 
 /* Status of a finished call: the server's di-status when present, else the gRPC code. */

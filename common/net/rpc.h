@@ -194,6 +194,15 @@ di_status rpc_client_call(rpc_client *c, const char *method, const void *req, si
                           di_error *err);
 /* Cancels the call in flight, if any (from any thread). */
 void rpc_client_cancel(rpc_client *c);
+/* Waits up to timeout_ms for the channel to be connected, starting a connection when it is
+ * idle. Returns 1 when it is connected, 0 when not by then (the server down, or still
+ * connecting). A channel that is not connected makes progress (its reconnection attempts, their
+ * back-off timers) only while some thread waits on it: a caller that retries fail-fast calls
+ * after DI_EUNAVAIL should wait here between attempts rather than sleep, or a restarted server
+ * may be seen only seconds later (gRPC's own backup poll, every 5 s). */
+int rpc_client_wait_connected(rpc_client *c, uint32_t timeout_ms);
+/* 1 when the channel is connected now (does not start a connection). */
+int rpc_client_connected(rpc_client *c);
 
 /* The client side of a server-streaming call. */
 typedef struct rpc_stream rpc_stream;

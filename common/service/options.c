@@ -239,7 +239,8 @@ static di_status set_value(const svc_opt *o, const char *v, void *opts, di_error
         *(const char **)f = v;
         return DI_OK;
     case SVC_OPT_HOSTPORT: {
-        di_status st = svc_parse_hostport(v, NULL, 0, NULL, err);
+        /* min >= 1: an address to connect to, where port 0 means nothing */
+        di_status st = di_hostport_parse(v, o->min < 1, NULL, err);
         if (st != DI_OK) {
             di_error_prefix(err, "--%s: ", o->name);
             return st;

@@ -27,7 +27,7 @@ typedef enum svc_opt_kind {
     SVC_OPT_INT = 4,      /* int64_t */
     SVC_OPT_DOUBLE = 5,   /* double */
     SVC_OPT_FLAG = 6,     /* int set to 1; takes no value */
-    SVC_OPT_HOSTPORT = 7, /* const char * "host:port", port 0..65535 */
+    SVC_OPT_HOSTPORT = 7, /* const char * "host:port", port 0..65535 (1..65535 with min 1) */
     SVC_OPT_CHOICE = 8,   /* const char *, one of the row's `extra` ("cpu|cuda") */
     SVC_OPT_FILE = 9,     /* const char * path of a readable file */
     SVC_OPT_OUTFILE = 10, /* const char * path whose directory exists (written later) */

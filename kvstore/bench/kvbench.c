@@ -31,7 +31,7 @@
 #include "common/util/hostport.h"
 #include "common/util/machine.h"
 #include "common/util/outclose.h"
-#include "kvstore/cli.h"
+#include "common/service/options.h"
 #include "kvstore/store.h"
 #include "kvstore/synth.h"
 
@@ -59,24 +59,25 @@ typedef struct bopts {
 } bopts;
 
 #define B(f) offsetof(bopts, f)
-static const kvcli_opt rows[] = {
-    {"store", KVCLI_STRING, B(store), "127.0.0.1:9470", 0, 0, "HOST:PORT",
-     "di-kvstore (none: skip)"},
-    {"redis", KVCLI_STRING, B(redis), NULL, 0, 0, "HOST:PORT", "redis-server (none: skip)"},
-    {"redis-conf", KVCLI_STRING, B(redis_conf), "unknown", 0, 0, "TEXT",
-     "Redis persistence settings, for the report"},
-    {"store-conf", KVCLI_STRING, B(store_conf), "unknown", 0, 0, "TEXT",
-     "store settings, for the report"},
-    {"objects", KVCLI_UINT, B(objects), "2000", 16, 1e6, "N", "objects per row"},
-    {"bytes", KVCLI_SIZE, B(bytes), "114048", 256, 1 << 24, "SIZE", "object size"},
-    {"batch", KVCLI_UINT, B(batch), "64", 2, MAX_BATCH, "N", "objects per batched get"},
-    {"repeat", KVCLI_UINT, B(repeat), "3", 1, 20, "N", "get rows: best of N passes"},
-    {"core-dir", KVCLI_STRING, B(core_dir), NULL, 0, 0, "DIR",
-     "also time the store core in this process (no gRPC, no UCX), RocksDB in DIR"},
-    {"core-durability", KVCLI_STRING, B(core_durability), "wal", 0, 0, "LEVEL",
-     "durability of the in-process store core"},
-    {"paths", KVCLI_STRING, B(paths), "ucx,grpc", 0, 0, "LIST",
-     "store data paths to measure: ucx, grpc or ucx,grpc"},
+static const svc_opt rows[] = {
+    {"store", SVC_OPT_STRING, B(store), "127.0.0.1:9470", 0, 0, "HOST:PORT",
+     "di-kvstore (none: skip)", NULL},
+    {"redis", SVC_OPT_STRING, B(redis), NULL, 0, 0, "HOST:PORT", "redis-server (none: skip)",
+     NULL},
+    {"redis-conf", SVC_OPT_STRING, B(redis_conf), "unknown", 0, 0, "TEXT",
+     "Redis persistence settings, for the report", NULL},
+    {"store-conf", SVC_OPT_STRING, B(store_conf), "unknown", 0, 0, "TEXT",
+     "store settings, for the report", NULL},
+    {"objects", SVC_OPT_UINT, B(objects), "2000", 16, 1e6, "N", "objects per row", NULL},
+    {"bytes", SVC_OPT_SIZE, B(bytes), "114048", 256, 1 << 24, "SIZE", "object size", NULL},
+    {"batch", SVC_OPT_UINT, B(batch), "64", 2, MAX_BATCH, "N", "objects per batched get", NULL},
+    {"repeat", SVC_OPT_UINT, B(repeat), "3", 1, 20, "N", "get rows: best of N passes", NULL},
+    {"core-dir", SVC_OPT_STRING, B(core_dir), NULL, 0, 0, "DIR",
+     "also time the store core in this process (no gRPC, no UCX), RocksDB in DIR", NULL},
+    {"core-durability", SVC_OPT_CHOICE, B(core_durability), "wal", 0, 0, "LEVEL",
+     "durability of the in-process store core", "none|wal|fsync"},
+    {"paths", SVC_OPT_STRING, B(paths), "ucx,grpc", 0, 0, "LIST",
+     "store data paths to measure: ucx, grpc or ucx,grpc", NULL},
 };
 
 static double now_s(void)
@@ -468,8 +469,8 @@ int main(int argc, char **argv)
     memset(&o, 0, sizeof(o));
     di_error e;
     int next, help;
-    if (kvcli_defaults(rows, sizeof(rows) / sizeof(rows[0]), &o, &e) ||
-        kvcli_parse(rows, sizeof(rows) / sizeof(rows[0]), argc, argv, 1, &o, &next, &help, &e)) {
+    if (svc_opts_defaults(rows, sizeof(rows) / sizeof(rows[0]), &o, &e) ||
+        svc_opts_parse(rows, sizeof(rows) / sizeof(rows[0]), argc, argv, 1, &o, &next, &help, &e)) {
         fprintf(stderr, "kvbench: %s\n", e.msg);
         return 2;
     }
@@ -488,7 +489,7 @@ int main(int argc, char **argv)
     if (help || next < argc) {
         FILE *f = help ? stdout : stderr;
         fprintf(f, "usage: kvbench [options] (normally started by kvstore/bench/bench.sh)\n");
-        kvcli_print_options(f, rows, sizeof(rows) / sizeof(rows[0]));
+        svc_opts_print(f, rows, sizeof(rows) / sizeof(rows[0]));
         return help ? di_close_stdout("kvbench", 0) : 2;
     }
     /* Two copies of every object (source and destination) are held in memory. */

@@ -15,7 +15,7 @@
 
 #include "common/net/kv_client.h"
 #include "common/util/outclose.h"
-#include "kvstore/cli.h"
+#include "common/service/options.h"
 #include "kvstore/synth.h"
 
 typedef struct dopts {
@@ -28,14 +28,17 @@ typedef struct dopts {
 } dopts;
 
 #define D(f) offsetof(dopts, f)
-static const kvcli_opt rows[] = {
-    {"store", KVCLI_ADDR, D(store), "127.0.0.1:9470", 0, 0, "HOST:PORT", "di-kvstore"},
-    {"token", KVCLI_STRING, D(token), NULL, 0, 0, "TOKEN",
-     "engine token (default: $DI_KVSTORE_TOKEN; none when unset)"},
-    {"tokens", KVCLI_UINT, D(tokens), "1000", 1, 1 << 21, "N", "tokens per prompt"},
-    {"prompts", KVCLI_UINT, D(prompts), "3", 1, 1000, "P", "prompts"},
-    {"shared", KVCLI_UINT, D(shared), "512", 0, 1 << 21, "S", "tokens shared by all prompts"},
-    {"ids-dir", KVCLI_STRING, D(ids_dir), NULL, 0, 0, "DIR", "also write promptP.ids here"},
+static const svc_opt rows[] = {
+    {"store", SVC_OPT_HOSTPORT, D(store), "127.0.0.1:9470", 1, 0, "HOST:PORT", "di-kvstore",
+     NULL},
+    {"token", SVC_OPT_STRING, D(token), NULL, 0, 0, "TOKEN",
+     "engine token (default: $DI_KVSTORE_TOKEN; none when unset)", NULL},
+    {"tokens", SVC_OPT_UINT, D(tokens), "1000", 1, 1 << 21, "N", "tokens per prompt", NULL},
+    {"prompts", SVC_OPT_UINT, D(prompts), "3", 1, 1000, "P", "prompts", NULL},
+    {"shared", SVC_OPT_UINT, D(shared), "512", 0, 1 << 21, "S", "tokens shared by all prompts",
+     NULL},
+    {"ids-dir", SVC_OPT_DIR, D(ids_dir), NULL, 0, 0, "DIR", "also write promptP.ids here",
+     NULL},
 };
 #define N_ROWS (sizeof(rows) / sizeof(rows[0]))
 
@@ -77,14 +80,15 @@ int main(int argc, char **argv)
     memset(&o, 0, sizeof(o)); /* options without a default (--token, --ids-dir) stay NULL */
     di_error e;
     int next, help;
-    if (kvcli_defaults(rows, N_ROWS, &o, &e) || kvcli_parse(rows, N_ROWS, argc, argv, 1, &o, &next, &help, &e)) {
+    if (svc_opts_defaults(rows, N_ROWS, &o, &e) ||
+        svc_opts_parse(rows, N_ROWS, argc, argv, 1, &o, &next, &help, &e)) {
         fprintf(stderr, "kvdemo: %s\n", e.msg);
         return 2;
     }
     if (help || next < argc) {
         FILE *f = help ? stdout : stderr;
         fprintf(f, "usage: kvdemo [options]\n");
-        kvcli_print_options(f, rows, N_ROWS);
+        svc_opts_print(f, rows, N_ROWS);
         return help ? di_close_stdout("kvdemo", 0) : 2;
     }
     if (o.shared > o.tokens) {

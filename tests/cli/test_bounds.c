@@ -278,6 +278,16 @@ Test(bounds, kvctl_usage_errors_exit_2_without_a_store, .timeout = 60)
         {"kvstore/di-kvctl", "--target 127.0.0.1:1 capacity set ram 5", NULL, 2, "usage"},
         {"kvstore/di-kvctl", "--target 127.0.0.1:1 inspect --ids 1,x", NULL, 2, "not an id"},
         {"kvstore/di-kvctl", "--target 127.0.0.1:1 evict --all --class nope", NULL, 2, "usage"},
+        /* files and choices are checked by the option table, before any connection */
+        {"kvstore/di-kvctl", "--target 127.0.0.1:1 --tls-ca /nonexistent/ca.pem stats", NULL, 2,
+         "--tls-ca: cannot read /nonexistent/ca.pem"},
+        {"kvstore/di-kvctl", "--target 127.0.0.1:1 --admin-token-file /nonexistent/t stats",
+         NULL, 2, "--admin-token-file: cannot read /nonexistent/t"},
+        {"kvstore/di-kvctl", "--target 127.0.0.1:1 --data-path rdma stats", NULL, 2,
+         "--data-path: \"rdma\" is not one of auto|ucx|grpc"},
+        {"kvstore/kvbench", "--core-durability sometimes", NULL, 2,
+         "--core-durability: \"sometimes\" is not one of none|wal|fsync"},
+        {"kvstore/kvdemo", "--ids-dir /nonexistent/ids", NULL, 2, "--ids-dir: cannot read"},
         {"kvstore/di-kvctl", "--deadline 60d stats", NULL, 2, "--deadline: 5184000000 ms is outside [1, 86400000]"},
     };
     run_rows(rows, sizeof(rows) / sizeof(rows[0]));

@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Placement under a skewed load, on the real local cluster (deploy/local/cluster.sh, demo model,
-# CPU): two prefill ranks, rank 1 slowed on purpose (--prefill-delay-ms 0,D: a D ms sleep in
-# every engine step of rank 1). The same di-bench load (same seed, rate, concurrency and
+# CPU): two prefill ranks, rank 0 slowed on purpose (--prefill-delay-ms D,0: a D ms sleep in
+# every engine step of rank 0). The same di-bench load (same seed, rate, concurrency and
 # prompts) runs under the default policy (estimated time to start) and, on a fresh cluster,
-# under --policy round-robin. Each run starts with the same warm-up (4 requests one after the
-# other), which lets the router measure both ranks' prefill rates: until a rank's first prefill
-# ends, placement assumes 10,000 tokens/s for it. Requests ask for one token (prefill only), so
+# under --policy round-robin, with no warm-up: the load starts on ranks the router has not
+# measured yet, and the slow rank, first in the router's list, takes the first request (a tie),
+# so its first prefill is out while requests keep arriving (placement
+# bounds an unmeasured rank's rate by the time its first prefill has taken; it used to assume
+# 10,000 tokens/s until that prefill ended, and the slow rank drew every request placed
+# meanwhile). Requests ask for one token (prefill only), so
 # the router's per-rank series (vllm:request_success_total{rank=...}) count the prefills each
 # rank took. Asserted: with the estimate at most a fifth of the measured prefills go to the
 # slow rank and its p99 TTFT is below round-robin's; round-robin gives the slow rank about half
@@ -46,25 +49,23 @@ successes() { # rank address: its vllm:request_success_total (0 when it has none
     awk -v r="rank=\"$1\"" '/^vllm:request_success_total\{/ && index($0, r) { v = $NF } END { print v + 0 }'
 }
 
-# run POLICY: cluster up (rank 1 slowed), warm-up, the measured load, per-rank prefills; down.
+# run POLICY: cluster up (rank 0 slowed), the measured load, per-rank prefills; down.
 # Leaves $work/POLICY.json (di-bench's JSON) and $work/POLICY.slow (prefills on the slow rank).
 run() {
   local policy=$1 args=()
   [ "$policy" = round-robin ] && args=(--router-arg --policy --router-arg round-robin)
   local t_up t_warm t_run t_down
   t_up=$(date +%s.%N)
-  "$cluster" up --build "$build" --prefill 2 --decode 1 --prefill-delay-ms "0,$delay" \
+  "$cluster" up --build "$build" --prefill 2 --decode 1 --prefill-delay-ms "$delay,0" \
     ${args[@]+"${args[@]}"} >"$work/env" 2>"$work/up.err" || {
     echo "FAIL: cluster.sh up ($policy) failed:"; cat "$work/up.err"; exit 1; }
   # shellcheck disable=SC1090,SC2154
   . "$work/env"
   local fast slow host=${router_http#http://}
-  fast=127.0.0.1:$(cat "$state/prefill0.port")
-  slow=127.0.0.1:$(cat "$state/prefill1.port")
+  slow=127.0.0.1:$(cat "$state/prefill0.port")
+  fast=127.0.0.1:$(cat "$state/prefill1.port")
   local load=(--host "$host" --api-key-file "$api_key_file" --input-len 24 --output-len 1
               --timeout 120s)
-  "$build/tools/bench/di-bench" "${load[@]}" --num-prompts 4 --max-concurrency 1 --seed 7 \
-    >"$work/$policy.warm" 2>&1 || { bad "$policy: warm-up failed: $(tail -n 3 "$work/$policy.warm")"; }
   local f0 s0 f1 s1
   t_warm=$(date +%s.%N)
   f0=$(successes "$fast"); s0=$(successes "$slow")
@@ -81,7 +82,7 @@ run() {
   t_down=$(date +%s.%N)
   "$cluster" down "$state" >/dev/null 2>&1 || bad "$policy: cluster.sh down failed"
   state=
-  echo "$policy: seconds: up and warm-up $(secs "$t_up" "$t_warm"), load $(secs "$t_warm" "$t_run"), down $(secs "$t_down" "$(date +%s.%N)")"
+  echo "$policy: seconds: up $(secs "$t_up" "$t_warm"), load $(secs "$t_warm" "$t_run"), down $(secs "$t_down" "$(date +%s.%N)")"
 }
 
 # --- bad input: usage errors, nothing started

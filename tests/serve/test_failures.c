@@ -477,9 +477,10 @@ Test(failures, the_store_killed_while_kv_bytes_move_fails_the_pull_in_its_deadli
     uint32_t seed = 99;
     for (int kill_no = 0; kill_no < 5; kill_no++) {
         flash_16k_items(&info.geometry, items, buf);
-        /* the same client after a restart: its first puts may fail, their Connect refused for
-         * up to about 6 s after the store is back (gRPC's channel; not explained yet), and
-         * without a new UCX worker it did not work again within 20 s */
+        /* the same client after a restart: its first puts may fail while the store comes
+         * back (they saw Connect refused for up to about 6 s while the client slept between
+         * retries instead of waiting on its channel), and without a new UCX worker it did not
+         * work again within 20 s */
         uint64_t t_put = di_mono_ns(), t_until = t_put + 20000000000ull;
         di_status pst;
         while (((pst = kvc_put(c, items, FLASH_16K_BLOCKS + 1, &err)) == DI_EUNAVAIL || pst == DI_ETIMEDOUT) &&
