@@ -183,6 +183,51 @@ Test(placeholder, padded_steps_equal_unpadded_steps_bit_for_bit, .timeout = 120)
     free(a);
 }
 
+/* YOCO compact truncation moves the rows at the boundary layer: the placeholder rows stay
+ * last and still write nothing. A 200-token prompt (66 rows dropped) with placeholder rows,
+ * then two decode steps of 1 + nextn rows, each padded. */
+Test(placeholder, padded_steps_match_under_yoco_compaction, .timeout = 120)
+{
+    fwd_options o = fx_default_opts();
+    o.yoco = FWD_YOCO_COMPACT;
+    o.keep_tokens = 134;
+    fx f[2];
+    fx_seq s[2];
+    size_t V = 0;
+    float *l[2];
+    for (int k = 0; k < 2; k++) {
+        fx_open_opts(&f[k], "tiny", 59, o, 16, 2);
+        fx_seq_new(&f[k], &s[k], 220, 7);
+        s[k].prompt_len = 200;
+        V = f[k].c->vocab_size;
+        l[k] = malloc(6 * V * sizeof(float));
+        cr_assert_not_null(l[k]);
+    }
+    static const uint32_t rows[3] = {200, 6, 6};
+    for (uint32_t step = 0; step < 3; step++) {
+        for (int k = 0; k < 2; k++) {
+            fwd_seq q[2] = {fx_rows(&f[k], &s[k], rows[step]), placeholder(5 + step)};
+            int32_t lr[6];
+            uint32_t n = step == 0 ? 1 : 6; /* the prompt's last row, or every decode row */
+            for (uint32_t i = 0; i < n; i++)
+                lr[i] = (int32_t)(rows[step] - n + i);
+            fwd_step st = {.n_seqs = k ? 2 : 1, .seqs = q, .n_logit_rows = n, .logit_rows = lr};
+            di_error e;
+            cr_assert_eq(fwd_step_run(f[k].run, f[k].kv, &st, l[k], &e), DI_OK, "%s", e.msg);
+            s[k].len += rows[step];
+            if (step == 0)
+                s[k].prompt_len = 0;
+        }
+        uint32_t n = step == 0 ? 1 : 6;
+        cr_assert_eq(memcmp(l[0], l[1], n * V * sizeof(float)), 0, "step %u: logits differ", step);
+        assert_kv_equal(&f[0], &f[1], "YOCO compact");
+    }
+    for (int k = 0; k < 2; k++) {
+        free(l[k]);
+        fx_close(&f[k]);
+    }
+}
+
 Test(placeholder, expert_loads_do_not_count_placeholder_rows, .timeout = 120)
 {
     ph_run *a = calloc(2, sizeof(ph_run)), *b = a + 1;
