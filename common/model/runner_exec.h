@@ -60,9 +60,9 @@ typedef struct runner_exec_options {
                                  on_logits) samples with the backend's `sample` entry when it
                                  has one, and the logits stay in its memory; same results
                                  (sampler_backend.h) */
-    int pad_steps;            /* decode plans padded to their recorded graph size
-                                 (sched_plan.graph_rows) with placeholder rows (fwd_seq), so
-                                 that kept CUDA graphs cover every batch: 0 = when the backend
+    int pad_steps;            /* decode plans run on their recorded graph size
+                                 (sched_plan.graph_rows), the plan's padding_rows as
+                                 placeholder rows (fwd_seq.placeholder): 0 = when the backend
                                  keeps graphs (kern_backend.graphs), 1 = always, -1 = never.
                                  Same results either way; a step that would exceed max_rows
                                  runs unpadded */
