@@ -246,10 +246,11 @@ typedef struct kern_ring_store {
 /* Ratio-r compressor pooling (MODEL.md §2.6, r > 1). Row t at position p contributes
  * (a[t], g[t]). Every row among the last `state_tokens` rows of its sequence is saved in the
  * compressor state slot p mod state_tokens (fp32 a[dim] then g[dim]) at state_offset of its
- * state slot. For each emitted entry e (a row whose position p has (p+1) % r == 0), group
- * j = p / r covers positions j*r .. j*r+r-1; tokens before the sequence's pos0 come from the
- * state, later ones from a/g. latent[e][d] = bf16(fp32( sum_t fp32(softmax_t(g[., d])) * a[t][d]
- * )), softmax and sum in double. Exact given the inputs. */
+ * state slot (sequences with slot NULL, placeholder rows, save nothing). For each emitted
+ * entry e (a row whose position p has (p+1) % r == 0), group j = p / r covers positions
+ * j*r .. j*r+r-1; tokens before the sequence's pos0 come from the state, later ones from a/g.
+ * latent[e][d] = bf16(fp32( sum_t fp32(softmax_t(g[., d])) * a[t][d] )), softmax and sum in
+ * double. Exact given the inputs. */
 typedef struct kern_compress_pool {
     uint32_t n_rows;
     uint32_t dim;               /* head_dim */
@@ -597,6 +598,9 @@ typedef struct kern_backend {
     int device_memory;          /* 1: the ops read tensors only from memory of `alloc` (a device
                                  * backend), so a caller holding host tensors (the forward's
                                  * weights) copies them there first; 0: host memory will do */
+    int graphs;                 /* 1: the backend keeps recorded graphs per step shape (CUDA
+                                 * graphs on), so decode steps padded to the recorded sizes
+                                 * replay them (runner_exec_options.pad_steps); 0: none */
 } kern_backend;
 
 #endif

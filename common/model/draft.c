@@ -95,6 +95,7 @@ static void draft_rows(fwd_run *r, fwd_kv *kv, uint32_t n_reqs, const fwd_draft_
     uint32_t B = c->dspark_block_size;
     fwd_rows *R = &r->rows;
     R->n = n_reqs * B;
+    R->n_live = R->n;
     R->n_seqs = n_reqs;
     for (uint32_t i = 0; i < n_reqs; i++) {
         kern_seq *k = &R->seqs[i];

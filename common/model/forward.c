@@ -634,8 +634,16 @@ static di_status check_step(const fwd_run *r, const fwd_kv *kv, const fwd_step *
         return di_fail(err, DI_EINVAL, "step: no sequences");
     if (memcmp(&kv->geom, &m->geom, sizeof(kv_geometry)) != 0)
         return di_fail(err, DI_EINVAL, "step: the KV storage was made for another geometry");
-    uint64_t T = 0;
+    uint64_t T = 0, live = 0;
     for (uint32_t i = 0; i < st->n_seqs; i++) {
+        if (st->seqs[i].placeholder) { /* only its row count is read */
+            if (st->seqs[i].n_rows == 0)
+                return di_fail(err, DI_EINVAL, "sequence %u: no placeholder rows", i);
+            T += st->seqs[i].n_rows;
+            continue;
+        }
+        if (T > live)
+            return di_fail(err, DI_EINVAL, "sequence %u follows placeholder rows", i);
         di_status s = check_seq(m, kv, &st->seqs[i], i, err);
         if (s != DI_OK)
             return s;
@@ -644,6 +652,7 @@ static di_status check_step(const fwd_run *r, const fwd_kv *kv, const fwd_step *
                 return di_fail(err, DI_EINVAL, "sequences %u and %u share state slot %u", j, i,
                                st->seqs[i].slot);
         T += st->seqs[i].n_rows;
+        live = T;
     }
     if (T > r->max_rows)
         return di_fail(err, DI_EINVAL, "step of %llu rows exceeds max_rows %u",
@@ -655,6 +664,8 @@ static di_status check_step(const fwd_run *r, const fwd_kv *kv, const fwd_step *
         if (lr < 0 || (uint64_t)lr >= T)
             return di_fail(err, DI_EINVAL, "logit row %d outside the step's %llu rows", lr,
                            (unsigned long long)T);
+        if ((uint64_t)lr >= live)
+            return di_fail(err, DI_EINVAL, "logit row %d is a placeholder row", lr);
         for (uint32_t j = 0; j < i; j++)
             if (st->logit_rows[j] == lr)
                 return di_fail(err, DI_EINVAL, "logit row %d requested twice", lr);
@@ -679,9 +690,21 @@ static void build_rows(fwd_run *r, fwd_kv *kv, const fwd_step *st)
     fwd_rows *R = &r->rows;
     uint32_t t = 0;
     R->n_seqs = st->n_seqs;
+    R->n_live = 0;
     for (uint32_t i = 0; i < st->n_seqs; i++) {
         const fwd_seq *s = &st->seqs[i];
         kern_seq *k = &R->seqs[i];
+        if (s->placeholder) { /* an empty sequence without slot or blocks: nothing to write */
+            *k = (kern_seq){.row0 = t, .n_rows = s->n_rows, .ring_hi = -1};
+            R->keep[i] = 0;
+            for (uint32_t j = 0; j < s->n_rows; j++, t++) {
+                R->pos[t] = j;
+                R->row_seq[t] = (int32_t)i;
+                R->src[t] = (int32_t)t;
+                r->ids[t] = 0;
+            }
+            continue;
+        }
         k->row0 = t;
         k->n_rows = s->n_rows;
         k->pos0 = s->pos0;
@@ -699,6 +722,7 @@ static void build_rows(fwd_run *r, fwd_kv *kv, const fwd_step *st)
             R->src[t] = (int32_t)t;
             r->ids[t] = s->tokens[j];
         }
+        R->n_live = t;
     }
     R->n = t;
 }
@@ -755,6 +779,7 @@ static di_status compact_rows(fwd_run *r, di_error *err)
         o->pos0 = B->pos[first];
     }
     B->n = n;
+    B->n_live = n - (A->n - A->n_live); /* placeholder rows are kept, last */
     size_t D = c->dim, hc = c->hc_mult;
     size_t taps = c->n_dspark_targets ? c->n_dspark_targets : 1;
     size_t hash = (c->n_engram_layers ? c->n_engram_layers * c->engram_cols : 1) * 8;

@@ -128,21 +128,33 @@ typedef struct fwd_seq {
     int64_t window_start;    /* rows at or after this position read no window key below it in
                                 any layer (bounded replay after a prefix hit whose window state
                                 is missing); 0 = no clip */
+    int placeholder;         /* nonzero: n_rows placeholder rows (below); every other field is
+                                ignored */
 } fwd_seq;
+
+/* Placeholder rows pad a step to a recorded graph size (common/engine/graphs.h). They run
+ * through every op like the rows of an empty sequence (token 0 at positions 0, 1, ..., no state
+ * slot, no blocks), so a step of the padded size computes the same shapes, but they write
+ * nothing that outlives the step: no window ring, compressor state, compressed entry or draft
+ * ring entry; they see no compressed entry; their experts are not run (the MoE gate's picks of
+ * them are dropped, so expert-parallel loads never count them); their logits cannot be asked
+ * for. The rows of the other sequences are bit for bit those of the same step without them.
+ * Placeholder sequences follow every other sequence of the step. */
 
 typedef struct fwd_step {
     uint32_t n_seqs;
     const fwd_seq *seqs;
     uint32_t n_logit_rows;   /* rows whose logits are wanted */
     const int32_t *logit_rows; /* [n_logit_rows] row indices in step order (sequence 0's rows
-                                first); distinct */
+                                first); distinct; never a placeholder row */
 } fwd_step;
 
 /* Runs one step. logits (host, [n_logit_rows, vocab_size] fp32) receives the raw model
  * logits of the requested rows, in logit_rows order. Returns DI_OK; DI_EINVAL naming the
  * sequence and the rule (token outside the vocabulary, positions beyond
  * max_position_embeddings, block table too short or a block id out of range, slot out of range
- * or used twice, history count wrong, too many rows, logit row out of range);
+ * or used twice, history count wrong, too many rows, logit row out of range or a placeholder
+ * row, a sequence after placeholder rows);
  * DI_EUNSUPPORTED for the logits of a prompt row dropped by YOCO compact truncation (prompt
  * logprobs are unavailable in compact mode); DI_ENOMEM. On failure the caches may hold
  * partial writes of this step's positions (which a retry overwrites) and logits is

@@ -123,7 +123,7 @@ static kern_kv_pool owner_pool(const fwd_model *m, const fwd_kv *kv, uint32_t ow
 static uint32_t plan_emits(fwd_run *r, uint32_t ratio)
 {
     uint32_t n = 0;
-    for (uint32_t t = 0; t < r->rows.n; t++) {
+    for (uint32_t t = 0; t < r->rows.n_live; t++) { /* placeholder rows store nothing */
         int64_t p = r->rows.pos[t];
         if ((p + 1) % ratio)
             continue;
@@ -240,7 +240,7 @@ static di_status indexer(fwd_run *r, fwd_kv *kv, const fwd_layer_w *L, di_error 
     uint32_t rk = src->ratio;
     int32_t maxv = 0;
     for (uint32_t t = 0; t < T; t++) {
-        r->nvis[t] = (int32_t)((r->rows.pos[t] + 1) / rk);
+        r->nvis[t] = t < r->rows.n_live ? (int32_t)((r->rows.pos[t] + 1) / rk) : 0;
         maxv = r->nvis[t] > maxv ? r->nvis[t] : maxv;
     }
     di_status st;
@@ -380,14 +380,17 @@ di_status fwd_moe(fwd_run *r, const fwd_layer_w *L, di_error *err)
                        .route_scale = (float)c->route_scale, .ids = r->eids, .weights = r->ew};
     FWD_TRY(err, l, be->ops.moe_gate(be->ctx, &g)); /* ids, weights [T, k] */
     fwd_dump(r, "ffn.ids", l, FWD_I32, r->eids, T, L->top_k, 0);
-    kern_moe_experts e = {.n_rows = T, .dim = c->dim, .inter = c->moe_inter_dim,
+    /* placeholder rows (the last ones) run no expert: their picks are dropped here, so no
+     * expert's load counts them; their y rows keep the attention's output */
+    kern_moe_experts e = {.n_rows = r->rows.n_live, .dim = c->dim, .inter = c->moe_inter_dim,
                           .shared_inter = c->n_shared_experts * c->moe_inter_dim,
                           .n_experts = L->n_experts, .top_k = L->top_k, .x = r->x,
                           .ids = r->eids, .weights = r->ew, .experts = L->experts,
                           .shared = L->shared, .swiglu_limit = (float)c->swiglu_limit, .y = r->y};
     if (m->opt.moe_fn && L->id < c->n_layers) /* experts on the ranks that hold them */
-        return m->opt.moe_fn(m->opt.moe_userdata, L->id, &e, err); /* y [T, D] */
-    FWD_TRY(err, l, be->ops.moe_experts(be->ctx, &e)); /* y [T, D] */
+        return m->opt.moe_fn(m->opt.moe_userdata, L->id, &e, err); /* collective: even 0 rows */
+    if (e.n_rows)
+        FWD_TRY(err, l, be->ops.moe_experts(be->ctx, &e)); /* y [n_live, D] */
     return DI_OK;
 }
 

@@ -83,6 +83,7 @@ struct fwd_model {
 /* Which rows are live and where they sit: changes once per step at YOCO compaction. */
 typedef struct fwd_rows {
     uint32_t n;                      /* rows */
+    uint32_t n_live;                 /* rows before the placeholder rows (the last n - n_live) */
     int64_t *pos;                    /* [n] positions (host) */
     int32_t *row_seq;                /* [n] sequence of each row (host) */
     int32_t *src;                    /* [n] row index in the step as submitted (host) */

@@ -380,6 +380,11 @@ static di_status build_step(runner_exec *ex, const sched_plan *plan, fwd_step *s
         }
         rows += p->seqlen_q;
     }
+    /* a decode step runs on its recorded graph size: the difference is placeholder rows */
+    int pad = ex->opt.pad_steps > 0 || (ex->opt.pad_steps == 0 && ex->be->graphs);
+    if (pad && !plan->prompt_run && plan->padding_rows &&
+        (uint64_t)rows + plan->padding_rows <= ex->opt.fwd.max_rows)
+        ex->fseqs[n++] = (fwd_seq){.n_rows = plan->padding_rows, .placeholder = 1};
     *st = (fwd_step){.n_seqs = n, .seqs = ex->fseqs, .n_logit_rows = nl, .logit_rows = ex->lrows};
     return DI_OK;
 }

@@ -60,6 +60,12 @@ typedef struct runner_exec_options {
                                  on_logits) samples with the backend's `sample` entry when it
                                  has one, and the logits stay in its memory; same results
                                  (sampler_backend.h) */
+    int pad_steps;            /* decode plans run on their recorded graph size
+                                 (sched_plan.graph_rows), the plan's padding_rows as
+                                 placeholder rows (fwd_seq.placeholder): 0 = when the backend
+                                 keeps graphs (kern_backend.graphs), 1 = always, -1 = never.
+                                 Same results either way; a step that would exceed max_rows
+                                 runs unpadded */
 } runner_exec_options;
 
 /* What the executor must know of a request before its first plan. */

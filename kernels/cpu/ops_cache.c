@@ -117,6 +117,8 @@ static di_status cpu_compress_pool(void *ctx, const kern_compress_pool *p)
     size_t tok = (size_t)2 * p->dim;
     for (uint32_t s = 0; s < p->n_seqs; s++) {
         const kern_seq *q = &p->seqs[s];
+        if (!q->slot) /* placeholder rows: nothing saved */
+            continue;
         uint32_t first = q->n_rows > p->state_tokens ? q->n_rows - p->state_tokens : 0;
         for (uint32_t i = first; i < q->n_rows; i++) {
             uint64_t pos = (uint64_t)(q->pos0 + i);

@@ -544,6 +544,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.name = "cuda";
     be.ctx = c;
     be.device_memory = 1;
+    be.graphs = c->graph.on;
     be.ops.alloc = cuda_alloc;
     be.ops.free = cuda_free_mem;
     be.ops.to_host = cuda_to_host;

@@ -152,9 +152,9 @@ static di_status launch_compress_pool(cuda_ctx *c, const uint8_t *const *src, co
 /* ---- shared checks ---- */
 
 /* DI_EINVAL unless every sequence's rows lie inside the step's n_rows and its first position is
- * not negative; `need_slot`: a sequence with rows must have a slot. */
+ * not negative. */
 static di_status check_seq_rows(cuda_ctx *c, const char *op, const kern_seq *seqs, uint32_t n,
-                                uint32_t n_rows, int need_slot)
+                                uint32_t n_rows)
 {
     for (uint32_t s = 0; s < n; s++) {
         const kern_seq *q = &seqs[s];
@@ -162,8 +162,6 @@ static di_status check_seq_rows(cuda_ctx *c, const char *op, const kern_seq *seq
             return cuda_fail(c, DI_EINVAL, "%s: sequence %u has rows %u..%llu outside the %u rows "
                              "or position %lld negative", op, s, q->row0,
                              (unsigned long long)q->row0 + q->n_rows, n_rows, (long long)q->pos0);
-        if (need_slot && q->n_rows && !q->slot)
-            return cuda_fail(c, DI_EINVAL, "%s: sequence %u has no state slot", op, s);
     }
     return DI_OK;
 }
@@ -175,7 +173,7 @@ static di_status ring_commit_items(cuda_ctx *c, const kern_ring_store *p, size_t
                                    uint32_t *n, uint64_t *bits)
 {
     *n = 0;
-    di_status st = check_seq_rows(c, "ring_store", p->seqs, p->n_seqs, p->n_rows, 0);
+    di_status st = check_seq_rows(c, "ring_store", p->seqs, p->n_seqs, p->n_rows);
     if (st != DI_OK)
         return st;
     for (uint32_t s = 0; s < p->n_seqs; s++)
@@ -287,11 +285,12 @@ static di_status pool_state_items(cuda_ctx *c, const kern_compress_pool *p, size
 {
     size_t row_bytes = (size_t)p->dim * sizeof(float), tok = 2 * row_bytes;
     *n = 0;
-    di_status st = check_seq_rows(c, "compress_pool", p->seqs, p->n_seqs, p->n_rows, 1);
+    di_status st = check_seq_rows(c, "compress_pool", p->seqs, p->n_seqs, p->n_rows);
     if (st != DI_OK)
         return st;
-    for (uint32_t s = 0; s < p->n_seqs; s++)
-        *n += 2 * (p->seqs[s].n_rows > p->state_tokens ? p->state_tokens : p->seqs[s].n_rows);
+    for (uint32_t s = 0; s < p->n_seqs; s++) /* no slot (placeholder rows): nothing saved */
+        if (p->seqs[s].slot)
+            *n += 2 * (p->seqs[s].n_rows > p->state_tokens ? p->state_tokens : p->seqs[s].n_rows);
     st = cuda_meta_push(c, NULL, (size_t)(*n ? *n : 1) * sizeof(cuda_copy_item), off);
     if (st != DI_OK)
         return st;
@@ -299,6 +298,8 @@ static di_status pool_state_items(cuda_ctx *c, const kern_compress_pool *p, size
     uint32_t k = 0;
     for (uint32_t s = 0; s < p->n_seqs; s++) {
         const kern_seq *q = &p->seqs[s];
+        if (!q->slot)
+            continue;
         uint32_t first = q->n_rows > p->state_tokens ? q->n_rows - p->state_tokens : 0;
         for (uint32_t i = first; i < q->n_rows; i++) {
             uint64_t pos = (uint64_t)(q->pos0 + i);

@@ -683,6 +683,7 @@ extern "C" di_status kern_cuda_graphs(kern_backend *be, int on, di_error *err)
     cuda_ctx *c = (cuda_ctx *)be->ctx;
     di_status st = on ? DI_OK : cuda_graph_break(c);
     c->graph.on = on != 0;
+    be->graphs = c->graph.on; /* the executor pads decode steps while they are on */
     if (st != DI_OK && err)
         *err = c->last;
     return st;

@@ -149,6 +149,8 @@ typedef struct scn_ctx {
     scn_out *out;
     float *tmp;                 /* [SCN_CHUNK * SCN_SEQS, vocab] */
     di_error *err;
+    uint32_t pad_to;            /* steps of fewer rows are padded to this many with placeholder
+                                   rows (fwd_seq.placeholder); 0 = none */
 } scn_ctx;
 
 static inline fwd_seq scn_rows(const scn_ctx *x, const scn_seq *s, uint32_t n)
@@ -167,7 +169,7 @@ static inline fwd_seq scn_rows(const scn_ctx *x, const scn_seq *s, uint32_t n)
 static inline di_status scn_step(scn_ctx *x, const uint32_t *which, uint32_t n_seqs,
                                  const uint32_t *n)
 {
-    fwd_seq q[SCN_SEQS];
+    fwd_seq q[SCN_SEQS + 1];
     int32_t lrows[SCN_CHUNK * SCN_SEQS];
     int64_t lpos[SCN_CHUNK * SCN_SEQS];
     int32_t lseq[SCN_CHUNK * SCN_SEQS];
@@ -187,6 +189,8 @@ static inline di_status scn_step(scn_ctx *x, const uint32_t *which, uint32_t n_s
         }
     }
     fwd_step st = {.n_seqs = n_seqs, .seqs = q, .n_logit_rows = nl, .logit_rows = lrows};
+    if (x->pad_to > row)
+        q[st.n_seqs++] = (fwd_seq){.n_rows = x->pad_to - row, .placeholder = 1};
     di_status s = fwd_step_run(x->run, x->kv, &st, x->tmp, x->err);
     if (s != DI_OK)
         return s;

@@ -309,6 +309,8 @@ static void sweep(chk_env *env)
         {1, {SEQ(40, 3, 4, 1)}, 32, 16, 0, 7, 1},
         {2, {SEQ(3, 1, 4, 1), SEQ(2, 4, 4, 1)}, 96, 3, 1, 5, 3},
         {4, {SEQ(1, 2, 4, 1), SEQ(2, 3, 4, 1), SEQ(127, 130, 4, 1), SEQ(1, 0, 4, 1)}, 512, 2, 6, 0, 2},
+        /* placeholder rows: sequences at 0 without a slot save nothing */
+        {3, {SEQ(4, 9, 4, 1), SEQ(7, 0, 4, 0), SEQ(3, 0, 4, 0)}, 64, 2, 6, 1, 0},
     };
     c0 = env->checks;
     for (size_t i = 0; i < sizeof(pools) / sizeof(pools[0]); i++)

@@ -821,7 +821,7 @@ static size_t check_graphs(chk_env *env, const runner_model *rm, const kern_back
 #define DEC_ALONE 6
 
 static di_status run_decode(const runner_model *rm, const kern_backend *be, const scn_params *p,
-                            scn_out *out, di_error *e)
+                            uint32_t pad_to, scn_out *out, di_error *e)
 {
     fwd_options o = scn_opts(rm, p, SCN_CHUNK);
     const uint32_t V = rm->w->config.vocab_size, max_rows = 200 + 100 + 2 * DEC_STEPS + DEC_ALONE;
@@ -842,7 +842,7 @@ static di_status run_decode(const runner_model *rm, const kern_backend *be, cons
     di_status st = scn_open(rm, be, &o, &m, &run, &kv, e);
     if (st == DI_OK) {
         *x = (scn_ctx){.run = run, .kv = kv, .c = fwd_model_config(m), .p = p, .out = out,
-                       .tmp = tmp, .err = e};
+                       .tmp = tmp, .err = e, .pad_to = pad_to};
         const int64_t plen[SCN_SEQS] = {200, 100};
         scn_seqs_init(x, plen);
     }
@@ -879,6 +879,37 @@ static di_status run_decode(const runner_model *rm, const kern_backend *be, cons
     return st;
 }
 
+/* The run with graphs g against the eager run a: its status, every logits row, the KV blocks
+ * and state slots bit for bit, and (a prompt chunk and the first step of each row count being
+ * captured) most later steps launched from kept graphs. Returns the failures, printed. */
+static size_t same_decode(const char *what, di_status st, const di_error *e, const scn_out *g,
+                          const scn_out *a, uint64_t inst, uint64_t kept)
+{
+    size_t bad = 0;
+    if (st != DI_OK) {
+        printf("FAIL %s: run with graphs: %s\n", what, e->msg);
+        return 1;
+    }
+    if (g->n_rows != a->n_rows) {
+        printf("FAIL %s: %u logits rows with graphs, %u eager\n", what, g->n_rows, a->n_rows);
+        return 1;
+    }
+    for (uint32_t r = 0; r < a->n_rows && !bad; r++) {
+        char name[64];
+        snprintf(name, sizeof name, "logits of row %u", r);
+        bad += same_bytes(what, name, g->logits + (size_t)r * a->vocab,
+                          a->logits + (size_t)r * a->vocab, (size_t)a->vocab * 4);
+    }
+    bad += same_bytes(what, "KV blocks", g->blocks, a->blocks, a->blocks_bytes);
+    bad += same_bytes(what, "state slots", g->slots, a->slots, a->slots_bytes);
+    if (kept < DEC_STEPS / 2) {
+        printf("FAIL %s: only %" PRIu64 " segments launched from kept graphs (%" PRIu64
+               " captured)\n", what, kept, inst);
+        bad++;
+    }
+    return bad;
+}
+
 static void check_replay(chk_env *env, const runner_model *rm, const char *config,
                          const kern_backend *gpu)
 {
@@ -888,7 +919,7 @@ static void check_replay(chk_env *env, const runner_model *rm, const char *confi
                     .keep_tokens = KEEP_TOKENS, .seed = env->seed + 29};
     scn_out a, g;
     di_error e, e2;
-    di_status st = run_decode(rm, gpu, &p, &a, &e);
+    di_status st = run_decode(rm, gpu, &p, 0, &a, &e);
     if (st == DI_OK)
         st = kern_cuda_sync(&env->gpu, &e);
     if (st != DI_OK) {
@@ -901,37 +932,14 @@ static void check_replay(chk_env *env, const runner_model *rm, const char *confi
     kern_cuda_get_stats(&env->gpu, &s0);
     st = kern_cuda_graphs(&env->gpu, 1, &e);
     if (st == DI_OK)
-        st = run_decode(rm, gpu, &p, &g, &e);
+        st = run_decode(rm, gpu, &p, 0, &g, &e);
     if (st == DI_OK)
         st = kern_cuda_sync(&env->gpu, &e);
     kern_cuda_graphs(&env->gpu, 0, &e2);
     kern_cuda_get_stats(&env->gpu, &s1);
-    size_t bad = 0;
-    if (st != DI_OK) {
-        printf("FAIL %s: run with graphs: %s\n", what, e.msg);
-        bad++;
-    } else if (g.n_rows != a.n_rows) {
-        printf("FAIL %s: %u logits rows with graphs, %u eager\n", what, g.n_rows, a.n_rows);
-        bad++;
-    } else {
-        for (uint32_t r = 0; r < a.n_rows && !bad; r++) {
-            char name[64];
-            snprintf(name, sizeof name, "logits of row %u", r);
-            bad += same_bytes(what, name, g.logits + (size_t)r * a.vocab,
-                              a.logits + (size_t)r * a.vocab, (size_t)a.vocab * 4);
-        }
-        bad += same_bytes(what, "KV blocks", g.blocks, a.blocks, a.blocks_bytes);
-        bad += same_bytes(what, "state slots", g.slots, a.slots, a.slots_bytes);
-    }
     uint64_t inst = s1.graph_instantiations - s0.graph_instantiations;
     uint64_t kept = s1.graph_replays - s0.graph_replays;
-    /* a prompt chunk and the first step of each row count are captured; the later steps must
-     * mostly find their graph kept */
-    if (st == DI_OK && kept < DEC_STEPS / 2) {
-        printf("FAIL %s: only %" PRIu64 " segments launched from kept graphs (%" PRIu64
-               " captured)\n", what, kept, inst);
-        bad++;
-    }
+    size_t bad = same_decode(what, st, &e, &g, &a, inst, kept);
     printf("%s: %" PRIu64 " segments captured, %" PRIu64 " launched from kept graphs; logits, KV "
            "and slots %s the eager run's; captures of a known op sequence by the first action "
            "that differed:", what, inst, kept, bad ? "DIFFER from" : "bit-identical to");
@@ -944,6 +952,48 @@ static void check_replay(chk_env *env, const runner_model *rm, const char *confi
             printf(" [%s] %" PRIu64, s1.graph_misses[k].what, s1.graph_misses[k].n - n0);
     }
     printf("\n");
+    scn_out_free(&a);
+    scn_out_free(&g);
+    chk_count(env, bad);
+}
+
+/* Placeholder rows (fwd_seq.placeholder) on the device: the decode scenario above run eagerly
+ * without padding, then with graphs on and every step of fewer than PAD_ROWS rows (both
+ * sequences' 2 rows, then 1) padded to PAD_ROWS, both in batch-invariant mode: logits, KV
+ * blocks and state slots identical bit for bit (the placeholders write nothing and the real
+ * rows do not see them), and the padded steps of either batch launched from kept graphs. */
+#define PAD_ROWS 8
+
+static void check_padded(chk_env *env, const runner_model *rm, const char *config,
+                         const kern_backend *gpu)
+{
+    char what[96];
+    snprintf(what, sizeof what, "%s, decode steps padded to %d rows", config, PAD_ROWS);
+    scn_params p = {.config = config, .nextn = 3, .yoco = FWD_YOCO_OFF,
+                    .keep_tokens = KEEP_TOKENS, .seed = env->seed + 31};
+    scn_out a = {0}, g = {0};
+    di_error e, e2;
+    kern_cuda_set_batch_invariant(&env->gpu, 1);
+    di_status st = run_decode(rm, gpu, &p, 0, &a, &e);
+    if (st == DI_OK)
+        st = kern_cuda_sync(&env->gpu, &e);
+    kern_cuda_stats s0, s1;
+    kern_cuda_get_stats(&env->gpu, &s0);
+    if (st == DI_OK)
+        st = kern_cuda_graphs(&env->gpu, 1, &e);
+    if (st == DI_OK)
+        st = run_decode(rm, gpu, &p, PAD_ROWS, &g, &e);
+    if (st == DI_OK)
+        st = kern_cuda_sync(&env->gpu, &e);
+    kern_cuda_graphs(&env->gpu, 0, &e2);
+    kern_cuda_set_batch_invariant(&env->gpu, 0);
+    kern_cuda_get_stats(&env->gpu, &s1);
+    uint64_t inst = s1.graph_instantiations - s0.graph_instantiations;
+    uint64_t kept = s1.graph_replays - s0.graph_replays;
+    size_t bad = same_decode(what, st, &e, &g, &a, inst, kept);
+    printf("%s: %" PRIu64 " segments captured, %" PRIu64 " launched from kept graphs; logits, "
+           "KV and slots %s the unpadded eager run's\n", what, inst, kept,
+           bad ? "DIFFER from" : "bit-identical to");
     scn_out_free(&a);
     scn_out_free(&g);
     chk_count(env, bad);
@@ -1861,8 +1911,10 @@ int main(int argc, char **argv)
             loaded = cases[i].config;
         }
         check_case(&env, &rm, &cases[i], &gpu, &trk);
-        if (cases[i].yoco == FWD_YOCO_OFF)
+        if (cases[i].yoco == FWD_YOCO_OFF) {
             check_replay(&env, &rm, cases[i].config, &gpu);
+            check_padded(&env, &rm, cases[i].config, &gpu);
+        }
     }
     runner_model_free(&rm);
     load_model(&env, "tiny", &rm);
