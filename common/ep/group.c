@@ -30,6 +30,8 @@ enum { OP_START = 100, OP_A2A = 200, OP_ABORT = 300 };
 #define ABORT_SEND_MS 1000u
 /* A rank whose write to rank 0 failed looks for rank 0's reason this long. */
 #define ABORT_READ_MS 200u
+/* The ranks other than 0 wait for rank 0 at most this much longer than the group's timeout. */
+#define ABORT_GRACE_MS 1000u
 
 /* Reasons rank 0 gives a refused rank (one byte). */
 enum { HELLO_OK = 0, HELLO_BAD_TOKEN, HELLO_BAD_WORLD, HELLO_BAD_RANK, HELLO_DUP_RANK };
@@ -624,6 +626,17 @@ static di_status send_frame(ep_group *g, int fd, uint32_t op, uint32_t who, cons
     return st;
 }
 
+/* The deadline of a collective begun now. The ranks other than 0 wait a quarter longer (at
+ * most ABORT_GRACE_MS more): when a rank hangs, rank 0 reaches its deadline first, names the
+ * silent rank and tells the others, rather than every rank naming rank 0. */
+static uint64_t collective_deadline(const ep_group *g)
+{
+    uint64_t grace = g->rank == 0 ? 0 : g->timeout_ms / 4;
+    if (grace > ABORT_GRACE_MS)
+        grace = ABORT_GRACE_MS;
+    return di_mono_ns() + ((uint64_t)g->timeout_ms + grace) * 1000000ull;
+}
+
 static di_status check_usable(ep_group *g, di_error *err)
 {
     if (!g->failed)
@@ -660,7 +673,7 @@ di_status ep_group_allreduce(ep_group *g, ep_reduce op, uint64_t *vals, uint32_t
         g->stats.rounds++;
         return DI_OK;
     }
-    uint64_t deadline = deadline_after(g->timeout_ms);
+    uint64_t deadline = collective_deadline(g);
     di_error e;
     uint64_t len;
     if (g->rank == 0) {
@@ -718,7 +731,7 @@ di_status ep_group_alltoallv(ep_group *g, const ep_buf *send, ep_buf *recv, di_e
         g->stats.rounds++;
         return DI_OK;
     }
-    uint64_t deadline = deadline_after(g->timeout_ms);
+    uint64_t deadline = collective_deadline(g);
     di_error e;
     uint64_t len;
     if (g->rank != 0) {

@@ -213,18 +213,23 @@ static int die_at_once(ep_group *g, void *ud)
     return 0; /* exits without a single collective */
 }
 
-/* Exit code of a rank that saw a collective fail: 42 for DI_EIO naming rank 2 (the one that
- * died), 44 for DI_EIO naming another, 43 for another status, 0 for none. */
-static int named_rank2(di_status st, const di_error *e)
+/* Exit code of a rank that saw a collective fail: 42 for status want naming rank 2 (the one
+ * that died or hangs), 44 for want naming another, 43 for another status, 0 for none. */
+static int named_rank2_as(di_status want, di_status st, const di_error *e)
 {
     if (st == DI_OK)
         return 0;
     const char *at = strstr(e->msg, "rank 2");
-    if (st != DI_EIO || !at || (at[6] >= '0' && at[6] <= '9')) {
+    if (st != want || !at || (at[6] >= '0' && at[6] <= '9')) {
         fprintf(stderr, "%s: %s\n", di_status_name(st), e->msg);
-        return st == DI_EIO ? 44 : 43;
+        return st == want ? 44 : 43;
     }
     return 42;
+}
+
+static int named_rank2(di_status st, const di_error *e)
+{
+    return named_rank2_as(DI_EIO, st, e);
 }
 
 static int reduce_once(ep_group *g, void *ud)
@@ -313,6 +318,30 @@ Test(ep_group, a_killed_rank_is_named_by_every_rank, .timeout = 60)
     cr_expect_eq(wait_rank(pids[1]), 42, "rank 1 must fail with DI_EIO naming rank 2");
     cr_expect_eq(wait_rank(pids[3]), 42, "rank 3 must fail with DI_EIO naming rank 2");
     cr_expect_lt(di_mono_ns() - t0, (uint64_t)timeout * 1000000ull / 3);
+}
+
+static int reduce_until_timeout(ep_group *g, void *ud)
+{
+    (void)ud;
+    uint64_t v = 1;
+    di_error e;
+    return named_rank2_as(DI_ETIMEDOUT, ep_group_allreduce(g, EP_REDUCE_SUM, &v, 1, &e), &e);
+}
+
+/* Rank 2 of 3 hangs: rank 0 reaches its deadline first (the others wait a quarter longer) and
+ * names rank 2, and so does rank 1, at about the same time. */
+Test(ep_group, a_silent_rank_is_named_by_every_rank, .timeout = 60)
+{
+    uint32_t timeout = 2000;
+    pid_t pids[3];
+    ep_group *g = start_group(3, timeout, (rank_fn[]){NULL, reduce_until_timeout, hang}, pids);
+    uint64_t t0 = di_mono_ns();
+    cr_expect_eq(reduce_until_timeout(g, NULL), 42);
+    cr_expect_eq(wait_rank(pids[1]), 42, "rank 1 must fail with DI_ETIMEDOUT naming rank 2");
+    cr_expect_lt(di_mono_ns() - t0, 3ull * timeout * 1000000ull);
+    ep_group_close(g);
+    kill(pids[2], SIGKILL);
+    cr_expect_eq(wait_rank(pids[2]), 128 + SIGKILL);
 }
 
 static int vote_or(ep_group *g, void *ud)
