@@ -1,6 +1,8 @@
-/* ranks.c: placement under a lock, a channel per rank, and the heartbeat poller (ranks.h). */
+/* ranks.c: placement under a lock, a channel per rank, the heartbeat poller and the watcher
+ * of the channels that are down (ranks.h). */
 #include "router/ranks.h"
 
+#include <assert.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -9,15 +11,23 @@
 #include "common/util/clock.h"
 #include "engine.pb-c.h"
 
+/* How long the watcher waits on the channels that are down at a time, and sleeps between
+ * looks when none is. */
+#define WATCH_MS 100u
+
 struct rk_table {
     rk_config cfg;
-    pthread_mutex_t mu;                 /* guards pl, clients, stop, polls */
-    pthread_cond_t cv;                  /* wakes the poller to stop */
+    pthread_mutex_t mu;                 /* guards pl, clients, stop, polls, reconnected */
+    pthread_cond_t cv;                  /* wakes the poller: stop, or a channel reconnected */
+    pthread_cond_t watch_cv;            /* wakes the watcher to stop */
     pl_table pl;
     rpc_client *clients[PL_MAX_RANKS];  /* one channel per rank, index as pl.ranks */
+    bool reconnected[PL_MAX_RANKS];     /* the channel came back: poll the rank now */
+    bool any_reconnected;
     bool stop;
     uint64_t polls;
-    pthread_t poller;
+    pthread_t poller, watcher;
+    bool watcher_started;
 };
 
 /* GetLoad of one rank: DI_OK with *load and *draining. */
@@ -47,8 +57,9 @@ static di_status get_load(rpc_client *c, pl_role role, uint32_t timeout_ms, pl_l
     return DI_OK;
 }
 
-/* One round: every rank's GetLoad, then missed heartbeats applied. */
-static void poll_round(rk_table *t, uint32_t timeout_ms)
+/* One round: every rank's GetLoad, then missed heartbeats applied; or (only_reconnected)
+ * the GetLoad of the ranks whose channel the watcher saw come back, out of the rhythm. */
+static void poll_ranks(rk_table *t, uint32_t timeout_ms, bool only_reconnected)
 {
     pthread_mutex_lock(&t->mu);
     size_t n = t->pl.n;
@@ -57,10 +68,13 @@ static void poll_round(rk_table *t, uint32_t timeout_ms)
         pthread_mutex_lock(&t->mu);
         rpc_client *c = t->clients[i];
         pl_role role = t->pl.ranks[i].role;
-        bool stop = t->stop;
+        bool stop = t->stop, skip = only_reconnected && !t->reconnected[i];
+        t->reconnected[i] = false;
         pthread_mutex_unlock(&t->mu);
         if (stop)
             return;
+        if (skip)
+            continue;
         pl_load load;
         bool draining = false;
         di_error e = {0};
@@ -75,10 +89,25 @@ static void poll_round(rk_table *t, uint32_t timeout_ms)
         }
         pthread_mutex_unlock(&t->mu);
     }
+    if (only_reconnected)
+        return;
     pthread_mutex_lock(&t->mu);
     pl_tick(&t->pl, di_mono_ns());
     t->polls++;
     pthread_mutex_unlock(&t->mu);
+}
+
+static void poll_round(rk_table *t, uint32_t timeout_ms) { poll_ranks(t, timeout_ms, false); }
+
+/* The CLOCK_REALTIME time ns from now, for pthread_cond_timedwait. */
+static struct timespec realtime_after(uint64_t ns)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    uint64_t abs_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + ns;
+    ts.tv_sec = (time_t)(abs_ns / 1000000000ull);
+    ts.tv_nsec = (long)(abs_ns % 1000000000ull);
+    return ts;
 }
 
 static void *poller(void *arg)
@@ -91,13 +120,16 @@ static void *poller(void *arg)
     uint64_t next = di_mono_ns(); /* the first round at once: decode needs a report */
     pthread_mutex_lock(&t->mu);
     while (!t->stop) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
         uint64_t now = di_mono_ns();
         uint64_t wait = next > now ? next - now : 0;
-        uint64_t abs_ns = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec + wait;
-        ts.tv_sec = (time_t)(abs_ns / 1000000000ull);
-        ts.tv_nsec = (long)(abs_ns % 1000000000ull);
+        struct timespec ts = realtime_after(wait);
+        if (wait > 0 && t->any_reconnected) {
+            t->any_reconnected = false;
+            pthread_mutex_unlock(&t->mu);
+            poll_ranks(t, timeout_ms, true);
+            pthread_mutex_lock(&t->mu);
+            continue;
+        }
         if (wait > 0) {
             pthread_cond_timedwait(&t->cv, &t->mu, &ts);
             continue;
@@ -109,6 +141,45 @@ static void *poller(void *arg)
         if (next < now) /* a slow round: keep the rhythm from now */
             next = now + every;
         pthread_mutex_lock(&t->mu);
+    }
+    pthread_mutex_unlock(&t->mu);
+    return NULL;
+}
+
+/* Waits on the channels that are not connected, all at once, so that they make progress (a
+ * channel reconnects only while some thread waits on it: the poller's fail-fast calls and its
+ * sleep between rounds do not) and a rank back after a restart is polled at once, not after
+ * gRPC's own background poll. The poller's rounds over the other ranks never wait for it. */
+static void *watcher(void *arg)
+{
+    rk_table *t = arg;
+    static_assert(PL_MAX_RANKS <= 1024, "the watcher keeps its lists on the stack");
+    rpc_client *down[PL_MAX_RANKS];
+    size_t idx[PL_MAX_RANKS];
+    int up[PL_MAX_RANKS];
+    pthread_mutex_lock(&t->mu);
+    while (!t->stop) {
+        size_t k = 0;
+        for (size_t i = 0; i < t->pl.n; i++)
+            if (!rpc_client_connected(t->clients[i])) {
+                down[k] = t->clients[i];
+                idx[k++] = i;
+            }
+        if (k == 0) {
+            struct timespec ts = realtime_after(WATCH_MS * 1000000ull);
+            pthread_cond_timedwait(&t->watch_cv, &t->mu, &ts);
+            continue;
+        }
+        pthread_mutex_unlock(&t->mu);
+        size_t n_up = rpc_clients_wait_connected(down, k, WATCH_MS, up);
+        pthread_mutex_lock(&t->mu);
+        for (size_t j = 0; n_up > 0 && j < k; j++)
+            if (up[j]) {
+                t->reconnected[idx[j]] = true;
+                t->any_reconnected = true;
+            }
+        if (n_up > 0)
+            pthread_cond_broadcast(&t->cv);
     }
     pthread_mutex_unlock(&t->mu);
     return NULL;
@@ -129,13 +200,20 @@ di_status rk_new(const rk_config *cfg, rk_table **out, di_error *err)
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
     pthread_cond_init(&t->cv, &ca);
+    pthread_cond_init(&t->watch_cv, &ca);
     pthread_condattr_destroy(&ca);
     if (pthread_create(&t->poller, NULL, poller, t) != 0) {
         pthread_cond_destroy(&t->cv);
+        pthread_cond_destroy(&t->watch_cv);
         pthread_mutex_destroy(&t->mu);
         free(t);
         return di_fail(err, DI_ENOMEM, "cannot start the heartbeat poller");
     }
+    if (pthread_create(&t->watcher, NULL, watcher, t) != 0) {
+        rk_free(t);
+        return di_fail(err, DI_ENOMEM, "cannot start the watcher of the ranks' channels");
+    }
+    t->watcher_started = true;
     *out = t;
     return DI_OK;
 }
@@ -147,11 +225,15 @@ void rk_free(rk_table *t)
     pthread_mutex_lock(&t->mu);
     t->stop = true;
     pthread_cond_broadcast(&t->cv);
+    pthread_cond_broadcast(&t->watch_cv);
     pthread_mutex_unlock(&t->mu);
     pthread_join(t->poller, NULL);
+    if (t->watcher_started)
+        pthread_join(t->watcher, NULL);
     for (size_t i = 0; i < t->pl.n; i++)
         rpc_client_close(t->clients[i]);
     pthread_cond_destroy(&t->cv);
+    pthread_cond_destroy(&t->watch_cv);
     pthread_mutex_destroy(&t->mu);
     free(t);
 }
@@ -242,6 +324,16 @@ pl_health rk_health(rk_table *t, size_t idx)
     pl_health h = idx < t->pl.n ? t->pl.ranks[idx].health : PL_OUT;
     pthread_mutex_unlock(&t->mu);
     return h;
+}
+
+bool rk_rank(rk_table *t, size_t idx, pl_rank *out)
+{
+    pthread_mutex_lock(&t->mu);
+    bool ok = idx < t->pl.n;
+    if (ok)
+        *out = t->pl.ranks[idx];
+    pthread_mutex_unlock(&t->mu);
+    return ok;
 }
 
 void rk_poll_once(rk_table *t)

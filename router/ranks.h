@@ -10,6 +10,12 @@
  * only clock that decides health. Ranks come from flags (rk_add) or announce themselves with
  * the router's RegisterRank (router.proto), which adds them the same way; a rank that leaves
  * rotation stays in the table and comes back once it answers again (placement's rules).
+ *
+ * A second thread watches the channels that are not connected, all at once
+ * (rpc_clients_wait_connected): a channel reconnects only while some thread waits on it, and
+ * when one connects the poller calls that rank's GetLoad at once, so a rank restarted on its
+ * port is back in rotation within about one heartbeat interval of answering, and the rounds
+ * over the other ranks never wait for a rank that is down.
  */
 #ifndef DI_ROUTER_RANKS_H
 #define DI_ROUTER_RANKS_H
@@ -61,6 +67,9 @@ void rk_decode_done(rk_table *t, size_t idx, uint32_t blocks, bool ok);
 size_t rk_usable(rk_table *t, pl_role role);
 /* The health of rank idx (PL_OUT when idx is out of range); for tests and logs. */
 pl_health rk_health(rk_table *t, size_t idx);
+/* A copy of rank idx's record (health, last heartbeat, load); false when idx is out of range.
+ * For tests and logs. */
+bool rk_rank(rk_table *t, size_t idx, pl_rank *out);
 /* Polls every rank once now, on this thread (a start that wants loads before the first
  * request). */
 void rk_poll_once(rk_table *t);

@@ -21,8 +21,17 @@
 #define EP_MAGIC 0x50454944u /* "DIEP" */
 #define EP_NONCE 32u
 
-/* Ops of a frame (the header's op): the collectives, and the rendezvous's start frame. */
-enum { OP_START = 100, OP_A2A = 200 };
+/* Ops of a frame (the header's op): the collectives, the rendezvous's start frame, and the
+ * reason rank 0 sends every rank before it ends a failed group (payload: the status as an
+ * int32, then the message without its NUL). */
+enum { OP_START = 100, OP_A2A = 200, OP_ABORT = 300 };
+
+/* Rank 0's reasons go out within this long (or the group's timeout when shorter). */
+#define ABORT_SEND_MS 1000u
+/* A rank whose write to rank 0 failed looks for rank 0's reason this long. */
+#define ABORT_READ_MS 200u
+/* The ranks other than 0 wait for rank 0 at most this much longer than the group's timeout. */
+#define ABORT_GRACE_MS 1000u
 
 /* Reasons rank 0 gives a refused rank (one byte). */
 enum { HELLO_OK = 0, HELLO_BAD_TOKEN, HELLO_BAD_WORLD, HELLO_BAD_RANK, HELLO_DUP_RANK };
@@ -41,6 +50,8 @@ struct ep_group {
     int *fds;                /* rank 0: [world] connection of rank r (fds[0] = -1);
                                 others: fds[0] = the connection to rank 0 */
     bool failed;             /* a collective failed: the group is unusable */
+    int64_t cut;             /* rank 0: the rank whose outgoing stream a failed write left
+                                inside a frame (-1: none); it gets no reason */
     di_error fail;           /* the first failure */
     ep_group_stats stats;
     uint8_t **bufs;          /* [world] receive buffers (rank 0: one per rank; others: [0]) */
@@ -92,6 +103,9 @@ static di_status read_all(int fd, void *buf, uint64_t len, uint64_t deadline, co
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
                 continue;
+            if (errno == ECONNRESET)
+                return di_fail(err, DI_EIO, "%s closed the connection (the process ended?)",
+                               who);
             return di_fail(err, DI_EIO, "%s: read: %s", who, strerror(errno));
         }
         p += n;
@@ -113,6 +127,9 @@ static di_status write_all(int fd, const void *buf, uint64_t len, uint64_t deadl
         if (n < 0) {
             if (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)
                 continue;
+            if (errno == ECONNRESET || errno == EPIPE)
+                return di_fail(err, DI_EIO, "%s closed the connection (the process ended?)",
+                               who);
             return di_fail(err, DI_EIO, "%s: write: %s", who, strerror(errno));
         }
         p += n;
@@ -410,6 +427,7 @@ di_status ep_group_join(const ep_group_options *o, ep_group **out, di_error *err
     g->world = o->world;
     g->timeout_ms = o->timeout_ms;
     g->max_frame = o->max_frame ? o->max_frame : EP_FRAME_MAX_DEFAULT;
+    g->cut = -1;
     for (uint32_t r = 0; r < o->world; r++)
         g->fds[r] = -1;
     uint64_t deadline = deadline_after(o->timeout_ms);
@@ -456,14 +474,40 @@ ep_group_stats ep_group_get_stats(const ep_group *g) { return g->stats; }
 
 /* ---- the star round ---- */
 
+static di_status send_frame(ep_group *g, int fd, uint32_t op, uint32_t who, const void *a,
+                            uint64_t alen, const void *b, uint64_t blen, uint64_t deadline,
+                            di_error *err);
+
+/* Rank 0: sends every other rank the failure (an abort frame) before the connections close,
+ * so that each names the rank that failed rather than rank 0, whose connection is all it
+ * sees. Best effort within ABORT_SEND_MS: a rank that cannot take a small frame by then is
+ * hung, and learns from the end of the stream. */
+static void tell_ranks(ep_group *g, di_status st, const di_error *e)
+{
+    uint8_t msg[4 + sizeof e->msg];
+    int32_t code = (int32_t)st;
+    size_t n = strnlen(e->msg, sizeof e->msg - 1);
+    memcpy(msg, &code, 4);
+    memcpy(msg + 4, e->msg, n);
+    uint64_t deadline = deadline_after(g->timeout_ms < ABORT_SEND_MS ? g->timeout_ms
+                                                                     : ABORT_SEND_MS);
+    for (uint32_t r = 1; r < g->world; r++) {
+        di_error ignored;
+        if (g->fds[r] >= 0 && (int64_t)r != g->cut)
+            send_frame(g, g->fds[r], OP_ABORT, r, msg, 4 + n, NULL, 0, deadline, &ignored);
+    }
+}
+
 /* Marks the group failed (keeping the first message) and closes every connection, so that
- * the other ranks see the end of their stream at once. */
+ * the other ranks see the end of their stream at once; rank 0 tells them why first. */
 static di_status group_fail(ep_group *g, di_status st, const di_error *e, di_error *err)
 {
     if (!g->failed) {
         g->failed = true;
         g->fail = *e;
         g->fail.code = st;
+        if (g->rank == 0)
+            tell_ranks(g, st, e);
     }
     for (uint32_t r = 0; r < g->world; r++)
         if (g->fds[r] >= 0) {
@@ -490,6 +534,46 @@ static di_status grow(uint8_t **buf, uint64_t *cap, uint64_t need)
     return DI_OK;
 }
 
+/* A rank other than 0: reads the payload of rank 0's abort frame (len bytes) and returns the
+ * failure it carries, which names the rank that failed. */
+static di_status heard_abort(ep_group *g, int fd, uint64_t len, uint64_t deadline,
+                             di_error *err)
+{
+    uint8_t msg[4 + sizeof err->msg];
+    if (len < 4 || len > sizeof msg - 1)
+        return di_fail(err, DI_EPROTO, "rank %u: rank 0 sent a malformed abort frame (%llu "
+                       "bytes)", g->rank, (unsigned long long)len);
+    di_status st = read_all(fd, msg, len, deadline, "rank 0", err);
+    if (st != DI_OK)
+        return st;
+    int32_t code;
+    memcpy(&code, msg, 4);
+    if (code >= 0 || code < (int32_t)DI_EINTERNAL)
+        code = DI_EIO;
+    return di_fail(err, (di_status)code, "rank 0 ended the group: %.*s", (int)(len - 4),
+                   (const char *)msg + 4);
+}
+
+/* A rank other than 0 whose write to rank 0 failed on a closed connection: rank 0 may have
+ * sent the reason first (it is then in this rank's receive queue); *st and *e become it. */
+static void look_for_abort(ep_group *g, di_status *st, di_error *e)
+{
+    if (g->rank == 0 || *st != DI_EIO)
+        return;
+    uint64_t deadline = deadline_after(g->timeout_ms < ABORT_READ_MS ? g->timeout_ms
+                                                                     : ABORT_READ_MS);
+    frame_hdr h;
+    di_error e2;
+    if (read_all(g->fds[0], &h, sizeof h, deadline, "rank 0", &e2) != DI_OK ||
+        h.magic != EP_MAGIC || h.op != OP_ABORT)
+        return;
+    di_status st2 = heard_abort(g, g->fds[0], h.len, deadline, &e2);
+    if (st2 != DI_EPROTO) {
+        *st = st2;
+        *e = e2;
+    }
+}
+
 /* Reads a frame from rank `who` (rank 0 reading rank r, or a rank reading rank 0) into
  * bufs[slot]: checks magic, op, round and the size bound. */
 static di_status recv_frame(ep_group *g, int fd, uint32_t slot, uint32_t op, uint32_t who,
@@ -503,6 +587,8 @@ static di_status recv_frame(ep_group *g, int fd, uint32_t slot, uint32_t op, uin
         return st;
     if (h.magic != EP_MAGIC)
         return di_fail(err, DI_EPROTO, "rank %u sent a frame without the group's magic", who);
+    if (h.op == OP_ABORT && g->rank != 0)
+        return heard_abort(g, fd, h.len, deadline, err);
     if (h.op != op || h.round != g->stats.rounds)
         return di_fail(err, DI_EINTERNAL, "lockstep lost: rank %u made call %u (round %llu) "
                        "while rank %u made call %u (round %llu)", who, h.op,
@@ -535,7 +621,20 @@ static di_status send_frame(ep_group *g, int fd, uint32_t op, uint32_t who, cons
         st = write_all(fd, b, blen, deadline, name, err);
     if (st == DI_OK)
         g->stats.bytes_sent += alen + blen;
+    else if (g->rank == 0)
+        g->cut = who;
     return st;
+}
+
+/* The deadline of a collective begun now. The ranks other than 0 wait a quarter longer (at
+ * most ABORT_GRACE_MS more): when a rank hangs, rank 0 reaches its deadline first, names the
+ * silent rank and tells the others, rather than every rank naming rank 0. */
+static uint64_t collective_deadline(const ep_group *g)
+{
+    uint64_t grace = g->rank == 0 ? 0 : g->timeout_ms / 4;
+    if (grace > ABORT_GRACE_MS)
+        grace = ABORT_GRACE_MS;
+    return di_mono_ns() + ((uint64_t)g->timeout_ms + grace) * 1000000ull;
 }
 
 static di_status check_usable(ep_group *g, di_error *err)
@@ -574,7 +673,7 @@ di_status ep_group_allreduce(ep_group *g, ep_reduce op, uint64_t *vals, uint32_t
         g->stats.rounds++;
         return DI_OK;
     }
-    uint64_t deadline = deadline_after(g->timeout_ms);
+    uint64_t deadline = collective_deadline(g);
     di_error e;
     uint64_t len;
     if (g->rank == 0) {
@@ -594,6 +693,8 @@ di_status ep_group_allreduce(ep_group *g, ep_reduce op, uint64_t *vals, uint32_t
             st = send_frame(g, g->fds[r], (uint32_t)op, r, vals, bytes, NULL, 0, deadline, &e);
     } else {
         st = send_frame(g, g->fds[0], (uint32_t)op, 0, vals, bytes, NULL, 0, deadline, &e);
+        if (st != DI_OK)
+            look_for_abort(g, &st, &e);
         if (st == DI_OK)
             st = recv_frame(g, g->fds[0], 0, (uint32_t)op, 0, deadline, &len, &e);
         if (st == DI_OK && len != bytes)
@@ -630,7 +731,7 @@ di_status ep_group_alltoallv(ep_group *g, const ep_buf *send, ep_buf *recv, di_e
         g->stats.rounds++;
         return DI_OK;
     }
-    uint64_t deadline = deadline_after(g->timeout_ms);
+    uint64_t deadline = collective_deadline(g);
     di_error e;
     uint64_t len;
     if (g->rank != 0) {
@@ -649,6 +750,8 @@ di_status ep_group_alltoallv(ep_group *g, const ep_buf *send, ep_buf *recv, di_e
             if (send[d].len)
                 st = write_all(g->fds[0], send[d].data, send[d].len, deadline, name, &e);
         free(lens);
+        if (st != DI_OK)
+            look_for_abort(g, &st, &e);
         if (st == DI_OK) {
             g->stats.bytes_sent += total;
             st = recv_frame(g, g->fds[0], 0, OP_A2A, 0, deadline, &len, &e);

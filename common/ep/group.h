@@ -15,8 +15,12 @@
  * number, payload) to rank 0, which checks that every rank made the same call (a different op
  * or round is lockstep lost: DI_EINTERNAL), computes the answers and sends each rank its own.
  * Every read and write waits at most timeout_ms. A rank that dies closes its socket: rank 0
- * sees the end of stream, names the rank, fails and closes every connection, so the others fail
- * at once instead of waiting for their deadline. After any failure the group is unusable: each
+ * sees the end of stream, names the rank, sends every other rank the failure (status and
+ * message) and closes every connection, so the others fail at once instead of waiting for
+ * their deadline, with the status of rank 0's failure and a message naming the rank that
+ * failed ("rank 0 ended the group: rank 2 closed the connection ..."). The ranks other than 0
+ * give a collective a quarter more time than timeout_ms (at most 1 s more), so that when a rank
+ * hangs, rank 0 reaches its deadline first and the others hear which rank it was. After any failure the group is unusable: each
  * later call returns DI_ECANCELED with the first failure's message.
  *
  * Frames are bounded (max_frame bytes of payload); integers travel in the host's byte order

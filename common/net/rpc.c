@@ -1248,6 +1248,49 @@ int rpc_client_wait_connected(rpc_client *c, uint32_t timeout_ms)
     return s == GRPC_CHANNEL_READY;
 }
 
+size_t rpc_clients_wait_connected(rpc_client *const *cs, size_t n, uint32_t timeout_ms,
+                                  int *connected)
+{
+    gpr_timespec deadline = gpr_time_add(gpr_now(GPR_CLOCK_MONOTONIC),
+                                         gpr_time_from_millis(timeout_ms, GPR_TIMESPAN));
+    grpc_completion_queue *cq = grpc_completion_queue_create_for_next(NULL);
+    size_t up = 0, pending = 0;
+    for (size_t i = 0; i < n; i++) {
+        grpc_connectivity_state s = grpc_channel_check_connectivity_state(cs[i]->channel, 1);
+        connected[i] = s == GRPC_CHANNEL_READY;
+        up += (size_t)connected[i];
+        if (s != GRPC_CHANNEL_READY && s != GRPC_CHANNEL_SHUTDOWN) {
+            /* the tag is the channel's index + 1 (not NULL) */
+            grpc_channel_watch_connectivity_state(cs[i]->channel, s, deadline, cq,
+                                                  (void *)(uintptr_t)(i + 1));
+            pending++;
+        }
+    }
+    /* Every watch completes by the deadline at the latest; waiting polls every channel. */
+    while (pending > 0) {
+        grpc_event ev = grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL);
+        if (ev.type != GRPC_OP_COMPLETE)
+            break;
+        pending--;
+        size_t i = (size_t)(uintptr_t)ev.tag - 1;
+        grpc_connectivity_state s = grpc_channel_check_connectivity_state(cs[i]->channel, 1);
+        if (s == GRPC_CHANNEL_READY) {
+            connected[i] = 1;
+            up++;
+        } else if (ev.success && s != GRPC_CHANNEL_SHUTDOWN &&
+                   gpr_time_cmp(gpr_now(GPR_CLOCK_MONOTONIC), deadline) < 0) {
+            grpc_channel_watch_connectivity_state(cs[i]->channel, s, deadline, cq, ev.tag);
+            pending++;
+        }
+    }
+    grpc_completion_queue_shutdown(cq);
+    while (grpc_completion_queue_next(cq, gpr_inf_future(GPR_CLOCK_REALTIME), NULL).type !=
+           GRPC_QUEUE_SHUTDOWN)
+        ;
+    grpc_completion_queue_destroy(cq);
+    return up;
+}
+
 /* Status of a finished call: the server's di-status when present, else the gRPC code. */
 static di_status call_status(rpc_client *c, const char *method, grpc_status_code code,
                              grpc_slice details, const grpc_metadata_array *trailer, di_error *err)

@@ -201,6 +201,14 @@ void rpc_client_cancel(rpc_client *c);
  * after DI_EUNAVAIL should wait here between attempts rather than sleep, or a restarted server
  * may be seen only seconds later (gRPC's own backup poll, every 5 s). */
 int rpc_client_wait_connected(rpc_client *c, uint32_t timeout_ms);
+/* rpc_client_wait_connected over n channels at once, from one thread: waits until every one of
+ * cs[0..n) is connected or timeout_ms has passed, starting connections of idle ones and
+ * driving the reconnection of each meanwhile (so a server back after a restart is connected
+ * within its back-off, whichever channel it is). connected[i] receives 1 when cs[i] is
+ * connected at the end. Returns how many are. A channel that does not connect keeps the call
+ * waiting the whole timeout. */
+size_t rpc_clients_wait_connected(rpc_client *const *cs, size_t n, uint32_t timeout_ms,
+                                  int *connected);
 /* 1 when the channel is connected now (does not start a connection). */
 int rpc_client_connected(rpc_client *c);
 

@@ -1,8 +1,10 @@
 /* The rank group across processes: rendezvous of 2 and 4 ranks, the vote and the all-to-all,
- * a wrong token, a rank that dies, a rank that hangs, lockstep lost, bad options. */
+ * a wrong token, a rank that dies or is killed (named by every rank), a rank that hangs,
+ * lockstep lost, bad options. */
 #include <criterion/criterion.h>
 #include <signal.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -50,6 +52,22 @@ static pid_t fork_rank(ep_group_options o, rank_fn fn, void *ud)
         _exit(rc);
     }
     return pid;
+}
+
+/* Forks ranks 1..world-1 of a group on loopback, rank r running fns[r], and joins as rank 0
+ * (every rank with deadline timeout_ms); pids[r] receives rank r's process. */
+static ep_group *start_group(uint32_t world, uint32_t timeout_ms, const rank_fn *fns,
+                             pid_t *pids)
+{
+    char addr[64];
+    int lfd = listen_any(addr);
+    for (uint32_t r = 1; r < world; r++)
+        pids[r] = fork_rank(opts(addr, -1, r, world, timeout_ms), fns[r], NULL);
+    ep_group *g;
+    di_error e;
+    ep_group_options o = opts(addr, lfd, 0, world, timeout_ms);
+    cr_assert_eq(ep_group_join(&o, &g, &e), DI_OK, "%s", e.msg);
+    return g;
 }
 
 static int wait_rank(pid_t pid)
@@ -180,6 +198,14 @@ Test(ep_group, incomplete_group_times_out_at_the_deadline, .timeout = 60)
     cr_expect_eq(wait_rank(one), 100);
 }
 
+static int hang(ep_group *g, void *ud)
+{
+    (void)g;
+    (void)ud;
+    pause(); /* alive but silent, until killed */
+    return 0;
+}
+
 static int die_at_once(ep_group *g, void *ud)
 {
     (void)g;
@@ -187,26 +213,39 @@ static int die_at_once(ep_group *g, void *ud)
     return 0; /* exits without a single collective */
 }
 
+/* Exit code of a rank that saw a collective fail: 42 for status want naming rank 2 (the one
+ * that died or hangs), 44 for want naming another, 43 for another status, 0 for none. */
+static int named_rank2_as(di_status want, di_status st, const di_error *e)
+{
+    if (st == DI_OK)
+        return 0;
+    const char *at = strstr(e->msg, "rank 2");
+    if (st != want || !at || (at[6] >= '0' && at[6] <= '9')) {
+        fprintf(stderr, "%s: %s\n", di_status_name(st), e->msg);
+        return st == want ? 44 : 43;
+    }
+    return 42;
+}
+
+static int named_rank2(di_status st, const di_error *e)
+{
+    return named_rank2_as(DI_EIO, st, e);
+}
+
 static int reduce_once(ep_group *g, void *ud)
 {
     (void)ud;
     uint64_t v = 1;
     di_error e;
-    di_status st = ep_group_allreduce(g, EP_REDUCE_SUM, &v, 1, &e);
-    return st == DI_EIO ? 42 : st == DI_OK ? 0 : 43;
+    return named_rank2(ep_group_allreduce(g, EP_REDUCE_SUM, &v, 1, &e), &e);
 }
 
 Test(ep_group, a_rank_dying_fails_the_others_at_once, .timeout = 60)
 {
-    char addr[64];
-    int lfd = listen_any(addr);
     uint32_t timeout = 30000;
-    pid_t r1 = fork_rank(opts(addr, -1, 1, 3, timeout), reduce_once, NULL);
-    pid_t r2 = fork_rank(opts(addr, -1, 2, 3, timeout), die_at_once, NULL);
-    ep_group *g;
+    pid_t pids[3];
+    ep_group *g = start_group(3, timeout, (rank_fn[]){NULL, reduce_once, die_at_once}, pids);
     di_error e;
-    ep_group_options o = opts(addr, lfd, 0, 3, timeout);
-    cr_assert_eq(ep_group_join(&o, &g, &e), DI_OK, "%s", e.msg);
     uint64_t t0 = di_mono_ns();
     uint64_t v = 1;
     cr_assert_eq(ep_group_allreduce(g, EP_REDUCE_SUM, &v, 1, &e), DI_EIO);
@@ -217,16 +256,8 @@ Test(ep_group, a_rank_dying_fails_the_others_at_once, .timeout = 60)
     cr_expect_eq(ep_group_allreduce(g, EP_REDUCE_SUM, &v, 1, &e), DI_ECANCELED);
     cr_expect(strstr(e.msg, "rank 2") != NULL, "%s", e.msg);
     ep_group_close(g);
-    cr_expect_eq(wait_rank(r2), 0);
-    cr_expect_eq(wait_rank(r1), 42, "rank 1 must fail with DI_EIO when rank 0 closes");
-}
-
-static int hang(ep_group *g, void *ud)
-{
-    (void)g;
-    (void)ud;
-    pause(); /* alive but silent, until killed */
-    return 0;
+    cr_expect_eq(wait_rank(pids[2]), 0);
+    cr_expect_eq(wait_rank(pids[1]), 42, "rank 1 must fail with DI_EIO naming rank 2");
 }
 
 Test(ep_group, a_silent_rank_times_out_within_the_deadline, .timeout = 60)
@@ -248,6 +279,69 @@ Test(ep_group, a_silent_rank_times_out_within_the_deadline, .timeout = 60)
     ep_group_close(g);
     kill(r1, SIGKILL);
     cr_expect_eq(wait_rank(r1), 128 + SIGKILL);
+}
+
+/* Bytes each rank sends each other rank in the all-to-all of the test below: more than the
+ * socket buffers hold, so that a rank is still writing when rank 0 gives up. */
+#define BIG_SEGMENT (4u << 20)
+
+static int big_exchange(ep_group *g, void *ud)
+{
+    (void)ud;
+    uint32_t W = ep_group_world(g);
+    uint8_t *data = calloc(1, BIG_SEGMENT);
+    if (!data)
+        return 45;
+    ep_buf send[EP_MAX_WORLD], recv[EP_MAX_WORLD];
+    for (uint32_t d = 0; d < W; d++)
+        send[d] = (ep_buf){data, BIG_SEGMENT};
+    di_error e;
+    int rc = named_rank2(ep_group_alltoallv(g, send, recv, &e), &e);
+    free(data);
+    return rc;
+}
+
+/* Rank 2 of 4 is killed: rank 0 sees its connection end and names it, and ranks 1 and 3, which
+ * only talk to rank 0, must name rank 2 too (not rank 0, whose connection closes next), also
+ * rank 3, which is still writing its frame when rank 0 gives up. */
+Test(ep_group, a_killed_rank_is_named_by_every_rank, .timeout = 60)
+{
+    uint32_t timeout = 30000;
+    pid_t pids[4];
+    ep_group *g = start_group(4, timeout,
+                              (rank_fn[]){NULL, big_exchange, hang, big_exchange}, pids);
+    kill(pids[2], SIGKILL);
+    cr_expect_eq(wait_rank(pids[2]), 128 + SIGKILL);
+    uint64_t t0 = di_mono_ns();
+    cr_expect_eq(big_exchange(g, NULL), 42);
+    ep_group_close(g);
+    cr_expect_eq(wait_rank(pids[1]), 42, "rank 1 must fail with DI_EIO naming rank 2");
+    cr_expect_eq(wait_rank(pids[3]), 42, "rank 3 must fail with DI_EIO naming rank 2");
+    cr_expect_lt(di_mono_ns() - t0, (uint64_t)timeout * 1000000ull / 3);
+}
+
+static int reduce_until_timeout(ep_group *g, void *ud)
+{
+    (void)ud;
+    uint64_t v = 1;
+    di_error e;
+    return named_rank2_as(DI_ETIMEDOUT, ep_group_allreduce(g, EP_REDUCE_SUM, &v, 1, &e), &e);
+}
+
+/* Rank 2 of 3 hangs: rank 0 reaches its deadline first (the others wait a quarter longer) and
+ * names rank 2, and so does rank 1, at about the same time. */
+Test(ep_group, a_silent_rank_is_named_by_every_rank, .timeout = 60)
+{
+    uint32_t timeout = 4000; /* the others wait 1 s longer: a margin for a loaded machine */
+    pid_t pids[3];
+    ep_group *g = start_group(3, timeout, (rank_fn[]){NULL, reduce_until_timeout, hang}, pids);
+    uint64_t t0 = di_mono_ns();
+    cr_expect_eq(reduce_until_timeout(g, NULL), 42);
+    cr_expect_eq(wait_rank(pids[1]), 42, "rank 1 must fail with DI_ETIMEDOUT naming rank 2");
+    cr_expect_lt(di_mono_ns() - t0, 3ull * timeout * 1000000ull);
+    ep_group_close(g);
+    kill(pids[2], SIGKILL);
+    cr_expect_eq(wait_rank(pids[2]), 128 + SIGKILL);
 }
 
 static int vote_or(ep_group *g, void *ud)

@@ -1,6 +1,7 @@
 /* Unary gRPC helpers (common/net/rpc.h): a small service table on loopback exercising status
- * propagation, tokens and roles, size limits, deadlines, cancellation, an unreachable server
- * and TLS with a certificate made by the openssl command. */
+ * propagation, tokens and roles, size limits, deadlines, cancellation, an unreachable server,
+ * waiting on several channels at once, and TLS with a certificate made by the openssl
+ * command. */
 #include <criterion/criterion.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -9,6 +10,7 @@
 #include <unistd.h>
 
 #include "common/net/rpc.h"
+#include "common/util/clock.h"
 #include "tests/kvstore/helpers.h"
 
 static di_status h_echo(void *svc, const rpc_request *req, rpc_reply *reply, di_error *err)
@@ -181,6 +183,46 @@ Test(rpc, deadlines_cancellation_and_a_dead_server, .timeout = 30)
     snprintf(want, sizeof(want), "127.0.0.1:%d unavailable", port);
     cr_assert(strstr(e.msg, want), "%s", e.msg);
     rpc_client_close(c);
+}
+
+Test(rpc, several_channels_are_waited_on_at_once, .timeout = 30)
+{
+    int up_port, down_port;
+    rpc_server *up = start(NULL, NULL, NULL, NULL, &up_port);
+    rpc_server *down = start(NULL, NULL, NULL, NULL, &down_port);
+    rpc_client *cs[2] = {client(up_port, NULL), client(down_port, NULL)};
+    int connected[2] = {0, 0};
+    /* Both servers up: both channels connect (from idle), long before the timeout. */
+    uint64_t t0 = di_mono_ns();
+    cr_assert_eq(rpc_clients_wait_connected(cs, 2, 10000, connected), 2);
+    cr_assert(connected[0] && connected[1]);
+    cr_assert_lt(di_mono_ns() - t0, 5000000000ull);
+    /* One server gone: the wait lasts its timeout and reports the other channel alone. */
+    down = rpc_server_stop(down, 0);
+    t0 = di_mono_ns();
+    cr_assert_eq(rpc_clients_wait_connected(cs, 2, 300, connected), 1);
+    cr_assert(connected[0] && !connected[1]);
+    cr_assert_geq(di_mono_ns() - t0, 250000000ull);
+    cr_assert_eq(rpc_clients_wait_connected(cs, 2, 300, connected), 1);
+    /* Back on its port: the channel connects again within the wait. */
+    char listen[32];
+    snprintf(listen, sizeof listen, "127.0.0.1:%d", down_port);
+    rpc_server_config sc = {.listen = listen, .methods = methods, .n_methods = 4, .threads = 1};
+    di_error e;
+    int port = 0;
+    di_status st = DI_EUNAVAIL;
+    for (int i = 0; i < 100 && st != DI_OK; i++) /* the port may take a moment to free */
+        if ((st = rpc_server_start(&sc, &down, &port, &e)) != DI_OK)
+            usleep(20000);
+    cr_assert_eq(st, DI_OK, "%s", e.msg);
+    cr_assert_eq(rpc_clients_wait_connected(cs, 2, 10000, connected), 2);
+    cr_assert(connected[0] && connected[1]);
+    char out[16];
+    cr_assert_eq(call(cs[1], "/t.T/Echo", "back", 5000, out, &e), DI_OK, "%s", e.msg);
+    rpc_client_close(cs[0]);
+    rpc_client_close(cs[1]);
+    rpc_server_stop(up, 1000);
+    rpc_server_stop(down, 1000);
 }
 
 Test(rpc, tls_with_a_self_signed_certificate, .timeout = 30)

@@ -26,21 +26,13 @@ pid_t proc_start_router(char *const *extra, int *port)
     return proc_start_router_backend(true, extra, port);
 }
 
-pid_t proc_start_router_backend(bool test_backend, char *const *extra, int *port)
+pid_t proc_start_ready(const char *bin, char **args, int fd_arg, int *port)
 {
     int ready[2];
     cr_assert_eq(pipe(ready), 0);
     char fdarg[16];
     snprintf(fdarg, sizeof fdarg, "%d", ready[1]);
-    char *args[24] = {"di-router", "--listen-http", "127.0.0.1:0", "--ready-fd", fdarg,
-                      "--log-level", "warn"};
-    int n = 7;
-    if (test_backend)
-        args[n++] = "--test-backend";
-    for (int i = 0; extra && extra[i] && n < 23; i++)
-        args[n++] = extra[i];
-    args[n] = NULL;
-    const char *bin = proc_bin("router/di-router");
+    args[fd_arg] = fdarg;
     pid_t pid = fork();
     if (pid == 0) {
         close(ready[0]);
@@ -51,11 +43,24 @@ pid_t proc_start_router_backend(bool test_backend, char *const *extra, int *port
     char line[32] = "";
     ssize_t k = read(ready[0], line, sizeof line - 1);
     close(ready[0]);
-    cr_assert_gt(k, 0, "the router did not announce its port");
+    cr_assert_gt(k, 0, "%s did not announce its port", args[0]);
     line[k] = '\0';
     *port = atoi(line);
     cr_assert_gt(*port, 0);
     return pid;
+}
+
+pid_t proc_start_router_backend(bool test_backend, char *const *extra, int *port)
+{
+    char *args[24] = {"di-router", "--listen-http", "127.0.0.1:0", "--ready-fd", NULL,
+                      "--log-level", "warn"};
+    int n = 7;
+    if (test_backend)
+        args[n++] = "--test-backend";
+    for (int i = 0; extra && extra[i] && n < 23; i++)
+        args[n++] = extra[i];
+    args[n] = NULL;
+    return proc_start_ready(proc_bin("router/di-router"), args, 4, port);
 }
 
 int proc_stop(pid_t pid)

@@ -15,6 +15,11 @@ pid_t proc_start_router(char *const *extra, int *port);
 /* The same, with --test-backend only when test_backend is true. */
 pid_t proc_start_router_backend(bool test_backend, char *const *extra, int *port);
 
+/* Starts bin with args (args[0] its name), args[fd_arg] replaced by the number of a pipe's
+ * writing end, on which the process announces its port (a line); waits for the port. Asserts
+ * on failure. */
+pid_t proc_start_ready(const char *bin, char **args, int fd_arg, int *port);
+
 /* SIGTERM and wait; returns the exit code (-1 when killed by a signal). */
 int proc_stop(pid_t pid);
 
