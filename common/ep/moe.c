@@ -292,8 +292,9 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
         m->roff = m->slen + W;
         m->rlen = m->roff + W;
     }
-    if (!m->last_pairs || !m->soff || !m->place || !m->slot_mem || !m->views || !m->step_counts || !m->window || !m->seg ||
-        !m->out || !m->send || !m->recv || !m->nth || !m->cnt || !m->first) {
+    if (!m->last_pairs || !m->soff || !m->place || !m->slot_mem || !m->views ||
+        !m->step_counts || !m->window || !m->seg || !m->out || !m->send || !m->recv ||
+        !m->nth || !m->cnt || !m->first) {
         ep_moe_free(m);
         return di_fail(err, DI_ENOMEM, "expert parallelism tables");
     }

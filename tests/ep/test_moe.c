@@ -307,6 +307,37 @@ Test(ep_moe, a_failing_backend_op_fails_the_layer_with_its_message)
     fixture_free(&f);
 }
 
+static di_status failing_a2a(void *ctx, const void *send, const uint64_t *send_off,
+                             const uint64_t *send_len, void *recv, const uint64_t *recv_off,
+                             const uint64_t *recv_len, di_error *err)
+{
+    (void)ctx, (void)send, (void)send_off, (void)send_len, (void)recv, (void)recv_off;
+    (void)recv_len;
+    return di_fail(err, DI_EIO, "the peer's link is down");
+}
+
+Test(ep_moe, a_failing_device_transport_fails_the_layer_with_its_message)
+{
+    fixture f;
+    fixture_init(&f);
+    ep_group *g = solo();
+    ep_moe *m;
+    di_error e;
+    ep_dev_xport dx = {.alltoallv = failing_a2a};
+    ep_moe_options o = {.group = g, .be = &f.be, .w = &f.w, .dx = &dx};
+    cr_assert_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    static call c;
+    static uint16_t y[TMAX * D];
+    make_call(&f, 0, 4, 5, &c, y);
+    cr_expect_eq(ep_moe_layer(m, 0, &c.p, &e), DI_EIO);
+    cr_expect(strstr(e.msg, "dispatch: the peer's link is down") != NULL, "%s", e.msg);
+    /* a step with nothing of this rank's to send asks the transport for nothing */
+    cr_expect_eq(ep_moe_step_end(m, &e), DI_OK, "%s", e.msg);
+    ep_moe_free(m);
+    ep_group_close(g);
+    fixture_free(&f);
+}
+
 Test(ep_moe, the_filter_keeps_the_start_up_slots_experts)
 {
     model_config c = {.n_routed_experts = 8};

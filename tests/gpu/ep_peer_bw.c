@@ -67,7 +67,8 @@ int main(int argc, char **argv)
     cudaStream_t st[MAX_GPUS][MAX_GPUS];
     memset(dst, 0, sizeof dst);
     for (int a = 0; a < n; a++) {
-        if (check(cudaSetDevice(a), "cudaSetDevice") || check(cudaMalloc(&src[a], bytes), "cudaMalloc") ||
+        if (check(cudaSetDevice(a), "cudaSetDevice") ||
+            check(cudaMalloc(&src[a], bytes), "cudaMalloc") ||
             check(cudaMemset(src[a], a + 1, bytes), "cudaMemset"))
             return 1;
         for (int b = 0; b < n; b++) {

@@ -178,7 +178,7 @@ enum { REC_KIND, REC_NS, REC_XCHG, REC_PAIRS };
 struct gen_ep {
     ep_group *g;
     ep_moe *moe;
-    void *nccl;                  /* the NCCL communicator (--ep-transport nccl) */
+    struct ep_nccl *nccl;        /* the NCCL communicator (--ep-transport nccl), or NULL */
     ep_dev_xport dx;
     bool bench;                  /* record every step */
     uint64_t *rec;               /* [n_rec][REC_PAIRS + layers] */
@@ -224,7 +224,7 @@ di_status gen_ep_open(const gen_args *a, const kern_backend *be, const model_wei
         st = ep_group_join(&go, &ep->g, err);
     if (st == DI_OK && a->ep_nccl) {
 #ifdef DI_HAVE_EP_NCCL
-        st = ep_nccl_open(ep->g, a->device, a->ep_timeout_ms, (ep_nccl **)&ep->nccl, err);
+        st = ep_nccl_open(ep->g, a->device, a->ep_timeout_ms, &ep->nccl, err);
         if (st == DI_OK)
             ep_nccl_dev_xport(ep->nccl, &ep->dx);
 #else
