@@ -8,9 +8,11 @@
 #      SEQS sequences a rank: the step time (median, p90), tokens/s, the exchange's share of the
 #      step and rate, moe_lb; printed next to the measured bandwidth and the explainer's EP8 /
 #      EP64 figures.
-# Usage: tests/gpu/ep_bench.sh [--gpus N] [--config NAME] [--seqs S] [--context C]
+# Usage: tests/gpu/ep_bench.sh [--gpus N] [--config NAME] [--layers L] [--seqs S] [--context C]
 #                              [--tokens T] [--no-check] [--cpu]
-#   --config: the benchmark's model (default v41-flash: the V4.1-Flash width, random weights)
+#   --config: the benchmark's model (default v41-flash: the V4.1-Flash width, 384 experts top-6,
+#   cut to --layers backbone layers, default 4, written once with di-mkmodel: the whole model
+#   is a 307 GB checkpoint; another name is a shipped config, random weights on the fly)
 #   --seqs: sequences a rank (default 64, the explainer's 64 requests a GPU); --context: prompt
 #   tokens (default 1024); --tokens: decode tokens a sequence (default 64)
 #   --cpu: the benchmark only, on the CPU backend of build/ at 1, 2, 4 ranks (the figures of
@@ -20,15 +22,15 @@ set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 export PATH=/usr/local/cuda/bin:$PATH
-gpus="" config="" seqs="" context="" tokens="" check=1 cpu=0
+gpus="" config="" layers=4 seqs="" context="" tokens="" check=1 cpu=0
 while [ $# -gt 0 ]; do
   case "$1" in
-    --gpus|--config|--seqs|--context|--tokens)
+    --gpus|--config|--layers|--seqs|--context|--tokens)
       [ $# -ge 2 ] || { echo "ep_bench.sh: $1 needs a value" >&2; exit 2; }
       v=$2
       case "$1" in
         --gpus) gpus=$v ;; --config) config=$v ;; --seqs) seqs=$v ;;
-        --context) context=$v ;; --tokens) tokens=$v ;;
+        --context) context=$v ;; --tokens) tokens=$v ;; --layers) layers=$v ;;
       esac
       if [ "$1" != --config ] && ! [[ "$v" =~ ^[1-9][0-9]*$ ]]; then
         echo "ep_bench.sh: $1 takes a positive number, not '$v'" >&2; exit 2
@@ -36,7 +38,7 @@ while [ $# -gt 0 ]; do
       shift ;;
     --no-check) check=0 ;;
     --cpu) cpu=1 ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
     *) echo "ep_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -69,7 +71,8 @@ else
     "${meson_cmd[@]}" setup build-gpu --buildtype=release -Dservices=disabled -Dtests=disabled \
       -Dtokenizer=disabled -Dcuda=enabled >"$out/setup.log" 2>&1 || { tail -30 "$out/setup.log"; exit 2; }
   fi
-  ninja -C build-gpu tools/generate/di-generate tests/gpu/ep_peer_bw >"$out/build.log" 2>&1 ||
+  ninja -C build-gpu tools/generate/di-generate tools/mkmodel/di-mkmodel tests/gpu/ep_peer_bw \
+    >"$out/build.log" 2>&1 ||
     { tail -40 "$out/build.log"; exit 2; }
   if ! build-gpu/tools/generate/di-generate --help | grep -q -- --ep-transport; then
     echo "ep_bench.sh: this di-generate has no --ep-transport" >&2; exit 2
@@ -86,6 +89,42 @@ fi
 gen=$bdir/tools/generate/di-generate
 status=0
 summary=()
+
+# The benchmark's model: --config v41-flash is the released width on --layers backbone layers
+# (the per-layer lists cut to match), one checkpoint every rank loads its experts from.
+model=(--config "$config")
+model_dir=""
+if [ "$cpu" = 0 ] && [ "$config" = v41-flash ]; then
+  model_dir=$root/build-gpu/ep-model-v41w$layers
+  if [ ! -f "$model_dir/model.safetensors.sha256.json" ]; then
+    rm -rf "$model_dir"
+    mkdir -p "$model_dir.cfg"
+    python3 - common/model/configs/v41-flash.json "$layers" "$model_dir.cfg/config.json" <<'PY' ||
+import json, sys
+c = json.load(open(sys.argv[1]))
+t, L = c["text_config"], int(sys.argv[2])
+if not 4 <= L <= 40:
+    sys.exit("ep_bench.sh: --layers takes 4..40")
+nextn = t["num_nextn_predict_layers"]
+# dense window layers first, then the compressed ones: the released order, cut to L
+t["num_hidden_layers"] = L
+t["compress_ratios"] = [0, 0] + [2] * ((L - 2) // 2) + [1] * (L - 2 - (L - 2) // 2) + [0] * nextn
+first_c1 = 2 + (L - 2) // 2
+t["kv_source_layer_ids"] = [2, first_c1]
+t["index_source_layer_ids"] = [2] + list(range(first_c1, L, 4))
+t["candidate_source_layer_id"] = first_c1
+t["engram_layer_ids"] = t["engram_layer_ids"][:1]
+t["engram_num_embeddings"] = t["engram_num_embeddings"][:1]
+t["dspark_target_layer_ids"] = [L - 3, L - 2, L - 1]
+json.dump(c, open(sys.argv[3], "w"), indent=1)
+PY
+      { echo "ep_bench.sh: cannot cut the v41-flash config" >&2; exit 2; }
+    build-gpu/tools/mkmodel/di-mkmodel --config "$model_dir.cfg/config.json" --out "$model_dir" \
+      --force --quiet >"$out/mkmodel.log" 2>&1 || { tail -5 "$out/mkmodel.log"; exit 2; }
+  fi
+  model=(--model "$model_dir" --trust-weights)
+  config="v41-flash width, $layers layers"
+fi
 
 # 1. the bandwidth the exchange runs against
 if [ "$cpu" = 0 ]; then
@@ -134,8 +173,8 @@ fi
 # 3. the decode benchmark: SEQS sequences a rank, EPLB off and on
 for n in $sizes; do
   for eplb in off on; do
-    args=(--config "$config" --bench decode --bench-seqs $((seqs * n)) --bench-context "$context"
-          --max-tokens "$tokens" --ep-ranks "$n" --json --quiet)
+    args=("${model[@]}" --bench decode --bench-seqs $((seqs * n)) --bench-context "$context"
+          --max-tokens "$tokens" --ep-ranks "$n" --ep-timeout 600000 --json --quiet)
     [ "$eplb" = on ] && args+=(--ep-redundant "$n" --eplb-interval 8)
     if [ "$cpu" = 1 ]; then
       args+=(--threads 1)
