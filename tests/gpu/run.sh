@@ -20,7 +20,7 @@ while [ $# -gt 0 ]; do
     --no-bench) bench=0 ;;
     --only) [ $# -ge 2 ] || { echo "run.sh: --only needs a list of check programs" >&2; exit 2; }
             only=$2; shift ;;
-    -h|--help) sed -n '2,8p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
