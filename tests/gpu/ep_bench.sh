@@ -38,7 +38,7 @@ while [ $# -gt 0 ]; do
       shift ;;
     --no-check) check=0 ;;
     --cpu) cpu=1 ;;
-    -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
     *) echo "ep_bench.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
