@@ -4,10 +4,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "common/util/clock.h"
+
 #include "kernels/kern_ep.h"
 
-/* A dispatch segment: seg_hdr, then n_pairs pair_rec, then n_pairs rows [n_pairs, dim] bf16.
- * A combine segment: the served pairs' outputs [n_pairs, dim] bf16, in dispatch order. */
+/* A dispatch segment: seg_hdr, then n_pairs pair_rec, then n_pairs rows [n_pairs, dim] bf16
+ * (the rows only without a device transport; with one they go device to device, the gathered
+ * rows of destination d at rows first[d] .. first[d] + cnt[d]).
+ * A combine segment: the served pairs' outputs [n_pairs, dim] bf16, in dispatch order (with a
+ * device transport: device to device into the outputs buffer, at the same rows). */
 typedef struct seg_hdr {
     uint32_t layer;          /* backbone layer of the pairs; UINT32_MAX when there are none */
     uint32_t n_pairs;
@@ -60,6 +65,10 @@ struct ep_moe {
     uint64_t *window;               /* [interval][L][world * S] pairs served per slot */
     uint64_t *step_counts;          /* [L][S] pairs this rank's slots served this step */
     ep_moe_stats stats;
+    ep_dev_xport dx;                /* the device transport (dx.alltoallv NULL: none) */
+    uint64_t *last_pairs;           /* [L] pairs this rank's slots served in the last step */
+    uint64_t *soff, *slen, *roff, *rlen; /* [world] byte ranges of a device all-to-all */
+    bbuf rx;                        /* [pairs, dim] rows received through the device transport */
     /* scratch */
     hbuf *seg;                      /* [world] dispatch segments being built */
     hbuf *out;                      /* [world] combine segments being built */
@@ -68,6 +77,7 @@ struct ep_moe {
     ebuf pairs;                     /* per pair: destination, index there, slot */
     ebuf meta;                      /* host ids, weights, gather rows, combine positions */
     ebuf served;                    /* ids and weights of a served segment */
+    ebuf segs;                      /* the received segments, kept over the device transport */
     bbuf xg;                        /* [pairs, dim] rows gathered by destination */
     bbuf sx, sid, swt, sy;          /* a served segment: rows, slots, weights, outputs */
     bbuf outs;                      /* [pairs, dim] the outputs that came back */
@@ -242,6 +252,8 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
     m->L = c->n_layers;
     m->swiglu_limit = (float)c->swiglu_limit;
     m->interval = o->eplb_interval;
+    if (o->dx)
+        m->dx = *o->dx;
     uint32_t R;
     di_status st = eplb_redundant_count(m->E, o->min_redundant, m->world, &R, err);
     if (st != DI_OK) {
@@ -273,8 +285,16 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
     m->nth = calloc(m->E, sizeof(uint32_t));
     m->cnt = calloc(W, sizeof(uint32_t));
     m->first = calloc(W, sizeof(uint32_t));
-    if (!m->place || !m->slot_mem || !m->views || !m->step_counts || !m->window || !m->seg ||
-        !m->out || !m->send || !m->recv || !m->nth || !m->cnt || !m->first) {
+    m->last_pairs = calloc(m->L, sizeof(uint64_t));
+    m->soff = calloc(4 * W, sizeof(uint64_t));
+    if (m->soff) {
+        m->slen = m->soff + W;
+        m->roff = m->slen + W;
+        m->rlen = m->roff + W;
+    }
+    if (!m->last_pairs || !m->soff || !m->place || !m->slot_mem || !m->views ||
+        !m->step_counts || !m->window || !m->seg || !m->out || !m->send || !m->recv ||
+        !m->nth || !m->cnt || !m->first) {
         ep_moe_free(m);
         return di_fail(err, DI_ENOMEM, "expert parallelism tables");
     }
@@ -313,7 +333,7 @@ void ep_moe_free(ep_moe *m)
         if (m->out && m->out[r].p)
             m->xo.host_free(m->xo.ctx, m->out[r].p);
     }
-    bbuf *bb[] = {&m->xg, &m->sx, &m->sid, &m->swt, &m->sy, &m->outs, &m->shared};
+    bbuf *bb[] = {&m->xg, &m->sx, &m->sid, &m->swt, &m->sy, &m->outs, &m->shared, &m->rx};
     for (size_t i = 0; i < sizeof bb / sizeof bb[0]; i++)
         bbuf_free(m, bb[i]);
     free(m->place);
@@ -328,13 +348,20 @@ void ep_moe_free(ep_moe *m)
     free(m->nth);
     free(m->cnt);
     free(m->first);
+    free(m->last_pairs);
+    free(m->soff);
     free(m->pairs.p);
     free(m->meta.p);
     free(m->served.p);
+    free(m->segs.p);
     free(m);
 }
 
 const ep_moe_stats *ep_moe_get_stats(const ep_moe *m) { return &m->stats; }
+
+const uint64_t *ep_moe_last_step_pairs(const ep_moe *m) { return m->last_pairs; }
+
+uint32_t ep_moe_layers(const ep_moe *m) { return m->L; }
 
 const ep_placement *ep_moe_placement(const ep_moe *m, uint32_t layer)
 {
@@ -343,16 +370,20 @@ const ep_placement *ep_moe_placement(const ep_moe *m, uint32_t layer)
 
 /* ---- one round ---- */
 
-/* Runs the pairs of one received dispatch segment on this rank's slots; their outputs become
- * m->out[src]. The rows, slots and weights go to backend memory, the outputs come back. */
+/* Runs the pairs of one received dispatch segment on this rank's slots. Without a device
+ * transport the rows follow the records in the segment, go to backend memory and the outputs
+ * come back into m->out[src]; with one the rows are in m->rx and the outputs go to m->sy, both
+ * at m->roff[src]. */
 static di_status serve_segment(ep_moe *m, uint32_t src, const seg_hdr *h, const uint8_t *body,
                                di_error *err)
 {
     uint32_t n = h->n_pairs;
+    bool dev = m->dx.alltoallv != NULL;
     const pair_rec *recs = (const pair_rec *)body;
     const uint16_t *rows = (const uint16_t *)(body + (size_t)n * sizeof(pair_rec));
     size_t row_bytes = (size_t)m->D * 2, rb = (size_t)n * row_bytes;
-    if (ebuf_reserve(&m->served, (size_t)n * 8) != 0 || hbuf_reserve(m, &m->out[src], rb) != 0)
+    if (ebuf_reserve(&m->served, (size_t)n * 8) != 0 ||
+        (!dev && hbuf_reserve(m, &m->out[src], rb) != 0))
         return di_fail(err, DI_ENOMEM, "serving %u pairs", n);
     int32_t *ids = (int32_t *)m->served.p;
     float *wts = (float *)(m->served.p + (size_t)n * 4);
@@ -365,26 +396,31 @@ static di_status serve_segment(ep_moe *m, uint32_t src, const seg_hdr *h, const 
         m->step_counts[(size_t)h->layer * m->S + recs[i].slot]++;
     }
     di_status st;
-    if ((st = bbuf_reserve(m, &m->sx, rb, err)) != DI_OK ||
+    if ((!dev && (st = bbuf_reserve(m, &m->sx, rb, err)) != DI_OK) ||
         (st = bbuf_reserve(m, &m->sid, (size_t)n * 4, err)) != DI_OK ||
         (st = bbuf_reserve(m, &m->swt, (size_t)n * 4, err)) != DI_OK ||
-        (st = bbuf_reserve(m, &m->sy, rb, err)) != DI_OK)
+        (!dev && (st = bbuf_reserve(m, &m->sy, rb, err)) != DI_OK))
         return st;
     const kern_ops *ops = &m->be->ops;
-    ops->from_host(m->be->ctx, m->sx.p, rows, rb);
+    void *x = dev ? (uint8_t *)m->rx.p + m->roff[src] : m->sx.p;
+    void *y = dev ? (uint8_t *)m->sy.p + m->roff[src] : m->sy.p;
+    if (!dev)
+        ops->from_host(m->be->ctx, m->sx.p, rows, rb);
     ops->from_host(m->be->ctx, m->sid.p, ids, (size_t)n * 4);
     ops->from_host(m->be->ctx, m->swt.p, wts, (size_t)n * 4);
     /* the one-rank kernel with one expert a row and no shared expert: y is each pair's
      * expert output, exactly (bf16 -> double -> bf16) */
     kern_moe_experts q = {.n_rows = n, .dim = m->D, .inter = m->inter, .shared_inter = 0,
-                          .n_experts = m->S, .top_k = 1, .x = m->sx.p, .ids = m->sid.p,
+                          .n_experts = m->S, .top_k = 1, .x = x, .ids = m->sid.p,
                           .weights = m->swt.p, .experts = &m->views[(size_t)h->layer * m->S],
-                          .swiglu_limit = m->swiglu_limit, .y = m->sy.p};
+                          .swiglu_limit = m->swiglu_limit, .y = y};
     if ((st = ops->moe_experts(m->be->ctx, &q)) != DI_OK)
         return di_fail(err, st, "layer %u: experts of %u pairs from rank %u: %s", h->layer, n,
                        src, be_msg(m));
-    ops->to_host(m->be->ctx, m->out[src].p, m->sy.p, rb);
-    m->out[src].len = rb;
+    if (!dev) {
+        ops->to_host(m->be->ctx, m->out[src].p, m->sy.p, rb);
+        m->out[src].len = rb;
+    }
     m->stats.pairs_served += n;
     return DI_OK;
 }
@@ -392,12 +428,55 @@ static di_status serve_segment(ep_moe *m, uint32_t src, const seg_hdr *h, const 
 /* Dispatch (m->send, built by the caller), serve, combine. *all_done when every rank's segment
  * said done (there is no combine then); otherwise m->recv holds each rank's outputs of the
  * pairs this rank sent it, valid until the next collective. */
+static di_status group_a2a(ep_moe *m, di_error *err)
+{
+    uint64_t t0 = di_mono_ns();
+    di_status st = ep_group_alltoallv(m->g, m->send, m->recv, err);
+    m->stats.xchg_ns += di_mono_ns() - t0;
+    return st;
+}
+
+/* One device all-to-all of m->soff/slen -> m->roff/rlen. */
+static di_status dev_a2a(ep_moe *m, const void *send, void *recv, const char *what,
+                         di_error *err)
+{
+    uint64_t t0 = di_mono_ns();
+    di_status st = m->dx.alltoallv(m->dx.ctx, send, m->soff, m->slen, recv, m->roff, m->rlen,
+                                   err);
+    m->stats.xchg_ns += di_mono_ns() - t0;
+    for (uint32_t d = 0; d < m->world; d++)
+        m->stats.dev_bytes_sent += m->slen[d];
+    if (st != DI_OK)
+        di_error_prefix(err, "%s: ", what);
+    return st;
+}
+
+/* The byte ranges of this rank's pairs by destination (m->first, m->cnt: the gathered rows and
+ * the outputs buffer) and of the pairs each rank sent (the received headers, in rank order). */
+static void dev_ranges(ep_moe *m, uint64_t *pos_off, uint64_t *pos_len, uint64_t *recv_off,
+                       uint64_t *recv_len)
+{
+    size_t row_bytes = (size_t)m->D * 2;
+    uint64_t at = 0;
+    for (uint32_t s = 0; s < m->world; s++) {
+        seg_hdr h;
+        memcpy(&h, m->recv[s].data, sizeof h);
+        pos_off[s] = (uint64_t)m->first[s] * row_bytes;
+        pos_len[s] = (uint64_t)m->cnt[s] * row_bytes;
+        recv_off[s] = at;
+        recv_len[s] = (uint64_t)h.n_pairs * row_bytes;
+        at += recv_len[s];
+    }
+}
+
 static di_status round_trip(ep_moe *m, bool *all_done, di_error *err)
 {
-    di_status st = ep_group_alltoallv(m->g, m->send, m->recv, err);
+    di_status st = group_a2a(m, err);
     if (st != DI_OK)
         return st;
     m->stats.rounds++;
+    bool dev = m->dx.alltoallv != NULL;
+    uint64_t seg_row = dev ? 0 : 2ull * m->D;
     bool done = true;
     for (uint32_t s = 0; s < m->world; s++) {
         const ep_buf *b = &m->recv[s];
@@ -406,7 +485,7 @@ static di_status round_trip(ep_moe *m, bool *all_done, di_error *err)
             return di_fail(err, DI_EPROTO, "rank %u sent a dispatch segment of %llu bytes", s,
                            (unsigned long long)b->len);
         memcpy(&h, b->data, sizeof h);
-        if (b->len != sizeof h + (uint64_t)h.n_pairs * (sizeof(pair_rec) + 2ull * m->D) ||
+        if (b->len != sizeof h + (uint64_t)h.n_pairs * (sizeof(pair_rec) + seg_row) ||
             (h.n_pairs && h.layer >= m->L))
             return di_fail(err, DI_EPROTO, "rank %u sent a malformed dispatch segment (layer "
                            "%u, %u pairs, %llu bytes)", s, h.layer, h.n_pairs,
@@ -417,6 +496,28 @@ static di_status round_trip(ep_moe *m, bool *all_done, di_error *err)
     *all_done = done;
     if (done)
         return DI_OK;
+    if (dev) {
+        /* the received headers and records outlive the group's buffers (a transport may use
+         * the group, ep_dev_xport_group) */
+        size_t all = 0;
+        for (uint32_t s = 0; s < m->world; s++)
+            all += m->recv[s].len;
+        if (ebuf_reserve(&m->segs, all) != 0)
+            return di_fail(err, DI_ENOMEM, "%zu bytes of dispatch records", all);
+        size_t at = 0;
+        for (uint32_t s = 0; s < m->world; s++) {
+            memcpy(m->segs.p + at, m->recv[s].data, m->recv[s].len);
+            m->recv[s].data = m->segs.p + at;
+            at += m->recv[s].len;
+        }
+        /* the rows: this rank's gathered rows by destination -> m->rx by source */
+        dev_ranges(m, m->soff, m->slen, m->roff, m->rlen);
+        uint64_t total = m->roff[m->world - 1] + m->rlen[m->world - 1];
+        if ((st = bbuf_reserve(m, &m->rx, total, err)) != DI_OK ||
+            (st = bbuf_reserve(m, &m->sy, total, err)) != DI_OK ||
+            (st = dev_a2a(m, m->xg.p, m->rx.p, "dispatch", err)) != DI_OK)
+            return st;
+    }
     for (uint32_t s = 0; s < m->world; s++) {
         seg_hdr h;
         memcpy(&h, m->recv[s].data, sizeof h);
@@ -425,9 +526,14 @@ static di_status round_trip(ep_moe *m, bool *all_done, di_error *err)
                 DI_OK)
             return st;
     }
+    if (dev) {
+        /* the outputs: m->sy by source -> back into m->outs at the pairs' gathered rows */
+        dev_ranges(m, m->roff, m->rlen, m->soff, m->slen);
+        return dev_a2a(m, m->sy.p, m->outs.p, "combine", err);
+    }
     for (uint32_t s = 0; s < m->world; s++)
         m->send[s] = (ep_buf){m->out[s].p, m->out[s].len};
-    return ep_group_alltoallv(m->g, m->send, m->recv, err);
+    return group_a2a(m, err);
 }
 
 /* ---- the layer ---- */
@@ -475,10 +581,12 @@ static di_status build_segments(ep_moe *m, uint32_t layer, const kern_moe_expert
 {
     uint32_t K = p->top_k, D = m->D, W = m->world;
     size_t NP = (size_t)p->n_rows * K, row_bytes = (size_t)D * 2;
+    bool dev = m->dx.alltoallv != NULL; /* the rows stay in m->xg */
     for (uint32_t d = 0, at = 0; d < W; d++) {
         m->first[d] = at;
         at += m->cnt[d];
-        size_t need = sizeof(seg_hdr) + (size_t)m->cnt[d] * (sizeof(pair_rec) + row_bytes);
+        size_t need = sizeof(seg_hdr) +
+                      (size_t)m->cnt[d] * (sizeof(pair_rec) + (dev ? 0 : row_bytes));
         m->seg[d].len = 0;
         if (hbuf_reserve(m, &m->seg[d], need) != 0)
             return di_fail(err, DI_ENOMEM, "dispatch of %u pairs", m->cnt[d]);
@@ -500,7 +608,7 @@ static di_status build_segments(ep_moe *m, uint32_t layer, const kern_moe_expert
                          .dst_stride = row_bytes};
     if (NP && (st = m->be->ops.copy_rows(m->be->ctx, &cp)) != DI_OK)
         return di_fail(err, st, "layer %u: gathering %zu rows: %s", layer, NP, be_msg(m));
-    for (uint32_t d = 0; d < W; d++)
+    for (uint32_t d = 0; d < W && !dev; d++)
         if (m->cnt[d])
             m->be->ops.to_host(m->be->ctx, m->seg[d].p + sizeof(seg_hdr) +
                                                (size_t)m->cnt[d] * sizeof(pair_rec),
@@ -547,17 +655,19 @@ di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_e
     for (uint32_t d = 0; d < W; d++)
         m->send[d] = (ep_buf){m->seg[d].p, m->seg[d].len};
     m->stats.pairs_sent += NP;
+    /* the outputs, by destination in the gathered order, in backend memory (a device
+     * transport writes them there during the round) */
+    if ((st = bbuf_reserve(m, &m->outs, NP * row_bytes, err)) != DI_OK)
+        return st;
     bool all_done;
     if ((st = round_trip(m, &all_done, err)) != DI_OK)
         return st;
-    for (uint32_t d = 0; d < W; d++)
+    bool dev = m->dx.alltoallv != NULL;
+    for (uint32_t d = 0; d < W && !dev; d++)
         if (m->recv[d].len != (uint64_t)m->cnt[d] * row_bytes)
             return di_fail(err, DI_EPROTO, "rank %u returned %llu bytes for %u pairs", d,
                            (unsigned long long)m->recv[d].len, m->cnt[d]);
-    /* the outputs, by destination in the gathered order, into backend memory */
-    if ((st = bbuf_reserve(m, &m->outs, NP * row_bytes, err)) != DI_OK)
-        return st;
-    for (uint32_t d = 0; d < W; d++)
+    for (uint32_t d = 0; d < W && !dev; d++)
         if (m->recv[d].len)
             m->be->ops.from_host(m->be->ctx,
                                  (uint8_t *)m->outs.p + (size_t)m->first[d] * row_bytes,
@@ -754,6 +864,8 @@ static di_status replan(ep_moe *m, di_error *err)
 
 di_status ep_moe_step_end(ep_moe *m, di_error *err)
 {
+    memset(m->cnt, 0, m->world * sizeof(uint32_t)); /* nothing of this rank's to send */
+    memset(m->first, 0, m->world * sizeof(uint32_t));
     for (;;) {
         seg_hdr h = {.layer = UINT32_MAX, .n_pairs = 0, .done = 1};
         for (uint32_t d = 0; d < m->world; d++) {
@@ -779,6 +891,11 @@ di_status ep_moe_step_end(ep_moe *m, di_error *err)
                 m->window[((size_t)m->win_steps * m->L + l) * PS + m->rank * m->S + s] =
                     m->step_counts[(size_t)l * m->S + s];
         m->win_steps++;
+    }
+    for (uint32_t l = 0; l < m->L; l++) {
+        m->last_pairs[l] = 0;
+        for (uint32_t s = 0; s < m->S; s++)
+            m->last_pairs[l] += m->step_counts[(size_t)l * m->S + s];
     }
     memset(m->step_counts, 0, (size_t)m->L * m->S * sizeof(uint64_t));
     m->stats.steps++;
@@ -806,4 +923,37 @@ bool ep_moe_keep_expert(void *filter, const model_config *c, uint32_t layer, uin
         if (p % E == expert)
             return true;
     return false;
+}
+
+/* ---- the group as a device transport (host-memory backends) ---- */
+
+static di_status group_dev_a2a(void *ctx, const void *send, const uint64_t *send_off,
+                               const uint64_t *send_len, void *recv, const uint64_t *recv_off,
+                               const uint64_t *recv_len, di_error *err)
+{
+    ep_group *g = ctx;
+    uint32_t W = ep_group_world(g);
+    ep_buf *sb = calloc(W, sizeof(ep_buf)), *rb = calloc(W, sizeof(ep_buf));
+    di_status st = DI_OK;
+    if (!sb || !rb)
+        st = di_fail(err, DI_ENOMEM, "device all-to-all of %u ranks", W);
+    for (uint32_t d = 0; st == DI_OK && d < W; d++)
+        sb[d] = (ep_buf){(uint8_t *)send + send_off[d], send_len[d]};
+    if (st == DI_OK)
+        st = ep_group_alltoallv(g, sb, rb, err);
+    for (uint32_t s = 0; st == DI_OK && s < W; s++) {
+        if (rb[s].len != recv_len[s])
+            st = di_fail(err, DI_EPROTO, "rank %u sent %llu bytes, %llu were announced", s,
+                         (unsigned long long)rb[s].len, (unsigned long long)recv_len[s]);
+        else if (rb[s].len)
+            memcpy((uint8_t *)recv + recv_off[s], rb[s].data, rb[s].len);
+    }
+    free(sb);
+    free(rb);
+    return st;
+}
+
+void ep_dev_xport_group(ep_group *g, ep_dev_xport *out)
+{
+    *out = (ep_dev_xport){.ctx = g, .alltoallv = group_dev_a2a};
 }

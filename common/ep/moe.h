@@ -34,9 +34,9 @@
  * destination into pinned host segments; a served segment's rows, slots and weights go to the
  * device, run with the backend's moe_experts there and their outputs come back; the outputs
  * received go to the device and the combine (kern_ep.h) runs there, the shared expert with
- * the backend's linear ops. A transport that moves device buffers directly (NCCL,
- * nccl_xport.h) would take the gathered buffer and the output buffer in place of the host
- * segments.
+ * the backend's linear ops. With a device transport (ep_moe_options.dx: NCCL, nccl_xport.h)
+ * the segments carry only the header and the pairs' records; the gathered rows and the
+ * outputs go device to device, one contiguous range a destination.
  */
 #ifndef DI_EP_MOE_H
 #define DI_EP_MOE_H
@@ -53,6 +53,23 @@
 
 typedef struct ep_moe ep_moe;
 
+/* A transport of device buffers (NCCL: nccl_xport.h), in place of the group's host segments
+ * for the rows and the outputs: rank d gets send + send_off[d] .. + send_len[d]; rank s's
+ * bytes land at recv + recv_off[s] (recv_len[s] bytes, known from the dispatch headers, which
+ * still cross the group). Every rank calls it in lockstep, twice a round (dispatch, combine),
+ * also with nothing to send. */
+typedef struct ep_dev_xport {
+    void *ctx;
+    di_status (*alltoallv)(void *ctx, const void *send, const uint64_t *send_off,
+                           const uint64_t *send_len, void *recv, const uint64_t *recv_off,
+                           const uint64_t *recv_len, di_error *err);
+} ep_dev_xport;
+
+/* The group itself as a device transport for a backend of host memory (the CPU backend): the
+ * byte ranges cross the group's sockets. It checks the path the device transport takes on a
+ * machine without GPUs. */
+void ep_dev_xport_group(ep_group *g, ep_dev_xport *out);
+
 typedef struct ep_moe_options {
     ep_group *group;         /* the rank group (must outlive the MoE) */
     const kern_backend *be;  /* the backend that runs the experts */
@@ -61,6 +78,8 @@ typedef struct ep_moe_options {
     const model_weights *w;  /* the checkpoint: the source of this rank's slots at start */
     uint32_t min_redundant;  /* redundant slots at least (eplb_redundant_count rounds up) */
     uint32_t eplb_interval;  /* steps between re-plans; 0 = never */
+    const ep_dev_xport *dx;  /* the rows and outputs go through it (backend memory, laid out by
+                                destination); NULL: inside the group's host segments */
 } ep_moe_options;
 
 /* What the rank did (ep_moe_get_stats). */
@@ -79,6 +98,9 @@ typedef struct ep_moe_stats {
     uint64_t bytes_moved;    /* bytes of them */
     uint64_t slot_bytes;     /* backend memory of this rank's expert slots (its resident
                                 routed experts: slots_per_rank x layers x one expert) */
+    uint64_t xchg_ns;        /* time inside the exchange's all-to-alls (waiting for the
+                                other ranks included) */
+    uint64_t dev_bytes_sent; /* rows and outputs sent through the device transport */
 } ep_moe_stats;
 
 /* Creates the MoE of this rank: the start-up layout (eplb.h) of every backbone layer on
@@ -105,6 +127,9 @@ di_status ep_moe_layer(void *m, uint32_t layer, const kern_moe_experts *p, di_er
 di_status ep_moe_step_end(ep_moe *m, di_error *err);
 
 const ep_moe_stats *ep_moe_get_stats(const ep_moe *m);
+/* The pairs this rank's slots served in the last ended step, per backbone layer ([layers]). */
+const uint64_t *ep_moe_last_step_pairs(const ep_moe *m);
+uint32_t ep_moe_layers(const ep_moe *m);
 /* The current placement of a backbone layer. */
 const ep_placement *ep_moe_placement(const ep_moe *m, uint32_t layer);
 

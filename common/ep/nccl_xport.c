@@ -77,7 +77,15 @@ di_status ep_nccl_open(ep_group *g, int device, uint32_t timeout_ms, ep_nccl **o
     uint32_t rank = ep_group_rank(g), world = ep_group_world(g);
     if (timeout_ms == 0)
         return di_fail(err, DI_EINVAL, "NCCL exchange: timeout must be at least 1 ms");
-    cudaError_t ce = cudaSetDevice(device);
+    int n_dev = 0;
+    cudaError_t ce = cudaGetDeviceCount(&n_dev);
+    if (ce != cudaSuccess)
+        return cuda_fail(err, ce, "NCCL exchange: no CUDA device");
+    if (device < 0 || device >= n_dev)
+        return di_fail(err, DI_EINVAL, "NCCL exchange: rank %u wants GPU %d, this machine has "
+                       "%d (one GPU a rank: %u ranks need %u GPUs, or --device)", rank, device,
+                       n_dev, world, world);
+    ce = cudaSetDevice(device);
     if (ce != cudaSuccess)
         return cuda_fail(err, ce, "NCCL exchange: cudaSetDevice");
     /* rank 0 draws the id; the group carries it to the others (an all-to-all from rank 0) */
@@ -195,4 +203,17 @@ di_status ep_nccl_counts(ep_nccl *x, const uint64_t *send_counts, uint64_t *recv
     free(off);
     free(len);
     return st;
+}
+
+static di_status dev_a2a(void *ctx, const void *send, const uint64_t *send_off,
+                         const uint64_t *send_len, void *recv, const uint64_t *recv_off,
+                         const uint64_t *recv_len, di_error *err)
+{
+    return exchange(ctx, send, send_off, send_len, recv, recv_off, recv_len, (cudaStream_t)0,
+                    "NCCL all-to-all", err);
+}
+
+void ep_nccl_dev_xport(ep_nccl *x, ep_dev_xport *out)
+{
+    *out = (ep_dev_xport){.ctx = x, .alltoallv = dev_a2a};
 }

@@ -13,8 +13,10 @@
  * combine adds a row's expert outputs on the host-side order of moe.h (ascending expert id,
  * then the shared expert), whatever order the bytes arrived in.
  *
- * Built with -Dcuda when the toolkit has NCCL (cudatk_dir); it has not run yet: there was no
- * multi-GPU machine to run it on, and the CPU exchange (moe.h) is what the tests check.
+ * Built with -Dcuda when the toolkit has NCCL (cudatk_dir). The MoE exchange takes it as its
+ * device transport (ep_nccl_dev_xport; di-generate --ep-transport nccl). It has not run yet:
+ * there was no multi-GPU machine to run it on; the CPU tests check the exchange's device path
+ * with the group standing in for it (ep_dev_xport_group).
  */
 #ifndef DI_EP_NCCL_XPORT_H
 #define DI_EP_NCCL_XPORT_H
@@ -22,6 +24,7 @@
 #include <stdint.h>
 
 #include "common/ep/group.h"
+#include "common/ep/moe.h"
 #include "common/util/status.h"
 
 typedef struct ep_nccl ep_nccl;
@@ -31,6 +34,11 @@ typedef struct ep_nccl ep_nccl;
  * its message); DI_ETIMEDOUT; the group's failures; DI_ENOMEM. */
 di_status ep_nccl_open(ep_group *g, int device, uint32_t timeout_ms, ep_nccl **out,
                        di_error *err);
+/* The communicator as the MoE exchange's device transport (moe.h): ep_nccl_alltoallv on the
+ * legacy default stream, which waits for the backend's stream before and is waited for after
+ * (the backend's stream is a blocking one). */
+void ep_nccl_dev_xport(ep_nccl *x, ep_dev_xport *out);
+
 /* Aborts the communicator if it is still in use, then frees it. NULL-safe. */
 void ep_nccl_close(ep_nccl *x);
 

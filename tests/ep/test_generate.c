@@ -182,6 +182,14 @@ Test(ep_generate, bad_group_options_exit_2_with_one_line, .timeout = 60)
         {"--config tiny --ids 1,2 --rank 1 --world 2", "--ep-addr"},
         {"--config tiny --ids 1,2 --ep-ranks 2 --world 2", "--ep-ranks"},
         {"--config tiny --ids 1,2 --rank 1 --world 2 --ep-addr 127.0.0.1:99999", "--ep-addr"},
+        {"--config tiny --ids 1,2 --ep-ranks 2 --ep-transport nccl", "--backend cuda"},
+        {"--config tiny --ids 1,2 --ep-ranks 2 --ep-transport ucx", "--ep-transport"},
+        {"--config tiny --ids 1,2 --ep-transport nccl", "--ep-ranks"},
+        {"--config tiny --bench decode", "--ep-ranks"},
+        {"--config tiny --bench prefill --ep-ranks 2", "--bench"},
+        {"--config tiny --bench-seqs 4 --ep-ranks 2", "--bench decode"},
+        {"--config tiny --bench decode --bench-seqs 0 --ep-ranks 2", "--bench-seqs"},
+        {"--config tiny --ids 1,2 --bench decode --ep-ranks 2", "own prompts"},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
         int rc;
@@ -195,6 +203,46 @@ Test(ep_generate, bad_group_options_exit_2_with_one_line, .timeout = 60)
         cr_expect(strstr(err, cases[i].needle) != NULL, "'%s': %s", cases[i].args, err);
         cr_expect(strchr(err, '\n') == err + strlen(err) - 1, "one line: %s", err);
     }
+}
+
+static double num(json_t *o, const char *key)
+{
+    json_t *v = json_object_get(o, key);
+    cr_assert(json_is_number(v), "bench.%s is a number", key);
+    return json_number_value(v);
+}
+
+/* --bench decode with 2 ranks: the figures are there and sane (a step takes time, the p90 is
+ * not below the median, the exchange's share is a share, moe_lb is between 1 and the ranks). */
+Test(ep_generate, the_decode_benchmark_reports_sane_figures, .timeout = 120)
+{
+    json_t *j = must_run("--config tiny --threads 1 --bench decode --bench-seqs 4 "
+                         "--bench-context 8 --max-tokens 6 --ep-ranks 2 --ep-redundant 2 "
+                         "--eplb-interval 2 --json --quiet");
+    json_t *stats = json_object_get(j, "stats"), *b = json_object_get(stats, "bench");
+    cr_assert_not_null(b, "stats.bench");
+    cr_expect_eq(json_array_size(json_object_get(j, "requests")), 4, "4 sequences");
+    cr_expect_eq(num(b, "ranks"), 2);
+    cr_expect_eq(num(b, "seqs"), 4);
+    cr_expect_eq(num(b, "context"), 8);
+    cr_expect_str_eq(json_string_value(json_object_get(b, "transport")), "cpu");
+    double steps = num(b, "decode_steps"), med = num(b, "step_ms_median");
+    cr_expect(steps >= 3 && steps <= 6, "decode steps %g (6 tokens, the first from prefill)",
+              steps);
+    cr_expect(med > 0, "step median %g ms", med);
+    cr_expect(num(b, "step_ms_p90") >= med, "p90 %g below the median %g", num(b, "step_ms_p90"),
+              med);
+    cr_expect(num(b, "tokens_per_s") > 0);
+    double x = num(b, "exchange_share");
+    cr_expect(x > 0 && x < 1, "exchange share %g", x);
+    double lb = num(b, "moe_lb_median"), lb90 = num(b, "moe_lb_p90"), lbm = num(b, "moe_lb_mean");
+    cr_expect(lb >= 1 && lb90 >= lb && lb90 <= 2 && lbm >= 1 && lbm <= 2,
+              "moe_lb median %g p90 %g mean %g", lb, lb90, lbm);
+    /* every request ran to its 6 tokens (no end token in the benchmark) */
+    for (size_t i = 0; i < 4; i++)
+        cr_expect_eq(json_array_size(json_object_get(json_array_get(json_object_get(j,
+                     "requests"), i), "tokens")), 6);
+    json_decref(j);
 }
 
 Test(ep_generate, a_rank_without_the_token_is_refused, .timeout = 60)

@@ -307,6 +307,37 @@ Test(ep_moe, a_failing_backend_op_fails_the_layer_with_its_message)
     fixture_free(&f);
 }
 
+static di_status failing_a2a(void *ctx, const void *send, const uint64_t *send_off,
+                             const uint64_t *send_len, void *recv, const uint64_t *recv_off,
+                             const uint64_t *recv_len, di_error *err)
+{
+    (void)ctx, (void)send, (void)send_off, (void)send_len, (void)recv, (void)recv_off;
+    (void)recv_len;
+    return di_fail(err, DI_EIO, "the peer's link is down");
+}
+
+Test(ep_moe, a_failing_device_transport_fails_the_layer_with_its_message)
+{
+    fixture f;
+    fixture_init(&f);
+    ep_group *g = solo();
+    ep_moe *m;
+    di_error e;
+    ep_dev_xport dx = {.alltoallv = failing_a2a};
+    ep_moe_options o = {.group = g, .be = &f.be, .w = &f.w, .dx = &dx};
+    cr_assert_eq(ep_moe_create(&o, &m, &e), DI_OK, "%s", e.msg);
+    static call c;
+    static uint16_t y[TMAX * D];
+    make_call(&f, 0, 4, 5, &c, y);
+    cr_expect_eq(ep_moe_layer(m, 0, &c.p, &e), DI_EIO);
+    cr_expect(strstr(e.msg, "dispatch: the peer's link is down") != NULL, "%s", e.msg);
+    /* a step with nothing of this rank's to send asks the transport for nothing */
+    cr_expect_eq(ep_moe_step_end(m, &e), DI_OK, "%s", e.msg);
+    ep_moe_free(m);
+    ep_group_close(g);
+    fixture_free(&f);
+}
+
 Test(ep_moe, the_filter_keeps_the_start_up_slots_experts)
 {
     model_config c = {.n_routed_experts = 8};
@@ -347,6 +378,42 @@ Test(ep_moe, combine_twin_refuses_a_position_out_of_range)
 
 /* ---- two ranks ---- */
 
+/* The group as the device transport, checking the byte ranges the exchange asks for: whole
+ * rows, each side's ranges contiguous in rank order from 0 (the buffers are laid out by
+ * destination and by source). */
+typedef struct checked_xport {
+    ep_dev_xport inner;
+    uint64_t calls, bytes;
+    int bad;
+} checked_xport;
+
+static bool contiguous(const uint64_t *off, const uint64_t *len, uint32_t W)
+{
+    uint64_t at = 0;
+    for (uint32_t d = 0; d < W; d++) {
+        if (off[d] != at || len[d] % (2 * D))
+            return false;
+        at += len[d];
+    }
+    return true;
+}
+
+static di_status checked_a2a(void *ctx, const void *send, const uint64_t *send_off,
+                             const uint64_t *send_len, void *recv, const uint64_t *recv_off,
+                             const uint64_t *recv_len, di_error *err)
+{
+    checked_xport *x = ctx;
+    x->calls++;
+    for (int d = 0; d < 2; d++)
+        x->bytes += send_len[d];
+    if (!contiguous(send_off, send_len, 2) || !contiguous(recv_off, recv_len, 2))
+        x->bad = 1;
+    return x->inner.alltoallv(x->inner.ctx, send, send_off, send_len, recv, recv_off, recv_len,
+                              err);
+}
+
+static bool use_dev_xport; /* set before the ranks start */
+
 /* Rank r's part of step s: rank 0 runs both layers on its rows; rank 1 has rows only in even
  * steps (an idle rank in odd steps, serving rank 0). Each checks its y against the kernel. */
 static int two_rank_script(ep_group *g)
@@ -356,8 +423,11 @@ static int two_rank_script(ep_group *g)
     uint32_t r = ep_group_rank(g);
     ep_moe *m;
     di_error e;
+    checked_xport cx = {0};
+    ep_dev_xport_group(g, &cx.inner);
+    ep_dev_xport dx = {.ctx = &cx, .alltoallv = checked_a2a};
     ep_moe_options o = {.group = g, .be = &f.be, .w = &f.w, .min_redundant = 2,
-                        .eplb_interval = 2};
+                        .eplb_interval = 2, .dx = use_dev_xport ? &dx : NULL};
     if (ep_moe_create(&o, &m, &e) != DI_OK)
         return 10;
     static call c;
@@ -384,12 +454,21 @@ static int two_rank_script(ep_group *g)
         rc = 15; /* the idle rank served rank 0's layers */
     if (!rc && s->layers_replanned + s->layers_kept == 0)
         rc = 16;
+    /* the device transport: two calls a round that had pairs, carrying every row both ways */
+    if (!rc && use_dev_xport && (cx.bad || cx.calls == 0 || cx.calls % 2 ||
+                                 s->dev_bytes_sent != cx.bytes ||
+                                 cx.bytes != (s->pairs_sent + s->pairs_served) * 2 * D))
+        rc = 17;
+    if (!rc && !use_dev_xport && (cx.calls || s->dev_bytes_sent))
+        rc = 18;
+    if (!rc && s->xchg_ns == 0)
+        rc = 19;
     ep_moe_free(m);
     fixture_free(&f);
     return rc;
 }
 
-Test(ep_moe, two_processes_equal_the_kernel_with_an_idle_rank_and_replans, .timeout = 60)
+static void two_processes(void)
 {
     int lfd;
     uint16_t port;
@@ -420,4 +499,19 @@ Test(ep_moe, two_processes_equal_the_kernel_with_an_idle_rank_and_replans, .time
     cr_assert_eq(waitpid(pid, &ws, 0), pid);
     cr_expect(WIFEXITED(ws) && WEXITSTATUS(ws) == 0, "rank 1 exited %d",
               WIFEXITED(ws) ? WEXITSTATUS(ws) : -1);
+}
+
+Test(ep_moe, two_processes_equal_the_kernel_with_an_idle_rank_and_replans, .timeout = 60)
+{
+    use_dev_xport = false;
+    two_processes();
+}
+
+/* The rows and outputs through a device transport (the group standing in for NCCL): the same
+ * results, bit for bit, and the ranges the transport is asked for are whole rows, laid out by
+ * rank. */
+Test(ep_moe, two_processes_through_a_device_transport_equal_the_kernel, .timeout = 60)
+{
+    use_dev_xport = true;
+    two_processes();
 }

@@ -5,7 +5,8 @@
 # run. Logs go to $OUT when it is set.
 # Usage: tests/gpu/run.sh [--no-bench] [--only "check_moe check_forward ep_generate"]
 #   --only: build and run just these check programs (no di-generate end to end); ep_generate:
-#           the expert-parallel step (di-generate --ep-ranks 2 on this GPU against one rank)
+#           the expert-parallel step (di-generate --ep-ranks 2 on this GPU against one rank,
+#           and one rank through NCCL); several GPUs: tests/gpu/ep_bench.sh
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -19,7 +20,7 @@ while [ $# -gt 0 ]; do
     --no-bench) bench=0 ;;
     --only) [ $# -ge 2 ] || { echo "run.sh: --only needs a list of check programs" >&2; exit 2; }
             only=$2; shift ;;
-    -h|--help) sed -n '2,7p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
@@ -120,6 +121,26 @@ PY
     summary+=("FAIL di-generate --backend cuda --ep-ranks 2")
     status=1
     tail -5 "$out/ep_one.log" "$out/ep_two.log"
+  fi
+  # One rank with --ep-transport nccl: the rows and outputs through NCCL (to itself on this
+  # GPU), the same requests as one rank. Several GPUs: tests/gpu/ep_bench.sh.
+  if build-gpu/tools/generate/di-generate "${ep_args[@]}" --ep-ranks 1 --ep-transport nccl \
+       --ep-redundant 2 --eplb-interval 4 >"$out/ep_nccl.json" 2>"$out/ep_nccl.log" &&
+     python3 - "$out/ep_one.json" "$out/ep_nccl.json" <<'PY'
+import json, sys
+one, nccl = (json.load(open(p)) for p in sys.argv[1:])
+nb = sum(nccl["stats"]["ep"]["device_bytes_sent"])
+same = nccl["requests"] == one["requests"]
+print(f"== di-generate --ep-ranks 1 --ep-transport nccl: requests "
+      f"{'equal' if same else 'DIFFER'} to one rank's, {nb} bytes through NCCL ==")
+sys.exit(0 if same and nb > 0 else 1)
+PY
+  then
+    summary+=("PASS di-generate --backend cuda --ep-transport nccl (one rank)")
+  else
+    summary+=("FAIL di-generate --backend cuda --ep-transport nccl (one rank)")
+    status=1
+    tail -5 "$out/ep_nccl.log"
   fi
 fi
 if [ -n "$only" ]; then

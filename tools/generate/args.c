@@ -185,6 +185,7 @@ static di_status o_device(gen_args *a, const char *v, di_error *err)
     uint64_t x;
     di_status st = parse_u64("--device", v, 0, 63, &x, err);
     a->device = (int)x;
+    a->device_set = true;
     return st;
 }
 
@@ -414,6 +415,32 @@ static di_status o_eplb_interval(gen_args *a, const char *v, di_error *err)
     return set_u32("--eplb-interval", v, 1, 1u << 20, &a->eplb_interval, err);
 }
 
+static di_status o_ep_transport(gen_args *a, const char *v, di_error *err)
+{
+    if (strcmp(v, "cpu") && strcmp(v, "nccl"))
+        return di_fail(err, DI_EINVAL, "--ep-transport: '%s' is neither cpu nor nccl", v);
+    a->ep_nccl = !strcmp(v, "nccl");
+    return DI_OK;
+}
+
+static di_status o_bench(gen_args *a, const char *v, di_error *err)
+{
+    if (strcmp(v, "decode"))
+        return di_fail(err, DI_EINVAL, "--bench: '%s' is not a benchmark (decode)", v);
+    a->bench = true;
+    return DI_OK;
+}
+
+static di_status o_bench_seqs(gen_args *a, const char *v, di_error *err)
+{
+    return set_u32("--bench-seqs", v, 1, 4096, &a->bench_seqs, err);
+}
+
+static di_status o_bench_context(gen_args *a, const char *v, di_error *err)
+{
+    return set_u32("--bench-context", v, 1, 1u << 20, &a->bench_context, err);
+}
+
 static const gen_opt options[] = {
     {"--model", "DIR", o_model, "checkpoint directory (config.json, index, shards)"},
     {"--trust-weights", NULL, o_trust, "do not verify the checkpoint's checksum manifest "
@@ -493,6 +520,14 @@ static const gen_opt options[] = {
      "every rank has as many slots; default 0)"},
     {"--eplb-interval", "N", o_eplb_interval, "re-plan expert placement every N steps from the "
      "measured per-slot counts; a plan that is not better is not applied (default: never)"},
+    {"--ep-transport", "cpu|nccl", o_ep_transport, "how the MoE rows and outputs cross: the "
+     "group's sockets through host memory (cpu, default) or GPU to GPU with NCCL (nccl: "
+     "--backend cuda, one GPU a rank, --device defaults to the rank)"},
+    {"--bench", "decode", o_bench, "the decode benchmark: --bench-seqs prompts of "
+     "--bench-context tokens, --max-tokens (default 32) each, no end token; prints the decode "
+     "step time (median, p90), tokens/s, the exchange's share and moe_lb"},
+    {"--bench-seqs", "S", o_bench_seqs, "--bench: sequences (default 8)"},
+    {"--bench-context", "C", o_bench_context, "--bench: prompt tokens a sequence (default 64)"},
     {"--json", NULL, o_json, "print the results as one JSON object"},
     {"--quiet", NULL, o_quiet, "no progress on stderr"},
 };
@@ -656,6 +691,44 @@ static di_status remote_args(gen_args *a, di_error *err)
     return env && *env && !a->engine_token ? di_fail(err, DI_ENOMEM, "token") : DI_OK;
 }
 
+/* --bench decode: the workload's prompts (ids in [3, 1003), the same on every rank, so that
+ * the launcher passes them on like any), no end token, 32 tokens unless --max-tokens. A rank
+ * started by --ep-ranks gets the prompts as --ids and --bench again: they are not made twice. */
+static di_status bench_args(gen_args *a, di_error *err)
+{
+    if (!a->bench)
+        return di_fail(err, DI_EINVAL, "--bench-seqs and --bench-context go with --bench decode");
+    if (!a->ep_ranks && !a->world)
+        return di_fail(err, DI_EINVAL, "--bench decode runs as an expert-parallel group: give "
+                       "--ep-ranks N (1 for one rank)");
+    if (a->prefill || a->has_forced)
+        return di_fail(err, DI_EINVAL, "--bench decode runs without --prefill and "
+                       "--teacher-force");
+    a->ignore_eos = true;
+    if (!a->max_tokens_set)
+        a->max_tokens = 32;
+    if (a->world)
+        return DI_OK; /* a rank: the launcher passed the prompts */
+    if (a->n_prompts)
+        return di_fail(err, DI_EINVAL, "--bench decode makes its own prompts: give no --ids, "
+                       "--ids-file or --prompt");
+    uint32_t S = a->bench_seqs ? a->bench_seqs : 8, C = a->bench_context ? a->bench_context : 64;
+    uint64_t x = 0x9e3779b97f4a7c15ull;
+    for (uint32_t i = 0; i < S; i++) {
+        gen_ids ids = {.ids = malloc((size_t)C * sizeof(int32_t)), .n = C};
+        if (!ids.ids)
+            return di_fail(err, DI_ENOMEM, "benchmark prompts");
+        for (uint32_t k = 0; k < C; k++) {
+            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+            ids.ids[k] = (int32_t)(3 + x % 1000);
+        }
+        di_status st = add_prompt(a, &ids, err);
+        if (st != DI_OK)
+            return st;
+    }
+    return DI_OK;
+}
+
 /* --ep-ranks launches, --rank/--world joins; what the ranks cannot do yet is refused. */
 static di_status ep_args(gen_args *a, di_error *err)
 {
@@ -672,6 +745,10 @@ static di_status ep_args(gen_args *a, di_error *err)
     if (a->kvstore || a->prefill || a->dump_logits || a->varlen || a->params.n_logprobs)
         return di_fail(err, DI_EINVAL, "expert parallelism runs without --kvstore, --prefill, "
                        "--dump-logits, --varlen and --logprobs");
+    if (a->ep_nccl && strcmp(a->backend, "cuda"))
+        return di_fail(err, DI_EINVAL, "--ep-transport nccl needs --backend cuda");
+    if (a->ep_nccl && a->world && !a->device_set)
+        a->device = (int)a->rank; /* one GPU a rank */
     if (a->world <= 1)
         return DI_OK;
     if (a->ep_token_file)
@@ -728,8 +805,15 @@ di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
         if (st != DI_OK)
             return st;
     }
+    if (a->ep_nccl && !a->ep_ranks && !a->world)
+        return di_fail(err, DI_EINVAL, "--ep-transport needs --ep-ranks or --rank/--world");
     if (a->ep_ranks || a->world) {
         di_status st = ep_args(a, err);
+        if (st != DI_OK)
+            return st;
+    }
+    if (a->bench || a->bench_seqs || a->bench_context) {
+        di_status st = bench_args(a, err);
         if (st != DI_OK)
             return st;
     }

@@ -14,6 +14,9 @@
 #include "common/ep/moe.h"
 #include "common/serve/backend.h"
 #include "tools/generate/gen.h"
+#ifdef DI_HAVE_EP_NCCL
+#include "common/ep/nccl_xport.h"
+#endif
 
 /* ---- the launcher ---- */
 
@@ -168,9 +171,20 @@ di_status gen_ep_launch(const gen_args *a, di_error *err)
 
 /* ---- one rank ---- */
 
+/* One step of one rank, for --bench: kind, ns, exchange ns, then the pairs its slots served
+ * per layer. */
+enum { REC_KIND, REC_NS, REC_XCHG, REC_PAIRS };
+
 struct gen_ep {
     ep_group *g;
     ep_moe *moe;
+    struct ep_nccl *nccl;        /* the NCCL communicator (--ep-transport nccl), or NULL */
+    ep_dev_xport dx;
+    bool bench;                  /* record every step */
+    uint64_t *rec;               /* [n_rec][REC_PAIRS + layers] */
+    uint32_t n_rec, cap_rec;
+    uint64_t last_xchg;          /* the exchange's ns at the previous record */
+    uint32_t seqs, context, max_tokens, eplb_interval; /* the workload, for the figures */
     uint64_t checkpoint_expert_bytes; /* routed expert bytes the checkpoint load kept */
     vote v;                      /* the scheduler's vote over g */
     uint32_t rank, world;
@@ -199,14 +213,30 @@ di_status gen_ep_open(const gen_args *a, const kern_backend *be, const model_wei
                            .token = a->ep_token ? a->ep_token : "a group of one rank only",
                            .timeout_ms = a->ep_timeout_ms, .allow_remote = a->ep_remote};
     ep->checkpoint_expert_bytes = w->expert_bytes;
+    ep->bench = a->bench;
+    ep->seqs = a->n_prompts;
+    ep->context = a->n_prompts ? a->prompts[0].n : 0;
+    ep->max_tokens = a->max_tokens;
+    ep->eplb_interval = a->eplb_interval;
     kern_ep_ops xo;
     di_status st = serve_backend_ep_ops(be, &xo, err);
     if (st == DI_OK)
         st = ep_group_join(&go, &ep->g, err);
+    if (st == DI_OK && a->ep_nccl) {
+#ifdef DI_HAVE_EP_NCCL
+        st = ep_nccl_open(ep->g, a->device, a->ep_timeout_ms, &ep->nccl, err);
+        if (st == DI_OK)
+            ep_nccl_dev_xport(ep->nccl, &ep->dx);
+#else
+        st = di_fail(err, DI_EINVAL, "--ep-transport nccl: this build has no NCCL (build with "
+                     "-Dcuda where the CUDA toolkit has NCCL)");
+#endif
+    }
     if (st == DI_OK) {
         ep_moe_options mo = {.group = ep->g, .be = be, .dev_ops = &xo, .w = w,
                              .min_redundant = a->ep_redundant,
-                             .eplb_interval = a->eplb_interval};
+                             .eplb_interval = a->eplb_interval,
+                             .dx = ep->dx.alltoallv ? &ep->dx : NULL};
         st = ep_moe_create(&mo, &ep->moe, err);
     }
     if (st != DI_OK) {
@@ -224,7 +254,11 @@ void gen_ep_close(gen_ep *ep)
     if (!ep)
         return;
     ep_moe_free(ep->moe);
+#ifdef DI_HAVE_EP_NCCL
+    ep_nccl_close(ep->nccl);
+#endif
     ep_group_close(ep->g);
+    free(ep->rec);
     free(ep);
 }
 
@@ -247,6 +281,29 @@ di_status gen_ep_step_end(gen_ep *ep, di_error *err)
     if (st != DI_OK)
         di_error_prefix(err, "rank %u of %u: ", ep->rank, ep->world);
     return st;
+}
+
+di_status gen_ep_note_step(gen_ep *ep, int kind, uint64_t ns, di_error *err)
+{
+    if (!ep->bench)
+        return DI_OK;
+    uint32_t L = ep_moe_layers(ep->moe), w = REC_PAIRS + L;
+    if (ep->n_rec == ep->cap_rec) {
+        uint32_t c = ep->cap_rec ? 2 * ep->cap_rec : 64;
+        uint64_t *n = realloc(ep->rec, (size_t)c * w * sizeof(uint64_t));
+        if (!n)
+            return di_fail(err, DI_ENOMEM, "benchmark records");
+        ep->rec = n;
+        ep->cap_rec = c;
+    }
+    uint64_t *r = ep->rec + (size_t)ep->n_rec++ * w;
+    uint64_t x = ep_moe_get_stats(ep->moe)->xchg_ns;
+    r[REC_KIND] = (uint64_t)kind;
+    r[REC_NS] = ns;
+    r[REC_XCHG] = x - ep->last_xchg;
+    ep->last_xchg = x;
+    memcpy(r + REC_PAIRS, ep_moe_last_step_pairs(ep->moe), (size_t)L * sizeof(uint64_t));
+    return DI_OK;
 }
 
 di_status gen_ep_any_work(gen_ep *ep, sched *s, bool *out, di_error *err)
@@ -330,14 +387,129 @@ static di_status unpack_outputs(const ep_buf *in, uint32_t src, gen_out *outs, u
 
 /* The per-rank counters gathered into the "ep" stats. */
 enum { C_PLACEHOLDER, C_STEPS, C_ROUNDS, C_SERVE, C_SENT, C_SERVED, C_MOVED, C_BYTES, C_SLOT,
-       C_CKPT, C_COUNT };
+       C_CKPT, C_XCHG, C_DEV, C_DECTOK, C_COUNT };
 static const char *const counter_names[C_COUNT] = {
     "placeholder_steps", "steps", "exchange_rounds", "serve_rounds", "pairs_sent",
     "pairs_served", "experts_received", "expert_bytes_received", "expert_slot_bytes",
-    "checkpoint_expert_bytes"};
+    "checkpoint_expert_bytes", "exchange_ns", "device_bytes_sent", "decode_tokens"};
+
+static int cmp_double(const void *x, const void *y)
+{
+    double a = *(const double *)x, b = *(const double *)y;
+    return a < b ? -1 : a > b;
+}
+
+/* The q-quantile of v[0..n) (sorted here), nearest rank; 0 when n is 0. */
+static double quantile(double *v, uint32_t n, double q)
+{
+    if (!n)
+        return 0;
+    qsort(v, n, sizeof *v, cmp_double);
+    uint32_t k = (uint32_t)(q * n + 0.999999);
+    return v[k ? k - 1 : 0];
+}
+
+/* The decode steps' figures from every rank's records (all[W][N][REC_PAIRS + L]): a step is
+ * a decode step when no rank prefilled in it and one decoded; its time is the slowest rank's
+ * (the ranks are in lockstep); the exchange's share is the ranks' mean time in the exchange
+ * over it; moe_lb is the sum over layers of the busiest rank's pairs over the sum of the
+ * mean's (each layer waits for its busiest rank). */
+static json_t *bench_figures(const gen_ep *ep, const uint64_t *all, uint32_t N, uint32_t L,
+                             uint64_t decode_tokens)
+{
+    uint32_t W = ep->world, w = REC_PAIRS + L, n = 0, nlb = 0;
+    double *ms = calloc(N ? N : 1, sizeof(double)), *lb = calloc(N ? N : 1, sizeof(double));
+    double step_s = 0, xchg = 0, lb_sum = 0;
+    for (uint32_t i = 0; ms && lb && i < N; i++) {
+        bool dec = false, pre = false;
+        uint64_t t = 0, x = 0;
+        for (uint32_t r = 0; r < W; r++) {
+            const uint64_t *q = all + ((size_t)r * N + i) * w;
+            dec |= q[REC_KIND] == GEN_STEP_DECODE;
+            pre |= q[REC_KIND] == GEN_STEP_PREFILL;
+            t = q[REC_NS] > t ? q[REC_NS] : t;
+            x += q[REC_XCHG];
+        }
+        if (!dec || pre || !t)
+            continue;
+        ms[n++] = (double)t / 1e6;
+        step_s += (double)t / 1e9;
+        xchg += (double)x / W / (double)t;
+        double hi = 0, mean = 0;
+        for (uint32_t l = 0; l < L; l++) {
+            uint64_t mx = 0, sum = 0;
+            for (uint32_t r = 0; r < W; r++) {
+                uint64_t v = all[((size_t)r * N + i) * w + REC_PAIRS + l];
+                mx = v > mx ? v : mx;
+                sum += v;
+            }
+            hi += (double)mx;
+            mean += (double)sum / W;
+        }
+        if (mean > 0) {
+            lb[nlb++] = hi / mean;
+            lb_sum += hi / mean;
+        }
+    }
+    json_t *o = NULL;
+    if (ms && lb)
+        o = json_pack("{s:i, s:i, s:i, s:i, s:i, s:s, s:i, s:f, s:f, s:f, s:f, s:f, s:f, s:f}",
+                      "ranks", (int)W, "seqs", (int)ep->seqs, "context", (int)ep->context,
+                      "max_tokens", (int)ep->max_tokens, "eplb_interval",
+                      (int)ep->eplb_interval, "transport", ep->nccl ? "nccl" : "cpu",
+                      "decode_steps", (int)n, "step_ms_median", quantile(ms, n, 0.5),
+                      "step_ms_p90", quantile(ms, n, 0.9), "tokens_per_s",
+                      step_s > 0 ? (double)decode_tokens / step_s : 0.0, "exchange_share",
+                      n ? xchg / n : 0.0, "moe_lb_median", quantile(lb, nlb, 0.5),
+                      "moe_lb_p90", quantile(lb, nlb, 0.9), "moe_lb_mean",
+                      nlb ? lb_sum / nlb : 0.0);
+    free(ms);
+    free(lb);
+    return o;
+}
+
+/* --bench: every rank's step records to rank 0, and the figures into stats "bench". */
+static di_status gather_bench(gen_ep *ep, uint64_t decode_tokens, json_t *stats, di_error *err)
+{
+    uint32_t W = ep->world, L = ep_moe_layers(ep->moe), w = REC_PAIRS + L;
+    uint64_t N = ep->n_rec;
+    di_status st = ep_group_allreduce(ep->g, EP_REDUCE_MAX, &N, 1, err);
+    if (st != DI_OK)
+        return st;
+    if (N * W * w > UINT32_MAX)
+        return di_fail(err, DI_ERANGE, "%llu benchmark steps are too many to gather",
+                       (unsigned long long)N);
+    uint64_t *all = calloc((size_t)(N * W * w) + 1, sizeof(uint64_t));
+    if (!all)
+        return di_fail(err, DI_ENOMEM, "benchmark records");
+    if (ep->n_rec)
+        memcpy(all + (size_t)ep->rank * N * w, ep->rec, (size_t)ep->n_rec * w * 8);
+    st = ep_group_allreduce(ep->g, EP_REDUCE_SUM, all, (uint32_t)(N * W * w), err);
+    if (st == DI_OK && ep->rank == 0 && stats) {
+        json_t *b = bench_figures(ep, all, (uint32_t)N, L, decode_tokens);
+        if (!b)
+            st = di_fail(err, DI_ENOMEM, "benchmark figures");
+        else {
+            fprintf(stderr, "di-generate: bench decode, %u rank%s (%s), EPLB %s: step %.3f ms "
+                    "median, %.3f p90; %.1f tokens/s; exchange %.1f%% of the step; moe_lb "
+                    "%.3f median, %.3f p90\n", W, W > 1 ? "s" : "",
+                    json_string_value(json_object_get(b, "transport")),
+                    ep->eplb_interval ? "on" : "off",
+                    json_real_value(json_object_get(b, "step_ms_median")),
+                    json_real_value(json_object_get(b, "step_ms_p90")),
+                    json_real_value(json_object_get(b, "tokens_per_s")),
+                    100 * json_real_value(json_object_get(b, "exchange_share")),
+                    json_real_value(json_object_get(b, "moe_lb_median")),
+                    json_real_value(json_object_get(b, "moe_lb_p90")));
+            json_object_set_new(stats, "bench", b);
+        }
+    }
+    free(all);
+    return st;
+}
 
 di_status gen_ep_gather(gen_ep *ep, gen_out *outs, uint32_t n, const sched_stats *ss,
-                        void *stats_json, bool *print, di_error *err)
+                        uint64_t decode_tokens, void *stats_json, bool *print, di_error *err)
 {
     uint32_t W = ep->world;
     uint8_t *blob = NULL;
@@ -367,8 +539,16 @@ di_status gen_ep_gather(gen_ep *ep, gen_out *outs, uint32_t n, const sched_stats
         mine[C_BYTES] = ms->bytes_moved;
         mine[C_SLOT] = ms->slot_bytes;
         mine[C_CKPT] = ep->checkpoint_expert_bytes;
+        mine[C_XCHG] = ms->xchg_ns;
+        mine[C_DEV] = ms->dev_bytes_sent;
+        mine[C_DECTOK] = decode_tokens;
         st = ep_group_allreduce(ep->g, EP_REDUCE_SUM, c, W * C_COUNT, err);
     }
+    uint64_t group_tokens = 0;
+    for (uint32_t r = 0; st == DI_OK && r < W; r++)
+        group_tokens += c[(size_t)r * C_COUNT + C_DECTOK];
+    if (st == DI_OK && ep->bench)
+        st = gather_bench(ep, group_tokens, ep->rank == 0 ? stats_json : NULL, err);
     if (st == DI_OK && ep->rank == 0 && stats_json) {
         json_t *o = json_pack("{s:i, s:i, s:i, s:I, s:I, s:I}", "ranks", (int)W,
                               "slots_per_rank", (int)ms->slots_per_rank, "redundant_slots",

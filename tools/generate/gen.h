@@ -39,6 +39,7 @@ typedef struct gen_args {
     uint32_t threads;            /* --threads */
     const char *backend;         /* --backend: "cpu" or "cuda" (serve_backend_open); borrowed */
     int device;                  /* --device: the CUDA device ordinal */
+    bool device_set;             /* --device was given */
     bool batch_invariant;        /* --batch-invariant: a device backend's batch-invariant mode */
     uint32_t chunk;              /* --chunk: prefill tokens per step */
     uint64_t max_model_len;      /* --max-model-len; 0 = the config's limit */
@@ -77,6 +78,10 @@ typedef struct gen_args {
     uint32_t ep_timeout_ms;      /* --ep-timeout: deadline of the rendezvous and each exchange */
     uint32_t ep_redundant;       /* --ep-redundant: redundant expert slots at least */
     uint32_t eplb_interval;      /* --eplb-interval: steps between re-plans; 0 = never */
+    bool ep_nccl;                /* --ep-transport nccl: rows and outputs GPU to GPU */
+    bool bench;                  /* --bench decode: the fixed decode workload, timed per step */
+    uint32_t bench_seqs;         /* --bench-seqs: sequences of the workload */
+    uint32_t bench_context;      /* --bench-context: prompt tokens of each */
     int argc;                    /* the command line, for the rank processes (borrowed) */
     char **argv;
 } gen_args;
@@ -148,13 +153,18 @@ void gen_ep_wire(gen_ep *ep, sched_config *sc, fwd_options *fo);
 bool gen_ep_mine(const gen_ep *ep, uint32_t i);
 /* After every step of this rank (placeholders included). */
 di_status gen_ep_step_end(gen_ep *ep, di_error *err);
+/* After gen_ep_step_end, with --bench: what the step was on this rank (GEN_STEP_*) and how
+ * long it took, for the per-step figures. DI_ENOMEM. */
+enum { GEN_STEP_NONE, GEN_STEP_DECODE, GEN_STEP_PREFILL };
+di_status gen_ep_note_step(gen_ep *ep, int kind, uint64_t ns, di_error *err);
 /* Whether any rank has work left (every rank calls it in lockstep). */
 di_status gen_ep_any_work(gen_ep *ep, sched *s, bool *out, di_error *err);
 /* Brings every rank's outputs to rank 0 (outs has n entries on every rank, filled for this
- * rank's prompts) and sums the group's counters into *stats (a JSON object "ep" on rank 0).
+ * rank's prompts) and sums the group's counters into *stats (a JSON object "ep" on rank 0;
+ * with --bench also "bench": the decode steps' figures, and a table line on stderr).
  * *print is set on rank 0 only. */
 di_status gen_ep_gather(gen_ep *ep, gen_out *outs, uint32_t n, const sched_stats *ss,
-                        void *stats, bool *print, di_error *err);
+                        uint64_t decode_tokens, void *stats, bool *print, di_error *err);
 
 /* Runs the engine over every prompt and prints the outputs (text prompts are encoded into
  * their ids here, so a is written). */

@@ -376,9 +376,15 @@ static di_status run_step(void *ctx, const sched_plan *plan, sched_seq_result *r
         (st = gen_kv_after_step(rs->kv, runner_exec_kv(rs->ex), plan, results, err)) != DI_OK ||
         (rs->ep && (st = gen_ep_step_end(rs->ep, err)) != DI_OK))
         return st;
+    uint64_t ns = di_mono_ns() - t0;
+    if (rs->ep &&
+        (st = gen_ep_note_step(rs->ep, plan->placeholder ? GEN_STEP_NONE
+                                       : plan->prompt_run ? GEN_STEP_PREFILL : GEN_STEP_DECODE,
+                               ns, err)) != DI_OK)
+        return st;
     if (plan->placeholder)
         return DI_OK; /* a rank with nothing to do that joined the group's exchanges */
-    double dt = (double)(di_mono_ns() - t0) / 1e9;
+    double dt = (double)ns / 1e9;
     if (plan->prompt_run) {
         rs->prefill_tokens += plan->n_rows;
         rs->prefill_s += dt;
@@ -428,8 +434,8 @@ static di_status step_once(run_state *rs, di_error *err)
     bool ran = false;
     di_status st = engine_step(rs->e, &ran, err);
     /* a rank of a group ends every step, also one that ran no plan (the others wait for it) */
-    if (st == DI_OK && rs->ep && !ran)
-        st = gen_ep_step_end(rs->ep, err);
+    if (st == DI_OK && rs->ep && !ran && (st = gen_ep_step_end(rs->ep, err)) == DI_OK)
+        st = gen_ep_note_step(rs->ep, GEN_STEP_NONE, 0, err);
     if (st == DI_OK && rs->out_st != DI_OK) {
         *err = rs->out_err;
         st = rs->out_st;
@@ -658,8 +664,8 @@ di_status gen_run(gen_args *a, di_error *err)
     }
     bool print = true;
     if (rs.ep && (st = gen_ep_gather(rs.ep, g.outs, a->n_prompts,
-                                     sched_get_stats(engine_sched(rs.e)), stats, &print, err)) !=
-                     DI_OK)
+                                     sched_get_stats(engine_sched(rs.e)), rs.decode_tokens,
+                                     stats, &print, err)) != DI_OK)
         goto done;
     if (print && a->json)
         print_json(&g, stats, stdout);
