@@ -28,7 +28,8 @@
     XX(hc_collapse) XX(hc_expand) XX(linear_fp8) XX(linear_fp4) XX(linear_bf16) XX(head)     \
     XX(fakequant) XX(ring_store) XX(compress_pool) XX(compressed_store) XX(sparse_attn)      \
     XX(index_scores) XX(index_candidates) XX(index_topk) XX(moe_gate) XX(swiglu)             \
-    XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows) XX(sample)
+    XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows) XX(sample) \
+    XX(step_ahead)
 
 typedef struct op_row {
     const char *name;           /* kern_ops field name */
