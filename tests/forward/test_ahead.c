@@ -21,9 +21,7 @@ static const uint32_t k_len[N_REQ] = {9, 4, 13, 6};      /* prompt lengths */
 static const uint32_t k_max[N_REQ] = {10, 17, 13, 9};    /* max_tokens: they end apart */
 
 typedef struct req_out {
-    int32_t tok[MAX_OUT];
-    float lp[MAX_OUT];
-    float top[MAX_OUT];          /* the first top logprob of each token */
+    sampler_result res[MAX_OUT]; /* of each produced token */
     uint32_t n;
     sched_finish finish;
 } req_out;
@@ -60,18 +58,19 @@ static void close_model(void)
 
 TestSuite(ahead, .init = open_model, .fini = close_model, .timeout = 120);
 
+/* Keeps every produced token's sampler result. */
 static void on_output(void *ud, const engine_output *o)
 {
     rig *r = ud;
     req_out *ro = &r->out[o->request_id];
     uint32_t nr;
     const runner_token *rt = runner_exec_tokens(r->ex, o->request_id, &nr);
-    for (uint32_t t = 0; t < o->n_tokens && ro->n < MAX_OUT; t++) {
-        cr_assert(t < nr && rt[t].token == o->tokens[t], "request %llu: token %u without its "
-                  "sampler result", (unsigned long long)o->request_id, t);
-        ro->tok[ro->n] = o->tokens[t];
-        ro->top[ro->n] = rt[t].res.n_top ? rt[t].res.top_logprobs[0] : 0;
-        ro->lp[ro->n++] = rt[t].res.logprob;
+    cr_assert_leq(o->n_tokens, nr, "request %llu: tokens without sampler results",
+                  (unsigned long long)o->request_id);
+    cr_assert_leq(ro->n + o->n_tokens, MAX_OUT);
+    for (const runner_token *t = rt; t < rt + o->n_tokens; t++) {
+        cr_assert_eq(t->token, o->tokens[t - rt]);
+        ro->res[ro->n++] = t->res;
     }
     if (o->finish != SCHED_FINISH_NONE)
         ro->finish = o->finish;
@@ -180,12 +179,15 @@ Test(ahead, the_ops_rows_give_the_same_outputs)
             const req_out *x = &a.out[id], *y = &b.out[id];
             cr_assert_eq(y->finish, x->finish, "nextn %u request %u", on.nextn, id);
             cr_assert_eq(y->n, x->n, "nextn %u request %u", on.nextn, id);
-            cr_assert_eq(memcmp(y->tok, x->tok, x->n * sizeof(int32_t)), 0,
-                         "nextn %u request %u: tokens", on.nextn, id);
-            cr_assert_eq(memcmp(y->lp, x->lp, x->n * sizeof(float)), 0,
-                         "nextn %u request %u: logprobs", on.nextn, id);
-            cr_assert_eq(memcmp(y->top, x->top, x->n * sizeof(float)), 0,
-                         "nextn %u request %u: top logprobs", on.nextn, id);
+            for (uint32_t t = 0; t < x->n; t++) {
+                const sampler_result *p = &x->res[t], *q = &y->res[t];
+                cr_assert(q->token == p->token && q->logprob == p->logprob &&
+                          q->n_top == p->n_top && p->n_top >= 1 &&
+                          !memcmp(q->top_tokens, p->top_tokens, p->n_top * sizeof(int32_t)) &&
+                          !memcmp(q->top_logprobs, p->top_logprobs, p->n_top * sizeof(float)),
+                          "nextn %u request %u token %u: %d (%g) against %d (%g)", on.nextn, id,
+                          t, q->token, q->logprob, p->token, p->logprob);
+            }
         }
         /* the requests ended as set: by length, request 2 by the abort */
         cr_assert_eq(b.out[1].finish, SCHED_FINISH_LENGTH);
