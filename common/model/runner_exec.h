@@ -16,6 +16,10 @@
  *    the confidence head's cumulative chances (result draft_conf, for varlen).
  * It never frees or reuses KV: block and slot ids come from the plan.
  *
+ * With `ahead` (an engine that schedules one step ahead), the rows of a decode entry that
+ * continues the previous step are written by the backend's step_ahead op from that step's
+ * outcome, checked against the plan, and the step runs on them.
+ *
  * Per request the executor keeps the tokens by position (the Engram lookback reads up to three
  * before a chunk), the sampling parameters, the draft head's logits of the pending drafts (the
  * verifier needs the draft distribution) and the sampler results of the latest step.

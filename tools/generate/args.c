@@ -477,7 +477,7 @@ static const gen_opt options[] = {
      "their rows, from the draft model's confidences and a step-time table"},
     {"--ahead", NULL, o_ahead, "one step ahead: step N+1 is planned before step N's outcome "
      "is processed, and the backend's step_ahead op writes its rows from that outcome "
-     "(same tokens)"},
+     "(the synchronous run's outputs; with drafts and sampling the last draws may differ)"},
     {"--step-ms", "LIST", o_step_ms, "varlen's step-time table, ROWS:MS,... at the recorded "
      "graph sizes (1, 2, 4, 8, then multiples of 8, up to prompts x (1 + nextn), prompts at "
      "most 64); default: measured at start-up on the run's backend"},
