@@ -769,10 +769,16 @@ static int ahead_entry(const runner_exec *ex, const sched_seq_plan *p, const rx_
 static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *err)
 {
     const kern_backend *be = ex->be;
-    uint32_t total = 0, fixed = 0;
-    for (uint32_t i = 0; i < plan->n_seqs; i++)
-        total += plan->seqs[i].seqlen_q;
+    uint32_t total = 0, fixed = 0, ks = 0; /* ks: bit k for entries of k drafts to fix */
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        const sched_seq_plan *p = &plan->seqs[i];
+        total += p->seqlen_q;
+        if (p->tokens_from_prev && ahead_entry(ex, p, find(ex, p->request_id)))
+            ks |= 1u << (p->seqlen_q - 1);
+    }
     for (uint32_t k = 0; k <= SEQ_MAX_NEXTN; k++) {
+        if (!(ks >> k & 1))
+            continue;
         kern_step_ahead h, d;
         ahead_view(ex->ah_host, ex->max_entries, ex->opt.fwd.max_rows, &h);
         /* the op's inputs, written here on the host mirror */
