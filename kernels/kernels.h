@@ -554,6 +554,8 @@ typedef struct kern_sample {
 
 /* ---- the table ----------------------------------------------------------------------------- */
 
+struct kern_step_ahead; /* kernels/cpu/step_ahead.h */
+
 typedef struct kern_ops {
     /* memory: backend allocations (64-byte aligned, zeroed) and host transfers */
     void *(*alloc)(void *ctx, size_t bytes);
@@ -588,6 +590,9 @@ typedef struct kern_ops {
     di_status (*copy_rows)(void *ctx, const kern_copy_rows *p);
     /* optional (NULL on the CPU backend): sampling from backend-memory logits, above */
     di_status (*sample)(void *ctx, const kern_sample *p);
+    /* the one-step-ahead fix-up of step N+1's rows from step N's outcome, on backend memory
+     * (kernels/cpu/step_ahead.h: contract and C twin) */
+    di_status (*step_ahead)(void *ctx, const struct kern_step_ahead *p);
 } kern_ops;
 
 /* A backend: its name, its state (thread pool, lookup tables) and its table. */

@@ -7,6 +7,7 @@
 #include "common/sampling/sampler_backend.h"
 #include "common/util/clock.h"
 #include "common/util/machine.h"
+#include "kernels/cpu/step_ahead.h"
 
 #define RX_MAX_ROWS (SEQ_MAX_NEXTN + 1)
 
@@ -25,6 +26,11 @@ typedef struct rx_req {
     uint32_t n_drafts;
     runner_token last[RX_MAX_ROWS]; /* tokens of the latest step */
     uint32_t n_last;
+    /* the outcome of the latest step that sampled it, for the step_ahead op */
+    uint64_t ah_step;           /* that step's number (runner_exec_stats.steps after it) */
+    int64_t ah_base;            /* its first position */
+    uint32_t ah_q;              /* its rows */
+    sched_seq_result ah_res;    /* its result (n_tokens 0: failed) */
     char err[sizeof(((di_error *)0)->msg)];
 } rx_req;
 
@@ -52,7 +58,43 @@ struct runner_exec {
     uint32_t *dentry;           /* [max entries] plan entry of each draft request */
     rx_req **drec;              /* [max entries] request of each draft request */
     uint32_t max_entries;
+    /* the step_ahead op's arrays (runner_exec_options.ahead): one block laid out by
+     * ahead_view, in backend memory (ah_dev) with its host mirror (ah_host) */
+    void *ah_dev, *ah_host;
+    size_t ah_bytes;
+    int32_t *ah_rows;           /* [max_rows] the op's row tokens the step runs on */
+    runner_exec_stats stats;
 };
+
+#define RX_AH_STRIDE (SEQ_MAX_NEXTN + 1) /* accepted tokens per sequence (out_stride) */
+
+/* The op's arrays of `n_seqs` sequences over `n_rows` rows at `base` (NULL: sizes only);
+ * returns the bytes they take. Each array starts 64-byte aligned. */
+static size_t ahead_view(uint8_t *base, uint32_t E, uint32_t T, kern_step_ahead *v)
+{
+    size_t o = 0;
+#define AH_ARRAY(field, type, count)                                                         \
+    do {                                                                                     \
+        v->field = (type *)(base ? base + o : NULL);                                         \
+        o += ((size_t)(count) * sizeof(type) + 63) & ~(size_t)63;                            \
+    } while (0)
+    AH_ARRAY(base_len, int64_t, E);
+    AH_ARRAY(accepted, int32_t, E);
+    AH_ARRAY(tokens, int32_t, (size_t)E * RX_AH_STRIDE);
+    AH_ARRAY(drafts, int32_t, (size_t)E * SEQ_MAX_NEXTN);
+    AH_ARRAY(row0, uint32_t, E);
+    AH_ARRAY(seqlen_k, int64_t, E);
+    AH_ARRAY(ids, int32_t, T);
+    AH_ARRAY(positions, int64_t, T);
+    AH_ARRAY(live, uint8_t, T);
+#undef AH_ARRAY
+    return o;
+}
+
+const runner_exec_stats *runner_exec_get_stats(const runner_exec *ex)
+{
+    return &ex->stats;
+}
 
 const fwd_model *runner_exec_model(const runner_exec *ex)
 {
@@ -118,6 +160,18 @@ di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
                            err);
     if (st == DI_OK)
         st = sampler_workspace_new(ex->V, &ex->ws, err);
+    if (st == DI_OK && opt->ahead) {
+        kern_step_ahead v;
+        ex->ah_bytes = ahead_view(NULL, (uint32_t)E, (uint32_t)T, &v);
+        if (!be->ops.step_ahead)
+            st = di_fail(err, DI_EUNSUPPORTED, "executor: one step ahead needs the %s "
+                         "backend's step_ahead entry", be->name ? be->name : "");
+        else if (!(ex->ah_dev = be->ops.alloc(be->ctx, ex->ah_bytes)) ||
+                 !(ex->ah_host = calloc(1, ex->ah_bytes)) ||
+                 !(ex->ah_rows = calloc(T, sizeof(int32_t))))
+            st = di_fail(err, DI_ENOMEM, "executor: step_ahead arrays of %zu bytes",
+                         ex->ah_bytes);
+    }
     if (st == DI_OK) {
         ex->fseqs = calloc(E, sizeof(fwd_seq));
         ex->lrows = calloc(T, sizeof(int32_t));
@@ -150,6 +204,10 @@ void runner_exec_free(runner_exec *ex)
         req_free(ex->reqs[i]);
     free(ex->reqs);
     sampler_workspace_free(ex->ws);
+    if (ex->ah_dev)
+        ex->be->ops.free(ex->be->ctx, ex->ah_dev);
+    free(ex->ah_host);
+    free(ex->ah_rows);
     fwd_kv_free(ex->kv);
     fwd_run_free(ex->run);
     fwd_model_free(ex->m);
@@ -656,17 +714,18 @@ static di_status step_device_sampled(runner_exec *ex, const sched_plan *plan,
     return ex->nextn ? propose(ex, plan, results, err) : DI_OK;
 }
 
-di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
-                           di_error *err)
+static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *err);
+
+/* One step of a plan that runs (runner_exec_step). */
+static di_status step_run(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
+                          di_error *err)
 {
-    if (!ex || !plan || (!results && plan->n_seqs))
-        return di_fail(err, DI_EINVAL, "step: executor, plan and results are required");
-    if (plan->placeholder)
-        return DI_OK; /* one rank: nothing to run */
     fwd_step st;
     di_status s = do_copies(ex, plan, err);
     if (s == DI_OK)
         s = build_step(ex, plan, &st, err);
+    if (s == DI_OK && ex->opt.ahead && !plan->prompt_run)
+        s = ahead_fix(ex, plan, err);
     for (uint32_t i = 0; s == DI_OK && i < plan->n_seqs; i++)
         if (plan->seqs[i].n_load || plan->seqs[i].load_window)
             s = ex->opt.on_load(ex->opt.load_userdata, ex->kv, &plan->seqs[i], err);
@@ -690,6 +749,141 @@ di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_re
         }
     }
     return ex->nextn ? propose(ex, plan, results, err) : DI_OK;
+}
+
+/* ---- one step ahead (runner_exec_options.ahead) -------------------------------------------
+ * An entry that continues the previous step (tokens_from_prev, the request sampled there with
+ * a result) gets its rows from the backend's step_ahead op over that step's outcome: the last
+ * accepted token and the new drafts at the positions after the accepted ones, and its key
+ * length. The op runs once per row count (its sequences share one nextn); its rows must be
+ * the plan's (the scheduler's fix-up) and the step runs on the op's. */
+
+/* 1 when entry p of the step continues the request's latest step with a usable outcome. */
+static int ahead_entry(const runner_exec *ex, const sched_seq_plan *p, const rx_req *r)
+{
+    const sched_seq_result *o = &r->ah_res;
+    return p->tokens_from_prev && r->ah_step == ex->stats.steps && r->ah_step &&
+           o->status == SCHED_RESULT_OK && o->n_tokens > 0 && o->n_tokens <= r->ah_q;
+}
+
+static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *err)
+{
+    const kern_backend *be = ex->be;
+    uint32_t total = 0, fixed = 0, ks = 0; /* ks: bit k for entries of k drafts to fix */
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        const sched_seq_plan *p = &plan->seqs[i];
+        total += p->seqlen_q;
+        if (p->tokens_from_prev && ahead_entry(ex, p, find(ex, p->request_id)))
+            ks |= 1u << (p->seqlen_q - 1);
+    }
+    for (uint32_t k = 0; k <= SEQ_MAX_NEXTN; k++) {
+        if (!(ks >> k & 1))
+            continue;
+        kern_step_ahead h, d;
+        ahead_view(ex->ah_host, ex->max_entries, ex->opt.fwd.max_rows, &h);
+        /* the op's inputs, written here on the host mirror */
+        int64_t *base_len = (int64_t *)h.base_len;
+        int32_t *accepted = (int32_t *)h.accepted, *toks = (int32_t *)h.tokens;
+        int32_t *drafts = (int32_t *)h.drafts;
+        uint32_t *row0 = (uint32_t *)h.row0;
+        uint32_t n = 0, row = 0;
+        for (uint32_t i = 0; i < plan->n_seqs; row += plan->seqs[i].seqlen_q, i++) {
+            const sched_seq_plan *p = &plan->seqs[i];
+            const rx_req *r = find(ex, p->request_id);
+            if (p->seqlen_q != k + 1 || !ahead_entry(ex, p, r))
+                continue;
+            const sched_seq_result *o = &r->ah_res;
+            /* the sequence's length before step N: its row 0 (at ah_base) was already
+             * known, the accepted tokens follow it */
+            base_len[n] = r->ah_base + 1;
+            accepted[n] = (int32_t)o->n_tokens;
+            memcpy(toks + (size_t)n * RX_AH_STRIDE, o->tokens,
+                   o->n_tokens * sizeof(int32_t));
+            /* drafts the previous step did not propose keep the plan's pad rows */
+            for (uint32_t j = 0; j < k; j++)
+                drafts[(size_t)n * k + j] =
+                    j < o->n_drafts ? o->drafts[j] : p->tokens[1 + j];
+            row0[n] = row;
+            n++;
+        }
+        if (n == 0)
+            continue;
+        h.n_seqs = n;
+        h.nextn = k;
+        h.n_rows = total;
+        h.out_stride = RX_AH_STRIDE;
+        be->ops.from_host(be->ctx, ex->ah_dev, ex->ah_host, ex->ah_bytes);
+        ahead_view(ex->ah_dev, ex->max_entries, ex->opt.fwd.max_rows, &d);
+        d.n_seqs = h.n_seqs, d.nextn = h.nextn, d.n_rows = h.n_rows, d.out_stride = h.out_stride;
+        di_status st = be->ops.step_ahead(be->ctx, &d);
+        if (st != DI_OK)
+            return di_fail(err, st, "step ahead: the backend's fix-up of %u sequences of %u "
+                           "rows failed", n, k + 1);
+        be->ops.to_host(be->ctx, ex->ah_host, ex->ah_dev, ex->ah_bytes);
+        n = 0;
+        row = 0;
+        for (uint32_t i = 0; i < plan->n_seqs; row += plan->seqs[i].seqlen_q, i++) {
+            const sched_seq_plan *p = &plan->seqs[i];
+            rx_req *r = find(ex, p->request_id);
+            if (p->seqlen_q != k + 1 || !ahead_entry(ex, p, r))
+                continue;
+            if (h.seqlen_k[n] != (int64_t)p->seqlen_k || h.positions[row] != p->first_position ||
+                memcmp(h.ids + row, p->tokens, p->seqlen_q * sizeof(int32_t)) != 0)
+                return di_fail(err, DI_EINTERNAL, "step ahead: entry %u (request %llu) got key "
+                               "length %lld at position %lld, first token %d from the device, "
+                               "the plan says %u at %lld, token %d", i,
+                               (unsigned long long)p->request_id, (long long)h.seqlen_k[n],
+                               (long long)h.positions[row], h.ids[row], p->seqlen_k,
+                               (long long)p->first_position, p->tokens[0]);
+            for (uint32_t j = 0; j <= k; j++)
+                if (!h.live[row + j] || h.positions[row + j] != p->first_position + j)
+                    return di_fail(err, DI_EINTERNAL, "step ahead: entry %u row %u not live "
+                                   "at its position", i, j);
+            /* the step runs on the device's rows: copied where the forward reads them */
+            memcpy(r->toks + p->first_position, h.ids + row, p->seqlen_q * sizeof(int32_t));
+            memcpy(ex->ah_rows + row, h.ids + row, p->seqlen_q * sizeof(int32_t));
+            ex->fseqs[i].tokens = ex->ah_rows + row;
+            ex->fseqs[i].pos0 = h.positions[row];
+            n++;
+            fixed++;
+        }
+    }
+    if (fixed) {
+        ex->stats.ahead_steps++;
+        ex->stats.ahead_entries += fixed;
+    }
+    return DI_OK;
+}
+
+/* Keeps each sampled entry's outcome for the next step's op. */
+static void ahead_record(runner_exec *ex, const sched_plan *plan, const sched_seq_result *res)
+{
+    for (uint32_t i = 0; i < plan->n_seqs; i++) {
+        rx_req *r = find(ex, plan->seqs[i].request_id);
+        if (!r)
+            continue;
+        r->ah_step = ex->stats.steps;
+        r->ah_base = plan->seqs[i].first_position;
+        r->ah_q = plan->seqs[i].seqlen_q;
+        r->ah_res = res[i];
+        if (ex->lbase[i] < 0 || res[i].status != SCHED_RESULT_OK)
+            r->ah_res.n_tokens = 0;
+    }
+}
+
+di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
+                           di_error *err)
+{
+    if (!ex || !plan || (!results && plan->n_seqs))
+        return di_fail(err, DI_EINVAL, "step: executor, plan and results are required");
+    if (plan->placeholder)
+        return DI_OK; /* one rank: nothing to run */
+    di_status s = step_run(ex, plan, results, err);
+    if (s != DI_OK)
+        return s;
+    ex->stats.steps++;
+    ahead_record(ex, plan, results);
+    return DI_OK;
 }
 
 /* ---- step-time measurement (MTP varlen's table) ----------------------------------------- */

@@ -16,6 +16,10 @@
  *    the confidence head's cumulative chances (result draft_conf, for varlen).
  * It never frees or reuses KV: block and slot ids come from the plan.
  *
+ * With `ahead` (an engine that schedules one step ahead), the rows of a decode entry that
+ * continues the previous step are written by the backend's step_ahead op from that step's
+ * outcome, checked against the plan, and the step runs on them.
+ *
  * Per request the executor keeps the tokens by position (the Engram lookback reads up to three
  * before a chunk), the sampling parameters, the draft head's logits of the pending drafts (the
  * verifier needs the draft distribution) and the sampler results of the latest step.
@@ -66,7 +70,24 @@ typedef struct runner_exec_options {
                                  keeps graphs (kern_backend.graphs), 1 = always, -1 = never.
                                  Same results either way; a step that would exceed max_rows
                                  runs unpadded */
+    int ahead;                /* 1: the rows of a decode entry that continues the previous
+                                 step (sched_seq_plan.tokens_from_prev, an engine with
+                                 sched_config.async) are written by the backend's step_ahead
+                                 op from that step's outcome (its accepted tokens and new
+                                 drafts), on backend memory, and the step runs on them; the
+                                 op's rows, positions and key lengths must be the plan's (the
+                                 scheduler's host fix-up): a difference fails the step
+                                 (DI_EINTERNAL). The host still reads each step's results
+                                 before it issues the next. Same results as 0; needs the
+                                 backend's step_ahead entry (DI_EUNSUPPORTED at create) */
 } runner_exec_options;
+
+/* What the executor counted. */
+typedef struct runner_exec_stats {
+    uint64_t steps;           /* steps run (placeholder plans not counted) */
+    uint64_t ahead_steps;     /* steps with rows written by the step_ahead op */
+    uint64_t ahead_entries;   /* plan entries whose rows the op wrote */
+} runner_exec_stats;
 
 /* What the executor must know of a request before its first plan. */
 typedef struct runner_request {
@@ -132,6 +153,7 @@ const char *runner_exec_error(const runner_exec *ex, uint64_t id);
 engine_executor runner_exec_executor(runner_exec *ex);
 
 const fwd_model *runner_exec_model(const runner_exec *ex);
+const runner_exec_stats *runner_exec_get_stats(const runner_exec *ex);
 /* The KV storage the plans' block and slot ids address (for exporting KV to the store). */
 fwd_kv *runner_exec_kv(const runner_exec *ex);
 

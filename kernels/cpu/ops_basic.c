@@ -4,6 +4,7 @@
 
 #include "kernels/cpu/cpu_internal.h"
 #include "kernels/cpu/simd.h"
+#include "kernels/cpu/step_ahead.h"
 
 /* ---- embed ---- */
 
@@ -309,6 +310,12 @@ static di_status cpu_copy_rows(void *ctx, const kern_copy_rows *p)
     return DI_OK;
 }
 
+static di_status cpu_step_ahead(void *ctx, const kern_step_ahead *p)
+{
+    (void)ctx;
+    return kern_step_ahead_run(p, NULL);
+}
+
 void cpu_ops_basic(kern_ops *ops)
 {
     ops->embed = cpu_embed;
@@ -319,4 +326,5 @@ void cpu_ops_basic(kern_ops *ops)
     ops->hc_expand = cpu_hc_expand;
     ops->fakequant = cpu_fakequant;
     ops->copy_rows = cpu_copy_rows;
+    ops->step_ahead = cpu_step_ahead;
 }

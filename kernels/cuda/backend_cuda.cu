@@ -9,6 +9,7 @@
 #include <string.h>
 #include <time.h>
 
+#include "kernels/cpu/step_ahead.h"
 #include "kernels/cuda/backend_cuda.h"
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_internal.h"
@@ -27,7 +28,8 @@
     XX(hc_collapse) XX(hc_expand) XX(linear_fp8) XX(linear_fp4) XX(linear_bf16) XX(head)     \
     XX(fakequant) XX(ring_store) XX(compress_pool) XX(compressed_store) XX(sparse_attn)      \
     XX(index_scores) XX(index_candidates) XX(index_topk) XX(moe_gate) XX(swiglu)             \
-    XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows) XX(sample)
+    XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows) XX(sample) \
+    XX(step_ahead)
 
 typedef struct op_row {
     const char *name;           /* kern_ops field name */
@@ -402,6 +404,18 @@ OP_ENTRY(engram_lookup, kern_engram_lookup, n_rows)
 OP_ENTRY(engram_gate, kern_engram_gate, n_rows)
 #undef OP_ENTRY
 
+/* kern_cuda_step_ahead brings its own graph hooks; the failure message is in c->last. */
+static di_status entry_step_ahead(void *ctx, const kern_step_ahead *p)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    uint64_t t0 = host_ns();
+    kern_backend be = {};
+    be.ctx = ctx;
+    di_status st = kern_cuda_step_ahead(&be, p, NULL);
+    c->stats.op_host_ns += host_ns() - t0;
+    return st;
+}
+
 /* ---- construction ---- */
 
 /* A kernel that does nothing: asking for its attributes tells whether this build carries code
@@ -562,6 +576,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.hc_expand = entry_hc_expand;
     be.ops.copy_rows = entry_copy_rows;
     be.ops.sample = entry_sample;
+    be.ops.step_ahead = entry_step_ahead;
     be.ops.ring_store = entry_ring_store;
     be.ops.compress_pool = entry_compress_pool;
     be.ops.compressed_store = entry_compressed_store;

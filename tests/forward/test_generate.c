@@ -411,3 +411,79 @@ Test(generate, bad_varlen_options_fail_with_a_clear_error)
     };
     expect_refusals(cases, sizeof(cases) / sizeof(cases[0]));
 }
+
+/* ---- one step ahead (--ahead) ---- */
+
+/* The JSON document of a run, its exit code checked. */
+static json_t *gen_json(const char *args)
+{
+    char *out, *err;
+    int rc = gen(args, &out, &err);
+    cr_assert_eq(rc, 0, "%s: %s", args, err);
+    json_error_t je;
+    json_t *doc = json_loads(out, 0, &je);
+    cr_assert(doc, "%s: %s", args, je.text);
+    free(out);
+    free(err);
+    return doc;
+}
+
+static json_int_t ahead_entries(const json_t *doc)
+{
+    json_t *v = json_object_get(json_object_get(doc, "stats"), "ahead_entries");
+    cr_assert(json_is_integer(v), "stats.ahead_entries");
+    return json_integer_value(v);
+}
+
+/* With --ahead the engine plans step N+1 before it processes step N and the rows of the
+ * continuing sequences are written by the backend's step_ahead op (checked against the
+ * scheduler's fix-up inside the executor): the same tokens, logprobs and finish reasons as
+ * the synchronous run, over greedy and seeded sampling, with drafts on and off, prompts that
+ * join while others decode (--chunk 4 cuts them over several steps) and end at different
+ * steps. Seeded sampling with drafts is compared up to the steps near max_tokens: there the
+ * one-step-ahead scheduler budgets the rows of step N+1 as if step N accepted every draft,
+ * so it may check fewer drafts than the synchronous one (a different, equally valid draw;
+ * the executor test compares that case exactly, ahead on and off on one scheduler). */
+Test(generate, ahead_gives_the_outputs_of_the_synchronous_run)
+{
+    const char *base = "--ids 3,17,42,99,100,7,8,9,10,11 --ids 5,6,7 --ids 9,8,7,6,5,4 "
+                       "--max-tokens 14 --chunk 4 --logprobs 2 --json";
+    const char *modes[] = {"--temperature 0 --nextn 0", "--temperature 0 --nextn 3",
+                           "--temperature 0.9 --seed 11 --nextn 0",
+                           "--temperature 0.9 --seed 11 --nextn 3"};
+    const uint32_t tail[] = {0, 0, 0, 2 * (3 + 1)};
+    char args[1024];
+    for (int m = 0; m < 4; m++) {
+        snprintf(args, sizeof args, "--model %s %s %s", g_model, base, modes[m]);
+        json_t *sync = gen_json(args);
+        strcat(args, " --ahead");
+        json_t *ahead = gen_json(args);
+        cr_assert_eq(ahead_entries(sync), 0, "%s", modes[m]);
+        cr_assert_gt(ahead_entries(ahead), 3 * 6, "%s: rows written by the op", modes[m]);
+        json_t *a = json_object_get(sync, "requests"), *b = json_object_get(ahead, "requests");
+        cr_assert_eq(json_array_size(a), 3);
+        cr_assert_eq(json_array_size(b), 3);
+        for (size_t i = 0; i < 3; i++) {
+            json_t *ra = json_array_get(a, i), *rb = json_array_get(b, i);
+            cr_assert(json_equal(json_object_get(ra, "finish"), json_object_get(rb, "finish")));
+            const char *keys[] = {"tokens", "logprobs"};
+            for (int k = 0; k < 2; k++) {
+                json_t *xa = json_object_get(ra, keys[k]), *xb = json_object_get(rb, keys[k]);
+                cr_assert_eq(json_array_size(xa), 14, "%s: request %zu", modes[m], i + 1);
+                cr_assert_eq(json_array_size(xb), 14, "%s: request %zu", modes[m], i + 1);
+                for (size_t t = 0; t + tail[m] < 14; t++)
+                    cr_assert(json_equal(json_array_get(xa, t), json_array_get(xb, t)),
+                              "%s: request %zu %s[%zu]", modes[m], i + 1, keys[k], t);
+            }
+            if (!tail[m])
+                cr_assert(json_equal(ra, rb), "%s: request %zu", modes[m], i + 1);
+        }
+        json_decref(sync);
+        json_decref(ahead);
+    }
+    char *err;
+    snprintf(args, sizeof args, "--model %s --ids 3,4 --ahead --kvstore 127.0.0.1:1", g_model);
+    cr_assert_neq(gen(args, NULL, &err), 0);
+    cr_assert(strstr(err, "--ahead runs without"), "%s", err);
+    free(err);
+}

@@ -192,6 +192,14 @@ else
   tail -5 "$out/generate_mkmodel.log"
 fi
 rm -rf "$gen_dir"
+# One step ahead: di-generate --backend cuda with and without --ahead, the same requests.
+echo "== di-generate --backend cuda, --ahead against the synchronous run =="
+if tests/gpu/ahead_generate.sh build-gpu "$out" cuda; then
+  summary+=("PASS di-generate --backend cuda --ahead")
+else
+  summary+=("FAIL di-generate --backend cuda --ahead")
+  status=1
+fi
 
 echo "== tests/gpu summary =="
 printf '%s\n' "${summary[@]}"

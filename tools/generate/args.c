@@ -303,6 +303,12 @@ static di_status o_varlen(gen_args *a, const char *v, di_error *err)
     return DI_OK;
 }
 
+static di_status o_ahead(gen_args *a, const char *v, di_error *err)
+{
+    a->ahead = true;
+    return DI_OK;
+}
+
 static di_status o_step_ms(gen_args *a, const char *v, di_error *err)
 {
     free(a->step_ms);
@@ -496,6 +502,9 @@ static const gen_opt options[] = {
      "$DI_ENGINE_TOKEN)"},
     {"--varlen", NULL, o_varlen, "MTP varlen: each decode step checks only the drafts worth "
      "their rows, from the draft model's confidences and a step-time table"},
+    {"--ahead", NULL, o_ahead, "one step ahead: step N+1 is planned before step N's outcome "
+     "is processed, and the backend's step_ahead op writes its rows from that outcome "
+     "(the synchronous run's outputs; with drafts and sampling the last draws may differ)"},
     {"--step-ms", "LIST", o_step_ms, "varlen's step-time table, ROWS:MS,... at the recorded "
      "graph sizes (1, 2, 4, 8, then multiples of 8, up to prompts x (1 + nextn), prompts at "
      "most 64); default: measured at start-up on the run's backend"},
@@ -798,6 +807,9 @@ di_status gen_args_parse(int argc, char **argv, gen_args *a, di_error *err)
         return di_fail(err, DI_EINVAL, "--model and --config exclude each other");
     if (a->yoco != FWD_YOCO_OFF && a->keep_tokens == 0)
         return di_fail(err, DI_EINVAL, "--keep-tokens must be positive");
+    if (a->ahead && (a->prefill || a->kvstore || a->ep_ranks || a->world > 1))
+        return di_fail(err, DI_EINVAL, "--ahead runs without --prefill, --kvstore and "
+                       "expert parallelism");
     if (!a->varlen && (a->step_ms || a->sampler_ms_set))
         return di_fail(err, DI_EINVAL, "--step-ms and --sampler-ms need --varlen");
     if (a->prefill || a->decode) {

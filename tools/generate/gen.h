@@ -59,6 +59,7 @@ typedef struct gen_args {
     bool kvstore_replay;         /* --kvstore-replay */
     uint32_t kvstore_window_every; /* --kvstore-window-every */
     bool varlen;                 /* --varlen: MTP varlen in the scheduler */
+    bool ahead;                  /* --ahead: one step ahead (sched async, executor ahead) */
     varlen_graph_time *step_ms;  /* --step-ms: varlen's table (owned); NULL: measured */
     uint32_t n_step_ms;
     double sampler_ms;           /* --sampler-ms: varlen's sampler time per step (ms) */

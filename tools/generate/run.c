@@ -527,6 +527,7 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
     sc.eos_token = (int32_t)c->eos_token_id;
     sc.pad_token = (int32_t)c->pad_token_id;
     sc.vocab_size = c->vocab_size;
+    sc.async = a->ahead;
     uint32_t rows = a->chunk > seqs * (1 + nextn) ? a->chunk : seqs * (1 + nextn);
     if (nextn && rows < seqs * c->dspark_block_size)
         rows = seqs * c->dspark_block_size;
@@ -536,7 +537,8 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
                                       .keep_tokens = a->yoco ? a->keep_tokens : 0},
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
                               .on_logits = dump_row, .logits_userdata = g,
-                              .on_load = gen_kv_load, .load_userdata = rs->kv};
+                              .on_load = gen_kv_load, .load_userdata = rs->kv,
+                              .ahead = a->ahead};
     if (rs->ep)
         gen_ep_wire(rs->ep, &sc, &eo.fwd);
     if ((st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK ||
@@ -637,14 +639,20 @@ di_status gen_run(gen_args *a, di_error *err)
             break;
         st = step_once(&rs, err);
     }
+    if (st == DI_OK && (st = engine_flush(rs.e, err)) == DI_OK && rs.out_st != DI_OK) {
+        *err = rs.out_err; /* the outputs of the step still in flight (--ahead) */
+        st = rs.out_st;
+    }
     if (st != DI_OK)
         goto done;
     gen_kv_drain(rs.kv);
-    stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:I}", "load_s", load_s,
+    stats = json_pack("{s:f, s:I, s:f, s:I, s:I, s:f, s:I, s:b, s:I, s:I}", "load_s", load_s,
                       "prefill_tokens", (json_int_t)rs.prefill_tokens, "prefill_s", rs.prefill_s,
                       "decode_steps", (json_int_t)rs.decode_steps, "decode_tokens",
                       (json_int_t)rs.decode_tokens, "decode_s", rs.decode_s,
                       "logit_rows_dumped", (json_int_t)g.dumped, "varlen", a->varlen,
+                      "ahead_entries",
+                      (json_int_t)runner_exec_get_stats(rs.ex)->ahead_entries,
                       "decode_rows", (json_int_t)sched_get_stats(engine_sched(rs.e))->decode_rows);
     if (rs.kv) {
         gen_kv_stats ks = gen_kv_get_stats(rs.kv);
