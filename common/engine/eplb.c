@@ -480,16 +480,22 @@ di_status eplb_plan(const eplb_window *w, uint32_t num_gpus, uint32_t slots_per_
     return st;
 }
 
+/* The window, then a layout in use (every expert, no empty slot), named in the message. */
+static di_status check_in_use(const eplb_window *w, const eplb_layout *l, const char *name,
+                              di_error *err)
+{
+    di_status st = check_window(w, err);
+    if (st == DI_OK && (st = eplb_layout_check(l, w->num_experts, false, true, err)) != DI_OK)
+        di_error_prefix(err, "%s layout: ", name);
+    return st;
+}
+
 di_status eplb_rebalance(const eplb_window *w, const eplb_layout *current, eplb_decision *out,
                          di_error *err)
 {
-    di_status st = check_window(w, err);
+    di_status st = check_in_use(w, current, "current", err);
     if (st != DI_OK)
         return st;
-    if ((st = eplb_layout_check(current, w->num_experts, false, true, err)) != DI_OK) {
-        di_error_prefix(err, "current layout: ");
-        return st;
-    }
     if (!out)
         return di_fail(err, DI_EINVAL, "decision output is NULL");
     eplb_layout plan = {0}, chosen = {0};
@@ -513,6 +519,30 @@ di_status eplb_rebalance(const eplb_window *w, const eplb_layout *current, eplb_
 fail:
     eplb_layout_free(&plan);
     return st;
+}
+
+di_status eplb_judge(const eplb_window *w, const eplb_layout *applied,
+                     const eplb_layout *previous, bool was_revert, eplb_verdict *out,
+                     di_error *err)
+{
+    di_status st = check_in_use(w, applied, "applied", err);
+    if (st != DI_OK || (st = check_in_use(w, previous, "previous", err)) != DI_OK)
+        return st;
+    if (applied->num_gpus != previous->num_gpus ||
+        applied->slots_per_gpu != previous->slots_per_gpu)
+        return di_fail(err, DI_EINVAL,
+                       "applied layout of %u x %u slots, previous layout of %u x %u",
+                       applied->num_gpus, applied->slots_per_gpu, previous->num_gpus,
+                       previous->slots_per_gpu);
+    if (!out)
+        return di_fail(err, DI_EINVAL, "verdict output is NULL");
+    double lb_applied = 0.0, lb_previous = 0.0;
+    if ((st = eplb_moe_lb(w, applied, &lb_applied, err)) != DI_OK ||
+        (st = eplb_moe_lb(w, previous, &lb_previous, err)) != DI_OK)
+        return st;
+    *out = (eplb_verdict){.moe_lb_applied = lb_applied, .moe_lb_previous = lb_previous,
+                          .revert = !was_revert && clearly_less(lb_previous, lb_applied)};
+    return DI_OK;
 }
 
 void eplb_decision_free(eplb_decision *d)

@@ -31,6 +31,12 @@
  *   Guard (ours, DESIGN.md §3): the greedy plan can be worse than the layout it replaces on
  *     the very window it was planned from (explainer, "When greedy makes it worse"). The
  *     current layout is kept unless the plan's moe_lb is strictly lower.
+ *   Second look (eplb_judge): a plan is fitted to the window it was planned from; when the
+ *     load shifts it can be worse on the next window than the layout it replaced. On the
+ *     window after a change, the applied layout's moe_lb is compared with the one the previous
+ *     layout would have had on that same window; the change is reverted when the applied
+ *     layout's is strictly higher. A revert is itself a change, but it is never reverted: two
+ *     reverts of one layer always have a plan the guard accepted between them.
  *
  * Scores are sums of fractions, compared as doubles: two scores within a relative 1e-9 of each
  * other count as a tie (so float rounding cannot break the tie rules), and the guard needs the
@@ -83,6 +89,22 @@ typedef struct eplb_decision {
     double moe_lb_plan;    /* greedy plan's moe_lb on the window */
     bool kept_current;     /* true when the plan was not strictly better */
 } eplb_decision;
+
+/* What eplb_judge decided on the window after a change. */
+typedef struct eplb_verdict {
+    double moe_lb_applied;  /* the applied layout's moe_lb on the window */
+    double moe_lb_previous; /* the layout it replaced, on the same window */
+    bool revert;            /* true: return to the previous layout */
+} eplb_verdict;
+
+/* The second look at a change (see above), on the window that followed it. applied is the
+ * layout in use, previous the one it replaced (same shape, every expert at least once, no
+ * empty slot). was_revert: the change was itself a revert, which is kept (both moe_lb are
+ * still given). DI_EINVAL for a bad window or layouts of different shapes; *out written on
+ * success. */
+di_status eplb_judge(const eplb_window *w, const eplb_layout *applied,
+                     const eplb_layout *previous, bool was_revert, eplb_verdict *out,
+                     di_error *err);
 
 /* Redundant-slot count: the smallest R >= min_redundant with (num_experts + R) % ep_size == 0.
  * DI_EINVAL when num_experts or ep_size is 0 or the total passes EPLB_MAX_SLOTS. *out written

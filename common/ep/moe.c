@@ -58,6 +58,9 @@ struct ep_moe {
     size_t part_off[PARTS], part_len[PARTS];
     size_t blob;                    /* bytes of one expert's weights in a slot */
     ep_placement *place;            /* [L] */
+    ep_placement *prev;             /* [L] the layout a layer's last change replaced (none
+                                       when the layer did not change at the last re-plan) */
+    bool *was_revert;               /* [L] that change was a revert */
     uint8_t **slot_mem;             /* [L * S] this rank's slot buffers (backend memory) */
     kern_expert *views;             /* [L * S] views into them */
     uint32_t interval;              /* eplb_interval */
@@ -273,6 +276,8 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
     }
     size_t LS = (size_t)m->L * m->S, W = m->world;
     m->place = calloc(m->L, sizeof(ep_placement));
+    m->prev = calloc(m->L, sizeof(ep_placement));
+    m->was_revert = calloc(m->L, sizeof(bool));
     m->slot_mem = calloc(LS, sizeof(uint8_t *));
     m->views = calloc(LS, sizeof(kern_expert));
     m->step_counts = calloc(LS, sizeof(uint64_t));
@@ -292,9 +297,9 @@ di_status ep_moe_create(const ep_moe_options *o, ep_moe **out, di_error *err)
         m->roff = m->slen + W;
         m->rlen = m->roff + W;
     }
-    if (!m->last_pairs || !m->soff || !m->place || !m->slot_mem || !m->views ||
-        !m->step_counts || !m->window || !m->seg || !m->out || !m->send || !m->recv ||
-        !m->nth || !m->cnt || !m->first) {
+    if (!m->last_pairs || !m->soff || !m->place || !m->prev || !m->was_revert ||
+        !m->slot_mem || !m->views || !m->step_counts || !m->window || !m->seg || !m->out ||
+        !m->send || !m->recv || !m->nth || !m->cnt || !m->first) {
         ep_moe_free(m);
         return di_fail(err, DI_ENOMEM, "expert parallelism tables");
     }
@@ -325,6 +330,8 @@ void ep_moe_free(ep_moe *m)
         return;
     for (uint32_t l = 0; m->place && l < m->L; l++)
         ep_placement_free(&m->place[l]);
+    for (uint32_t l = 0; m->prev && l < m->L; l++)
+        ep_placement_free(&m->prev[l]);
     for (size_t i = 0; m->slot_mem && i < (size_t)m->L * m->S; i++)
         slot_free(m, m->slot_mem[i]);
     for (uint32_t r = 0; r < m->world; r++) {
@@ -337,6 +344,8 @@ void ep_moe_free(ep_moe *m)
     for (size_t i = 0; i < sizeof bb / sizeof bb[0]; i++)
         bbuf_free(m, bb[i]);
     free(m->place);
+    free(m->prev);
+    free(m->was_revert);
     free(m->slot_mem);
     free(m->views);
     free(m->step_counts);
@@ -702,7 +711,7 @@ di_status ep_moe_layer(void *ud, uint32_t layer, const kern_moe_experts *p, di_e
 /* ---- the end of a step, EPLB ---- */
 
 /* Moves the weights for the layers whose placement changes (next[l].slot_expert != NULL) and
- * installs the new placements. */
+ * installs the new placements; the ones they replace are kept in m->prev. */
 static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
 {
     uint32_t W = m->world, S = m->S, me = m->rank;
@@ -798,7 +807,8 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
             m->slot_mem[(size_t)l * S + s] = fresh[(size_t)l * S + s];
             set_view(m, l, s);
         }
-        ep_placement_free(&m->place[l]);
+        ep_placement_free(&m->prev[l]);
+        m->prev[l] = m->place[l];
         m->place[l] = next[l];
         memset(&next[l], 0, sizeof next[l]);
     }
@@ -807,7 +817,9 @@ static di_status move_weights(ep_moe *m, ep_placement *next, di_error *err)
     return DI_OK;
 }
 
-/* The window's per-slot counts summed over the group, a plan per layer, the guard, the moves. */
+/* The window's per-slot counts summed over the group; per layer, the second look at the last
+ * change (eplb_judge: a worse change goes back to the previous layout) or else a plan and the
+ * guard; the moves. */
 static di_status replan(ep_moe *m, di_error *err)
 {
     uint32_t PS = m->world * m->S, steps = m->win_steps;
@@ -819,9 +831,11 @@ static di_status replan(ep_moe *m, di_error *err)
         return st;
     double *load = malloc((size_t)steps * m->E * sizeof(double));
     ep_placement *next = calloc(m->L, sizeof(ep_placement));
-    if (!load || !next) {
+    uint8_t *change = calloc(m->L, 1); /* per layer: 0 none, 1 a plan, 2 a revert */
+    if (!load || !next || !change) {
         free(load);
         free(next);
+        free(change);
         return di_fail(err, DI_ENOMEM, "EPLB window");
     }
     bool changed = false;
@@ -839,6 +853,19 @@ static di_status replan(ep_moe *m, di_error *err)
             continue; /* nothing routed in the window: nothing to plan from */
         eplb_window w = {.load = load, .num_steps = steps, .num_experts = m->E};
         eplb_layout cur = ep_placement_layout(pl);
+        if (m->prev[l].slot_expert) {
+            eplb_layout before = ep_placement_layout(&m->prev[l]);
+            eplb_verdict v;
+            if ((st = eplb_judge(&w, &cur, &before, m->was_revert[l], &v, err)) != DI_OK)
+                break;
+            if (v.revert) {
+                st = ep_placement_build(&before, m->E, &next[l], err);
+                change[l] = 2;
+                m->stats.replans_reverted++;
+                changed = true;
+                continue;
+            }
+        }
         eplb_decision dec;
         if ((st = eplb_rebalance(&w, &cur, &dec, err)) != DI_OK)
             break;
@@ -846,6 +873,7 @@ static di_status replan(ep_moe *m, di_error *err)
             m->stats.layers_kept++;
         } else {
             st = ep_placement_build(&dec.layout, m->E, &next[l], err);
+            change[l] = 1;
             m->stats.layers_replanned++;
             changed = true;
         }
@@ -855,9 +883,16 @@ static di_status replan(ep_moe *m, di_error *err)
         m->stats.replans++;
         st = move_weights(m, next, err);
     }
+    /* a layer that did not change now has no change to look at again */
+    for (uint32_t l = 0; st == DI_OK && l < m->L; l++) {
+        m->was_revert[l] = change[l] == 2;
+        if (!change[l])
+            ep_placement_free(&m->prev[l]);
+    }
     for (uint32_t l = 0; l < m->L; l++)
         ep_placement_free(&next[l]);
     free(next);
+    free(change);
     free(load);
     return st;
 }

@@ -20,7 +20,9 @@
  * eplb_interval steps (steps are in lockstep, so every rank re-plans at the same step) the
  * ranks sum the window's per-slot counts, fold them into per-expert loads, and run
  * eplb_rebalance for each layer; a layer keeps its layout unless the plan is strictly better
- * (the guard). Experts that change slots move: a rank whose new slot needs an expert it does
+ * (the guard). A layer that changed at the previous re-plan is first looked at again
+ * (eplb_judge): when its new layout is worse on this window than the one it replaced, it
+ * goes back to that one instead of planning (a revert is never reverted). Experts that change slots move: a rank whose new slot needs an expert it does
  * not hold receives its weights from the lowest rank that held it, in one all-to-all.
  *
  * Weights. Each rank keeps its own slots' routed experts in buffers of the backend's memory,
@@ -91,9 +93,11 @@ typedef struct ep_moe_stats {
     uint64_t serve_rounds;   /* of those, after this rank's step had ended */
     uint64_t pairs_sent;     /* (row, expert) pairs of this rank's rows */
     uint64_t pairs_served;   /* pairs this rank's slots ran */
-    uint64_t replans;        /* re-plans that changed at least one layer */
-    uint64_t layers_replanned; /* layers whose layout changed */
+    uint64_t replans;        /* re-plans that changed at least one layer (reverts count) */
+    uint64_t layers_replanned; /* layers that took a new plan */
     uint64_t layers_kept;    /* layers the guard kept (plan not strictly better) */
+    uint64_t replans_reverted; /* layers that went back to their previous layout: the new
+                                  one was worse on the next window (eplb_judge) */
     uint64_t experts_moved;  /* expert weights this rank received from others */
     uint64_t bytes_moved;    /* bytes of them */
     uint64_t slot_bytes;     /* backend memory of this rank's expert slots (its resident

@@ -112,8 +112,10 @@ void engsvc_ep_leave(engsvc *s)
     const ep_moe_stats *m = ep_moe_get_stats(s->moe);
     if (s->cfg.log)
         di_log(s->cfg.log, DI_LOG_INFO, "rank group: %llu steps, %llu exchange rounds (%llu "
-               "serving only), %llu pairs sent, %llu pairs served, %llu re-plans",
+               "serving only), %llu pairs sent, %llu pairs served, %llu re-plans (%llu "
+               "layers reverted)",
                (unsigned long long)m->steps, (unsigned long long)m->rounds,
                (unsigned long long)m->serve_rounds, (unsigned long long)m->pairs_sent,
-               (unsigned long long)m->pairs_served, (unsigned long long)m->replans);
+               (unsigned long long)m->pairs_served, (unsigned long long)m->replans,
+               (unsigned long long)m->replans_reverted);
 }

@@ -136,6 +136,11 @@ Test(ep_generate, two_and_four_ranks_equal_one_rank_bit_for_bit, .timeout = 240)
     check_resident(ep, g1, 2);
     cr_expect_geq(json_integer_value(json_object_get(ep, "replans")), 1, "no re-plan applied");
     cr_expect_gt(sum_of(json_object_get(ep, "experts_received")), 0, "no weights moved");
+    /* every revert follows a plan the guard accepted */
+    json_t *rv = json_object_get(ep, "replans_reverted");
+    cr_expect(json_is_integer(rv), "no replans_reverted");
+    cr_expect_leq(json_integer_value(rv),
+                  json_integer_value(json_object_get(ep, "layers_replanned")));
     json_decref(two);
 
     /* 4 ranks for 3 prompts: rank 3 has none and runs placeholder steps the whole time,

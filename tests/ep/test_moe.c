@@ -413,6 +413,21 @@ static di_status checked_a2a(void *ctx, const void *send, const uint64_t *send_o
 }
 
 static bool use_dev_xport; /* set before the ranks start */
+static bool shift_load;    /* likewise: the load moves so that the first re-plan is reverted */
+
+/* Shifted routing. Steps 0-1 (the first window) send every row to e2 and e3, both on rank 0
+ * in the start-up layout {e0 e1 e2 e3} {e4 e5 e0 e1}; the plan copies e2 and e3 onto both
+ * ranks ({e2 e3 e0 e1} {e2 e3 e4 e5}: moe_lb 1 against the start's 2) and is applied. Steps
+ * 2-3 send every row to e0 and one of e2..e5: the start (two copies of e0, one a rank) would
+ * be balanced there, the plan has e0 once (1.25 T against 0.75 T): reverted. Later steps route
+ * at random again. */
+static void shift_ids(call *c, uint32_t T, int step)
+{
+    for (uint32_t t = 0; t < T && step < 4; t++) {
+        c->ids[t * K] = step < 2 ? 2 : 0;
+        c->ids[t * K + 1] = step < 2 ? 3 : (int32_t)(2 + t % 4);
+    }
+}
 
 /* Rank r's part of step s: rank 0 runs both layers on its rows; rank 1 has rows only in even
  * steps (an idle rank in odd steps, serving rank 0). Each checks its y against the kernel. */
@@ -438,6 +453,8 @@ static int two_rank_script(ep_group *g)
         for (uint32_t l = 0; busy && l < LAYERS && !rc; l++) {
             uint32_t T = r == 0 ? 9 : 4;
             make_call(&f, l, T, (uint64_t)step * 31 + l * 5 + r, &c, want);
+            if (shift_load)
+                shift_ids(&c, T, step);
             if (f.be.ops.moe_experts(f.be.ctx, &c.p) != DI_OK)
                 rc = 11;
             c.p.y = got;
@@ -463,6 +480,12 @@ static int two_rank_script(ep_group *g)
         rc = 18;
     if (!rc && s->xchg_ns == 0)
         rc = 19;
+    /* the shifted load: a plan applied at step 1, reverted at step 3 on both layers, weights
+       moved both times */
+    if (!rc && shift_load &&
+        (s->replans_reverted != LAYERS || s->replans < 2 || s->layers_replanned < LAYERS ||
+         (r == 1 && s->experts_moved == 0)))
+        rc = 20;
     ep_moe_free(m);
     fixture_free(&f);
     return rc;
@@ -504,6 +527,16 @@ static void two_processes(void)
 Test(ep_moe, two_processes_equal_the_kernel_with_an_idle_rank_and_replans, .timeout = 60)
 {
     use_dev_xport = false;
+    shift_load = false;
+    two_processes();
+}
+
+/* A re-plan that the next window shows worse goes back to the previous layout (weights moved
+ * back); the results stay the one-rank kernel's, bit for bit. */
+Test(ep_moe, two_processes_equal_the_kernel_through_a_reverted_replan, .timeout = 60)
+{
+    use_dev_xport = false;
+    shift_load = true;
     two_processes();
 }
 
@@ -513,5 +546,6 @@ Test(ep_moe, two_processes_equal_the_kernel_with_an_idle_rank_and_replans, .time
 Test(ep_moe, two_processes_through_a_device_transport_equal_the_kernel, .timeout = 60)
 {
     use_dev_xport = true;
+    shift_load = false;
     two_processes();
 }

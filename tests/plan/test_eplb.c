@@ -284,6 +284,91 @@ Test(eplb, equal_plan_keeps_current)
     eplb_layout_free(&plan);
 }
 
+/* ---- the second look: a change judged on the window after it ---------------------------- */
+
+/* 4 experts, 2 GPUs of 2 slots, no redundant slot, windows of one step.
+ * Window A (10, 10, 1, 1): start {e0 e1} {e2 e3} has GPUs 20 and 2, moe_lb 20/11. Stage B:
+ *   e0 -> GPU0; e1: GPU0 20 vs GPU1 10 -> GPU1; e2: 11 vs 11, tie -> GPU0; e3 -> GPU1.
+ *   Plan {e0 e2} {e1 e3}: 11 and 11, moe_lb 1, strictly lower: applied.
+ * Window B, the load shifted (10, 1, 10, 1): the plan has 20 and 2, moe_lb 20/11; the start
+ *   would have had 11 and 11, moe_lb 1. Worse on the next window: reverted.
+ * Window C (10, 10, 2, 1): the plan has 12 and 11, moe_lb 12/11.5 = 24/23; the start 20 and 3,
+ *   40/23. Better on both windows: kept.
+ * After the revert, window A again: the start (now applied) has 20/11 against the plan's 1,
+ *   but a revert is not reverted; the next plan goes through the guard instead. */
+static const double shift_a[] = {10, 10, 1, 1}, shift_b[] = {10, 1, 10, 1},
+                    shift_c[] = {10, 10, 2, 1};
+
+Test(eplb, change_worse_on_the_next_window_is_reverted)
+{
+    di_error e;
+    eplb_layout start;
+    cr_assert_eq(eplb_startup_layout(4, 2, 2, &start, &e), DI_OK, "%s", e.msg);
+    eplb_window wa = {shift_a, 1, 4}, wb = {shift_b, 1, 4};
+    eplb_decision d;
+    cr_assert_eq(eplb_rebalance(&wa, &start, &d, &e), DI_OK, "%s", e.msg);
+    cr_assert_not(d.kept_current);
+    assert_layout(&d.layout, (const int32_t[]){0, 2, 1, 3});
+    cr_assert_float_eq(d.moe_lb_current, 20.0 / 11.0, TOL);
+    cr_assert_float_eq(d.moe_lb_plan, 1.0, TOL);
+    eplb_verdict v;
+    cr_assert_eq(eplb_judge(&wb, &d.layout, &start, false, &v, &e), DI_OK, "%s", e.msg);
+    cr_assert(v.revert);
+    cr_assert_float_eq(v.moe_lb_applied, 20.0 / 11.0, TOL);
+    cr_assert_float_eq(v.moe_lb_previous, 1.0, TOL);
+    /* back on the start layout, window A again: worse than the plan, but it was a revert */
+    cr_assert_eq(eplb_judge(&wa, &start, &d.layout, true, &v, &e), DI_OK, "%s", e.msg);
+    cr_assert_not(v.revert);
+    cr_assert_float_eq(v.moe_lb_applied, 20.0 / 11.0, TOL);
+    cr_assert_float_eq(v.moe_lb_previous, 1.0, TOL);
+    /* the same judgement of a plan (not a revert) goes back */
+    cr_assert_eq(eplb_judge(&wa, &start, &d.layout, false, &v, &e), DI_OK, "%s", e.msg);
+    cr_assert(v.revert);
+    eplb_decision_free(&d);
+    eplb_layout_free(&start);
+}
+
+Test(eplb, change_better_on_the_next_window_is_kept)
+{
+    di_error e;
+    eplb_layout start, plan;
+    cr_assert_eq(eplb_startup_layout(4, 2, 2, &start, &e), DI_OK, "%s", e.msg);
+    eplb_window wa = {shift_a, 1, 4}, wc = {shift_c, 1, 4};
+    cr_assert_eq(eplb_plan(&wa, 2, 2, &plan, &e), DI_OK, "%s", e.msg);
+    eplb_verdict v;
+    cr_assert_eq(eplb_judge(&wc, &plan, &start, false, &v, &e), DI_OK, "%s", e.msg);
+    cr_assert_not(v.revert);
+    cr_assert_float_eq(v.moe_lb_applied, 24.0 / 23.0, TOL);
+    cr_assert_float_eq(v.moe_lb_previous, 40.0 / 23.0, TOL);
+    /* equal on the next window (same layout): kept, only a strictly higher moe_lb reverts */
+    cr_assert_eq(eplb_judge(&wc, &plan, &plan, false, &v, &e), DI_OK, "%s", e.msg);
+    cr_assert_not(v.revert);
+    eplb_layout_free(&plan);
+    eplb_layout_free(&start);
+}
+
+Test(eplb, judge_refuses_bad_layouts)
+{
+    di_error e;
+    eplb_layout start, wide, holed;
+    cr_assert_eq(eplb_startup_layout(4, 2, 2, &start, &e), DI_OK);
+    cr_assert_eq(eplb_startup_layout(4, 1, 4, &wide, &e), DI_OK);
+    holed = make_layout(2, 2, (const int32_t[]){0, 1, 2, EPLB_NO_EXPERT});
+    eplb_window w = {shift_a, 1, 4};
+    eplb_verdict v = {.revert = true};
+    cr_assert_eq(eplb_judge(&w, &start, &wide, false, &v, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "2 x 2") && strstr(e.msg, "1 x 4"), "%s", e.msg);
+    cr_assert_eq(eplb_judge(&w, &holed, &start, false, &v, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "applied layout"), "%s", e.msg);
+    cr_assert_eq(eplb_judge(&w, &start, &holed, false, &v, &e), DI_EINVAL);
+    cr_assert(strstr(e.msg, "previous layout"), "%s", e.msg);
+    cr_assert_eq(eplb_judge(&w, &start, &start, false, NULL, &e), DI_EINVAL);
+    cr_assert(v.revert, "verdict untouched on failure");
+    eplb_layout_free(&holed);
+    eplb_layout_free(&wide);
+    eplb_layout_free(&start);
+}
+
 /* ---- stage A rules ------------------------------------------------------------------------- */
 
 /* Explainer "A very hot expert": no cap on copies. One expert gets 100 tokens, two get 1:

@@ -550,11 +550,12 @@ di_status gen_ep_gather(gen_ep *ep, gen_out *outs, uint32_t n, const sched_stats
     if (st == DI_OK && ep->bench)
         st = gather_bench(ep, group_tokens, ep->rank == 0 ? stats_json : NULL, err);
     if (st == DI_OK && ep->rank == 0 && stats_json) {
-        json_t *o = json_pack("{s:i, s:i, s:i, s:I, s:I, s:I}", "ranks", (int)W,
+        json_t *o = json_pack("{s:i, s:i, s:i, s:I, s:I, s:I, s:I}", "ranks", (int)W,
                               "slots_per_rank", (int)ms->slots_per_rank, "redundant_slots",
                               (int)ms->redundant, "replans", (json_int_t)ms->replans,
                               "layers_replanned", (json_int_t)ms->layers_replanned,
-                              "layers_kept", (json_int_t)ms->layers_kept);
+                              "layers_kept", (json_int_t)ms->layers_kept, "replans_reverted",
+                              (json_int_t)ms->replans_reverted);
         for (int k = 0; o && k < C_COUNT; k++) {
             json_t *arr = json_array();
             for (uint32_t r = 0; r < W; r++)
