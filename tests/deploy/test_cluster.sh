@@ -20,17 +20,7 @@ for t in curl jq ss; do
   command -v "$t" >/dev/null || { echo "test_cluster: SKIP: $t is not installed"; exit 77; }
 done
 
-work=$(mktemp -d /tmp/test-cluster.XXXXXX)
-state=
-cleanup() {
-  [ -z "$state" ] || [ ! -d "$state" ] || "$cluster" down "$state" >/dev/null 2>&1 || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-fails=0
-ok() { echo "ok: $*"; }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+. "$root/tests/deploy/lib.sh" cluster
 alive() { # pids...: those that still run (a zombie does not count)
   local p
   for p in "$@"; do

@@ -34,21 +34,14 @@ cancels=${DI_CLUSTER_CANCELS:-200}
 [[ "$cancels" =~ ^[0-9]+$ ]] && [ "$cancels" -ge 1 ] ||
   { echo "test_cluster_pd: DI_CLUSTER_CANCELS must be a count >= 1, not '$cancels'"; exit 2; }
 
-work=$(mktemp -d /tmp/test-cluster-pd.XXXXXX)
-state= curl_pid=
+curl_pid=
 restarted=() # decode ranks this test started again (cluster.sh down does not know them)
-cleanup() {
+cleanup_extra() {
   [ -z "$curl_pid" ] || kill "$curl_pid" 2>/dev/null || true
   local p
   for p in ${restarted[@]+"${restarted[@]}"}; do kill -KILL "$p" 2>/dev/null || true; wait "$p" 2>/dev/null || true; done
-  [ -z "$state" ] || [ ! -d "$state" ] || "$cluster" down "$state" >/dev/null 2>&1 || true
-  rm -rf "$work"
 }
-trap cleanup EXIT
-
-fails=0
-ok() { echo "ok: $*"; }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+. "$root/tests/deploy/lib.sh" cluster-pd
 note() { echo "note: $*"; }
 
 "$cluster" up --build "$build" --prefill 1 --decode 2 >"$work/env" 2>"$work/up.err" || {

@@ -30,17 +30,7 @@ delay=${DI_SKEW_DELAY_MS:-1500}
   { echo "test_skew: DI_SKEW_DELAY_MS wants 100..10000, not '$delay'"; exit 1; }
 n=24
 
-work=$(mktemp -d /tmp/test-skew.XXXXXX)
-state=
-cleanup() {
-  [ -z "$state" ] || [ ! -d "$state" ] || "$cluster" down "$state" >/dev/null 2>&1 || true
-  rm -rf "$work"
-}
-trap cleanup EXIT
-
-fails=0
-ok() { echo "ok: $*"; }
-bad() { echo "FAIL: $*"; fails=$((fails + 1)); }
+. "$root/tests/deploy/lib.sh" skew
 
 secs() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
 
