@@ -241,11 +241,28 @@ void assert_clean(const rig *r)
     }
     json_t *j = kvctl_stats(r);
     json_int_t leases = json_integer_value(json_object_get(j, "leases_active"));
-    json_int_t handoffs = json_integer_value(
-        json_object_get(json_object_get(json_object_get(j, "classes"), "handoff"), "objects"));
     json_decref(j);
     cr_assert_eq(leases, 0, "%lld leases left in the store", (long long)leases);
-    cr_assert_eq(handoffs, 0, "%lld handoff objects left in the store", (long long)handoffs);
+    long long handoffs = rig_handoffs(r);
+    cr_assert_eq(handoffs, 0, "%lld handoff objects left in the store", handoffs);
+}
+
+long long rig_handoffs(const rig *r)
+{
+    json_t *j = kvctl_stats(r);
+    json_int_t n = json_integer_value(
+        json_object_get(json_object_get(json_object_get(j, "classes"), "handoff"), "objects"));
+    json_decref(j);
+    return (long long)n;
+}
+
+void rig_wait_no_handoffs(const rig *r, uint32_t ms)
+{
+    uint64_t until = di_mono_ns() + (uint64_t)ms * 1000000u;
+    long long n;
+    while ((n = rig_handoffs(r)) != 0 && di_mono_ns() < until)
+        usleep(20000);
+    cr_assert_eq(n, 0, "%lld handoff objects still in the store after %u ms", n, ms);
 }
 
 void rig_stop(rig *r)

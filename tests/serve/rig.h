@@ -78,6 +78,10 @@ uint8_t *unary(const proc *p, const char *method, const void *req, size_t len, s
 Di__Engine__Load get_load(const proc *p, const char *svc);
 /* di-kvctl --json stats of r's store (json_decref it). */
 json_t *kvctl_stats(const rig *r);
+/* Handoff objects in the store now; rig_wait_no_handoffs: fails unless there are none within
+ * ms (decode deletes a handoff on its store thread after the pull, not before its tokens). */
+long long rig_handoffs(const rig *r);
+void rig_wait_no_handoffs(const rig *r, uint32_t ms);
 
 /* ---- di-generate ---- */
 

@@ -148,6 +148,9 @@ Test(disagg, decode_killed_mid_stream_ends_the_callers_stream)
     rig_start(&r, "5");
     flight f;
     flight_start(&f, &r, "killed-1", 300, 3000, 5);
+    /* killed once it has taken the handoff: its delete runs on the store thread after the pull
+     * (a decode killed between the two leaves the handoff to the store's TTL) */
+    rig_wait_no_handoffs(&r, 10000);
     proc_kill(&r.decode);
     di_error err;
     di_status st = flight_end(&f, &err);
