@@ -27,7 +27,10 @@
  * device's memory, an allocation refused inside a step: DI_ENOMEM, nothing left allocated) and
  * the executor (runner_exec) with a fork done by the plan's copies on the device.
  *
- * --bench: a prefill chunk and decode steps at the V4.1-Flash width (see bench_forward).
+ * --bench: a prefill chunk and decode steps at the V4.1-Flash width (see bench_forward);
+ * CHECK_FORWARD_BENCH (a list of "long", "decode") keeps only those parts after the 4,096-token
+ * chunk: "long" the 16,384-token chunk with its FP8 ceiling, "decode" the decode steps, the
+ * device sampler, the whole-model line and the batch-invariance check. Unset: all of them.
  * Exit 0: all within tolerance; 1: a mismatch; 2: a setup error. The seed is printed first. */
 #include <inttypes.h>
 #include <math.h>
@@ -1778,6 +1781,19 @@ static void bench_whole(uint32_t layers, uint32_t full_layers, double prefill_ms
     }
 }
 
+/* Whether CHECK_FORWARD_BENCH asks for this part of the bench (unset: every part). */
+static int bench_part(const char *name)
+{
+    const char *want = getenv("CHECK_FORWARD_BENCH");
+    if (!want)
+        return 1;
+    size_t n = strlen(name);
+    for (const char *p = strstr(want, name); p; p = strstr(p + 1, name))
+        if ((p == want || p[-1] == ',' || p[-1] == ' ') && (p[n] == 0 || p[n] == ',' || p[n] == ' '))
+            return 1;
+    return 0;
+}
+
 static void bench_forward(chk_env *env)
 {
     printf("\n== check_forward --bench: V4.1-Flash width, %d layers ==\n", BENCH_LAYERS);
@@ -1860,7 +1876,8 @@ static void bench_forward(chk_env *env)
                    ms / c->n_layers, BENCH_CONTEXT / (ms / 1e3), fl / (ms / 1e3) / 1e12,
                    100.0 * fl / (ms / 1e3) / 1e12 / peak);
             prefill_head = bench_profile(&b, &ps, "prefill chunk", c->n_layers);
-            bench_prefill_long(&b, c);
+            if (bench_part("long"))
+                bench_prefill_long(&b, c);
             /* every decode sequence starts from the prompt's rings and pending state */
             for (uint32_t i = 1; i < BENCH_MAX_SEQS && st == DI_OK; i++) {
                 kern_copy_rows cp = {.n_rows = 1, .row_bytes = b.kv->slot_bytes,
@@ -1870,10 +1887,12 @@ static void bench_forward(chk_env *env)
             }
             const uint32_t ns[] = {1, 8, 64};
             double dec_ms = -1, dec_head = -1, dev_ms = -1;
-            for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]) && st == DI_OK; i++)
+            const int decode = bench_part("decode");
+            for (size_t i = 0; i < sizeof(ns) / sizeof(ns[0]) && st == DI_OK && decode; i++)
                 dec_ms = bench_decode(&b, &bw, ns[i], copy, &dec_head);
-            bench_decode_prev(&b, &bw, ns, sizeof(ns) / sizeof(ns[0]), copy);
-            if (st == DI_OK) {
+            if (decode)
+                bench_decode_prev(&b, &bw, ns, sizeof(ns) / sizeof(ns[0]), copy);
+            if (st == DI_OK && decode) {
                 bench_sampling(&b, BENCH_MAX_SEQS, &dev_ms);
                 bench_whole(c->n_layers, full.n_layers ? full.n_layers : 40, ms, prefill_head,
                             dec_ms, dec_head, dev_ms, BENCH_MAX_SEQS);
