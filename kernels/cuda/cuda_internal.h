@@ -490,6 +490,13 @@ int cuda_moe_grouped_fits(cuda_ctx *c, uint32_t rows, uint32_t dim, uint32_t int
  * launch too large); a CUDA failure. */
 di_status cuda_moe_grouped_run(cuda_ctx *c, const cuda_moe_grouped *g);
 
+/* moe.cu: y[t] = bf16(fp32(sum in double of og[pos[t][0..top_k)], then os[t] when not NULL))
+ * on `stream`, one thread per element (the combine of moe_experts and of the expert-parallel
+ * exchange, ep.cu). pos is device memory. */
+di_status cuda_moe_combine(cuda_ctx *c, const uint16_t *og, const int32_t *pos, uint32_t top_k,
+                           const uint16_t *os, uint32_t dim, uint32_t n_rows, uint16_t *y,
+                           cudaStream_t stream);
+
 /* moe_bucket.cu: the pairs bucketed on the device (kernels/cpu/moe_bucket.h's arrays, device
  * memory; NULL count, start or group_* arrays are not written). */
 #define CUDA_BUCKET_SMEM (96 * 1024) /* 4,096 experts and 12,000 pairs */

@@ -1,8 +1,8 @@
 /* ep.cu: the device side of the expert-parallel exchange (kernels/kern_ep.h): the combine of
  * the expert outputs that came back from the ranks, and pinned host memory. C twin:
  * kernels/cpu/ep.c. One thread per output element sums the row's outputs in double in the
- * order of pos, then the shared expert, and rounds once (double -> fp32 -> bf16), as the twin
- * and moe_experts' combine: bit-identical. */
+ * order of pos, then the shared expert, and rounds once (double -> fp32 -> bf16), as the twin:
+ * moe_experts' own combine kernel (moe.cu, cuda_moe_combine), bit-identical. */
 #include <cuda_runtime.h>
 #include <string.h>
 
@@ -10,22 +10,6 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/numfmt_dev.cuh"
-
-__global__ void ep_combine_kernel(const uint16_t *outs, const int32_t *pos, uint32_t top_k,
-                                  const uint16_t *shared, uint32_t dim, uint32_t n_rows,
-                                  uint16_t *y)
-{
-    size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= (size_t)n_rows * dim)
-        return;
-    size_t t = i / dim, d = i % dim;
-    double acc = 0.0;
-    for (uint32_t k = 0; k < top_k; k++)
-        acc += (double)dev_bf16_to_f32(outs[(size_t)pos[t * top_k + k] * dim + d]);
-    if (shared)
-        acc += (double)dev_bf16_to_f32(shared[i]);
-    y[i] = dev_f32_to_bf16((float)acc);
-}
 
 static di_status ep_combine(void *ctx, const kern_ep_combine *p)
 {
@@ -51,12 +35,8 @@ static di_status ep_combine(void *ctx, const kern_ep_combine *p)
     if (st == DI_OK)
         st = cuda_meta_upload(c, 0, 0, &dev, NULL);
     if (st == DI_OK) {
-        size_t n = (size_t)p->n_rows * p->dim;
-        cuda_launch(c, "ep_combine_kernel", ep_combine_kernel,
-                    (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0, c->stream,
-                    p->outs, (const int32_t *)(dev + off), p->top_k, p->shared, p->dim, p->n_rows,
-                    p->y);
-        st = cuda_launched(c, "ep_combine_kernel");
+        st = cuda_moe_combine(c, p->outs, (const int32_t *)(dev + off), p->top_k, p->shared,
+                              p->dim, p->n_rows, p->y, c->stream);
     }
     cuda_graph_op_leave(c, st);
     return st;

@@ -159,8 +159,9 @@ __global__ void moe_gather_kernel(const uint16_t *x, const float *weights, const
         wg[i] = weights[pair[i]];
 }
 
-/* y[t][d] = bf16(fp32(sum of the row's expert outputs, ascending expert, then the shared one)),
- * the sum in double. pos[t][j]: row of the j-th output of row t in og. */
+/* y[t][d] = bf16(fp32(sum of the row's expert outputs in the order of pos, then the shared
+ * one)), the sum in double. pos[t][j]: row of the j-th output of row t in og. Also the
+ * expert-parallel exchange's combine (ep.cu), whose twin sums the same way. */
 __global__ void moe_combine_kernel(const uint16_t *og, const int32_t *pos, uint32_t top_k,
                                    const uint16_t *os, uint32_t dim, uint32_t n_rows, uint16_t *y)
 {
@@ -205,11 +206,12 @@ static di_status launch_gather(cuda_ctx *c, const kern_moe_experts *p, const int
     return cuda_launched(c, "moe_gather_kernel");
 }
 
-static di_status launch_combine(cuda_ctx *c, const kern_moe_experts *p, const uint16_t *og,
-                                const int32_t *pos, const uint16_t *os, cudaStream_t stream)
+di_status cuda_moe_combine(cuda_ctx *c, const uint16_t *og, const int32_t *pos, uint32_t top_k,
+                           const uint16_t *os, uint32_t dim, uint32_t n_rows, uint16_t *y,
+                           cudaStream_t stream)
 {
-    cuda_launch(c, "moe_combine_kernel", moe_combine_kernel, elem_grid((size_t)p->n_rows * p->dim),
-                CUDA_THREADS, 0, stream, og, pos, p->top_k, os, p->dim, p->n_rows, p->y);
+    cuda_launch(c, "moe_combine_kernel", moe_combine_kernel, elem_grid((size_t)n_rows * dim),
+                CUDA_THREADS, 0, stream, og, pos, top_k, os, dim, n_rows, y);
     return cuda_launched(c, "moe_combine_kernel");
 }
 
@@ -794,8 +796,9 @@ static di_status run_device_planned(cuda_ctx *c, const kern_moe_experts *p,
     else if (st == DI_OK && p->shared_inter)
         st = run_shared(c, p, &pl, w);
     if (st == DI_OK)
-        st = launch_combine(c, p, (const uint16_t *)(w + pl.og), b.pos,
-                            p->shared_inter ? (const uint16_t *)(w + pl.os) : NULL, c->stream);
+        st = cuda_moe_combine(c, (const uint16_t *)(w + pl.og), b.pos, p->top_k,
+                              p->shared_inter ? (const uint16_t *)(w + pl.os) : NULL, p->dim,
+                              p->n_rows, p->y, c->stream);
     return st;
 }
 
@@ -861,8 +864,9 @@ di_status cuda_op_moe_experts(void *ctx, const kern_moe_experts *p)
     else if (st == DI_OK && p->shared_inter)
         st = run_shared(c, p, &pl, w);
     if (st == DI_OK)
-        st = launch_combine(c, p, (const uint16_t *)(w + pl.og), (const int32_t *)(dev + pl.off_pos),
-                            p->shared_inter ? (const uint16_t *)(w + pl.os) : NULL, c->stream);
+        st = cuda_moe_combine(c, (const uint16_t *)(w + pl.og), (const int32_t *)(dev + pl.off_pos),
+                              p->top_k, p->shared_inter ? (const uint16_t *)(w + pl.os) : NULL,
+                              p->dim, p->n_rows, p->y, c->stream);
     plan_free(&pl);
     if (st != DI_OK)
         di_error_prefix(&c->last, "moe_experts: ");
