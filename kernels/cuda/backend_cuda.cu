@@ -545,6 +545,9 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     c->moe_per_expert = cfg->moe_per_expert != 0;
     c->attn_old = cfg->attn_old != 0;
     c->index_group_rows = cfg->index_group_rows > 1 ? cfg->index_group_rows : 1;
+    c->index_block_rows = cfg->index_block_rows < 0 ? UINT32_MAX
+                          : cfg->index_block_rows == 0 ? CUDA_INDEX_BLOCK_ROWS
+                                                       : (uint32_t)cfg->index_block_rows;
     c->graph.on = cfg->graphs != 0;
     c->graph.split = cfg->graph_split;
     c->workspace_bytes = cfg->workspace_bytes ? cfg->workspace_bytes : DEFAULT_WORKSPACE_BYTES;

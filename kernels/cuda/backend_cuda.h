@@ -81,6 +81,10 @@ typedef struct kern_cuda_config {
     int index_group_rows;       /* index_scores scores up to this many consecutive rows of one
                                  * sequence in one CTA, their keys decoded once (at most 8);
                                  * 0 = 1: each row alone, the faster on the H200 (docs/cuda.md) */
+    int index_block_rows;       /* index_scores scores a sequence of at least this many rows of
+                                 * a call by blocks of 8 of its rows on the block kernel (each
+                                 * decoded key tile feeds 8 rows x 32 heads); 0 = the default
+                                 * (16), negative = never (every row on the per-row kernel) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */

@@ -177,6 +177,8 @@ typedef struct cuda_ctx {
     int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
     int attn_old;               /* 1: sparse_attn never takes the decode kernel (kern_cuda_config) */
     int index_group_rows;       /* index_scores' rows per CTA at most, >= 1 (kern_cuda_config) */
+    uint32_t index_block_rows;  /* index_scores' block kernel from this many rows of a sequence
+                                 * (kern_cuda_config resolved; UINT32_MAX = never) */
     uint8_t *bi;                /* staging of the batch-invariant GEMM chunks (gemm.cu) */
     size_t bi_bytes;
     cuda_plan plans[CUDA_PLAN_SLOTS]; /* written by gemm.cu */
@@ -440,6 +442,9 @@ di_status cuda_linear_run(cuda_ctx *c, const kern_linear *p, kern_wfmt fmt);
 #define CUDA_MOE_GROUPED_ROWS 64
 /* Rows of one group in a launch (a larger expert group is split into several). */
 #define CUDA_MOE_GROUP_ROWS 16
+
+/* index_scores: the block kernel from this many rows of one sequence in a call (index.cu). */
+#define CUDA_INDEX_BLOCK_ROWS 16
 
 /* One group: rows [start, start + n) of the call's bucket order, all routed to one expert
  * (or rows of x for the shared expert). */

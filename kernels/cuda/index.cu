@@ -18,6 +18,20 @@
  * summed in fp32 in head order by one thread per entry; the score is rounded to bf16.
  * Tolerance: bf16 1 ulp.
  *
+ * Prefill: a sequence of at least kern_cuda_config.index_block_rows rows in the call (16 by
+ * default; decode steps stay on the kernel above) is scored by the block kernel: one CTA per
+ * (block of IDXB_ROWS consecutive rows of the sequence, span of IDXB_SPAN entries), one warp
+ * per row. The CTA stages its rows' queries (heads padded to 16) in shared memory once and walks
+ * its span's IDX_TE-entry tiles up to the block's widest row (past it: -inf), decoding each tile
+ * once for all its rows. A warp computes, per 16 entries, the entries x heads product of its
+ * row by m16n8k16 mma.sync (keys as A, queries as B, both through ldmatrix), each 32-number
+ * block into a fresh fp32 accumulator and the blocks added in double in block order in
+ * registers: the same exact block sums and the same double sum as above, so the same bits.
+ * The BF16 roundings and the head weights are applied on the accumulators; the head sum runs
+ * in head order along the four lanes that hold an entry's heads (two heads per lane and n-tile,
+ * passed on by shuffles), so each score is the twin's fp32 sum in head order. Entries past a
+ * row's own bound (inside the block's tiles) and outside the candidate mask get -inf.
+ *
  * Selection (candidates and top-k), one CTA per row: the rank of an item is the twin's 64-bit
  * key (order-preserving bits of the score above the complemented index, so ties go to the lower
  * index). A radix select over the 32 score bits (4 passes of 8 bits) finds the score V of the
@@ -46,6 +60,10 @@ using namespace nvcuda;
 #define IDX_MAX_HD 256
 #define IDX_SUB (IDX_THREADS / IDX_TE) /* threads per entry in the head sum */
 #define IDX_SMEM_LIMIT (227 * 1024)
+#define IDXB_ROWS 8                   /* rows per block-kernel CTA: one warp each */
+#define IDXB_THREADS (IDXB_ROWS * 32)
+#define IDXB_SPAN 512                 /* entries per block-kernel CTA (tiles of IDX_TE) */
+#define IDXB_MAX_HEADS 32             /* heads of the block kernel: four n-tiles of 8 */
 #define SEL_THREADS 256
 #define SEL_WARPS (SEL_THREADS / 32)
 #define SEL_SHARED (3 + SEL_WARPS)
@@ -102,7 +120,56 @@ static __host__ __device__ scores_smem scores_layout(uint32_t nh, uint32_t hd, u
     return L;
 }
 
+/* Shared buffers of a block-kernel CTA: the rows' queries (heads padded to 16), one key tile,
+ * its key addresses and the rows' head weights. */
+static __host__ __device__ scores_smem block_layout(uint32_t nh, uint32_t hd)
+{
+    scores_smem L;
+    size_t ld = (size_t)hd + 8, nq = (size_t)IDXB_ROWS * heads_pad(nh);
+    L.q = 0;
+    L.k = L.q + idx_round(nq * ld * 2);
+    L.kp = L.k + idx_round((size_t)IDX_TE * ld * 2);
+    L.hw = L.kp + idx_round(IDX_TE * sizeof(void *));
+    L.part = 0;
+    L.total = L.hw + idx_round(nq * 4);
+    return L;
+}
+
 /* ---- device helpers ---- */
+
+__device__ __forceinline__ uint32_t idx_smem_addr(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+
+/* Four 8x8 b16 matrices from shared memory (lane i gives a row address of matrix i / 8). */
+__device__ __forceinline__ void idx_ldm_x4(uint32_t *r, const void *p)
+{
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(idx_smem_addr(p)));
+}
+
+/* d += a b, m16n8k16, bf16 operands, fp32 accumulators. */
+__device__ __forceinline__ void idx_mma(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
+{
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bf16_round_dev(float x)
+{
+    return dev_bf16_to_f32(dev_f32_to_bf16(x));
+}
+
+/* A head's term of a score: bf16(w * relu(bf16(dot))), as the twin. */
+__device__ __forceinline__ float head_term(double dot, float w)
+{
+    float d = bf16_round_dev((float)dot);
+    return bf16_round_dev(__fmul_rn(w, d > 0.0f ? d : 0.0f));
+}
 
 /* Order-preserving bits of a score (the twin's rank_key without the index). */
 __device__ __forceinline__ uint32_t score_key(float f)
@@ -304,6 +371,133 @@ index_scores_kernel(scores_args a)
     }
 }
 
+/* One warp's row over 16 entries e0 + [0, 16) of the tile in Ks (entry mt * 16 of the tile):
+ * the scores of its row (query rows Qr, head weights hwr). */
+__device__ __forceinline__ void block_row_scores(const scores_args &a, const uint16_t *Ks,
+                                                 const uint16_t *Qr, const float *hwr,
+                                                 uint32_t ld, uint32_t t, uint32_t nvt,
+                                                 uint32_t e0, uint32_t mt)
+{
+    const uint32_t lane = threadIdx.x % 32, nt_n = (a.n_heads + 7) / 8;
+    double ds[4][4] = {}; /* [n-tile][fragment element]: the blocks' sum so far */
+    const uint16_t *ka = Ks + (size_t)(mt * 16 + lane % 16) * ld + (lane / 16) * 8;
+    const uint16_t *qb = Qr + (size_t)((lane / 16) * 8 + lane % 8) * ld + ((lane / 8) % 2) * 8;
+    for (uint32_t b = 0; b < a.head_dim / 32; b++) {
+        float acc[4][4] = {}; /* this 32-number block's sums */
+#pragma unroll
+        for (uint32_t k = 0; k < 32; k += 16) {
+            uint32_t af[4], bf[4];
+            idx_ldm_x4(af, ka + b * 32 + k);
+#pragma unroll
+            for (uint32_t np = 0; np < 2; np++) {
+                if (2 * np >= nt_n)
+                    break;
+                idx_ldm_x4(bf, qb + (size_t)np * 16 * ld + b * 32 + k);
+                idx_mma(acc[2 * np], af, bf[0], bf[1]);
+                if (2 * np + 1 < nt_n)
+                    idx_mma(acc[2 * np + 1], af, bf[2], bf[3]);
+            }
+        }
+#pragma unroll
+        for (int nt = 0; nt < 4; nt++)
+#pragma unroll
+            for (int i = 0; i < 4; i++)
+                ds[nt][i] += (double)acc[nt][i];
+    }
+    /* lane (g, c) holds entries g and g + 8, heads nt * 8 + 2c and + 1: the head sum in head
+     * order passes along c = 0..3 for each n-tile in turn */
+    const uint32_t c = lane % 4, quad = lane & ~3u;
+    float s0 = 0.0f, s1 = 0.0f;
+#pragma unroll
+    for (uint32_t nt = 0; nt < 4; nt++) {
+        if (nt >= nt_n)
+            break;
+        const float w0 = hwr[nt * 8 + 2 * c], w1 = hwr[nt * 8 + 2 * c + 1];
+        const float e00 = head_term(ds[nt][0], w0), e01 = head_term(ds[nt][1], w1);
+        const float e10 = head_term(ds[nt][2], w0), e11 = head_term(ds[nt][3], w1);
+#pragma unroll
+        for (uint32_t cc = 0; cc < 4; cc++) {
+            float n0 = __fadd_rn(__fadd_rn(s0, e00), e01), n1 = __fadd_rn(__fadd_rn(s1, e10), e11);
+            s0 = __shfl_sync(0xffffffffu, n0, quad | cc);
+            s1 = __shfl_sync(0xffffffffu, n1, quad | cc);
+        }
+    }
+    if (c < 2) {
+        const uint32_t ge = e0 + lane / 4 + c * 8;
+        if (ge < a.max_vis) {
+            bool masked = a.cand_mask && !a.cand_mask[(size_t)t * a.cand_stride + ge / a.cand_block];
+            a.scores[(size_t)t * a.stride + ge] =
+                ge >= nvt || masked ? -INFINITY : bf16_round_dev(c == 0 ? s0 : s1);
+        }
+    }
+}
+
+/* The block kernel (file comment): CTA (span blockIdx.x, block of rows a.group0 + blockIdx.y). */
+__global__ void __launch_bounds__(IDXB_THREADS, 2)
+index_scores_block_kernel(scores_args a)
+{
+    extern __shared__ __align__(128) uint8_t idx_smem_buf[];
+    const uint32_t g = a.group0 + blockIdx.y, span0 = blockIdx.x * IDXB_SPAN;
+    const uint32_t t0 = a.groups[2 * g], n_rows = a.groups[2 * g + 1];
+    const uint32_t span1 = span0 + IDXB_SPAN < a.max_vis ? span0 + IDXB_SPAN : a.max_vis;
+    uint32_t nv = 0; /* the block's widest row */
+    for (uint32_t r = 0; r < n_rows; r++)
+        nv = (uint32_t)a.n_visible[t0 + r] > nv ? (uint32_t)a.n_visible[t0 + r] : nv;
+    const uint32_t live = nv < span1 ? nv : span1; /* entries [span0, live) are scored */
+    /* the span's tiles past the block's widest row: -inf */
+    const uint32_t dead0 = live > span0 ? (live + IDX_TE - 1) / IDX_TE * IDX_TE : span0;
+    if (dead0 < span1) {
+        const uint32_t w = span1 - dead0;
+        for (uint32_t i = threadIdx.x; i < n_rows * w; i += blockDim.x)
+            a.scores[(size_t)(t0 + i / w) * a.stride + dead0 + i % w] = -INFINITY;
+    }
+    if (live <= span0)
+        return;
+    const uint32_t hd = a.head_dim, ld = hd + 8, nh = a.n_heads, nhp = heads_pad(nh);
+    const scores_smem L = block_layout(nh, hd);
+    uint16_t *Qs = (uint16_t *)(idx_smem_buf + L.q), *Ks = (uint16_t *)(idx_smem_buf + L.k);
+    float *hw = (float *)(idx_smem_buf + L.hw);
+    const uint8_t **kp = (const uint8_t **)(idx_smem_buf + L.kp);
+    const cuda_seq s = a.seqs[a.row_seq[t0]];
+    const uint32_t oct = hd / 8; /* 16-byte pieces of a head's query */
+    for (uint32_t i = threadIdx.x; i < IDXB_ROWS * nhp * oct; i += blockDim.x) {
+        const uint32_t qr = i / oct, d = (i % oct) * 8, r = qr / nhp, h = qr % nhp;
+        uint4 v = make_uint4(0, 0, 0, 0);
+        if (r < n_rows && h < nh)
+            v = *reinterpret_cast<const uint4 *>(a.q + ((size_t)(t0 + r) * nh + h) * hd + d);
+        *reinterpret_cast<uint4 *>(Qs + (size_t)qr * ld + d) = v;
+    }
+    for (uint32_t qr = threadIdx.x; qr < IDXB_ROWS * nhp; qr += blockDim.x) {
+        const uint32_t r = qr / nhp, h = qr % nhp;
+        hw[qr] = r < n_rows && h < nh
+                     ? bf16_round_dev((float)((double)dev_bf16_to_f32(a.w[(size_t)(t0 + r) * nh + h]) *
+                                              a.w_scale))
+                     : 0.0f;
+    }
+    const uint32_t warp = threadIdx.x / 32, t = t0 + warp;
+    const uint32_t nvt = warp < n_rows ? (uint32_t)a.n_visible[t] : 0;
+    for (uint32_t e0 = span0; e0 < live; e0 += IDX_TE) {
+        __syncthreads(); /* the previous tile's keys are read */
+        decode_keys(a, s, e0, nv, Ks, ld, kp);
+        __syncthreads();
+        if (warp >= n_rows)
+            continue;
+        for (uint32_t mt = 0; mt < IDX_TE / 16; mt++) {
+            const uint32_t m0 = e0 + mt * 16;
+            if (m0 >= span1)
+                break;
+            if (m0 >= nvt) { /* past the row's bound: -inf */
+                const uint32_t ge = m0 + threadIdx.x % 32;
+                if (threadIdx.x % 32 < 16 && ge < span1)
+                    a.scores[(size_t)t * a.stride + ge] = -INFINITY;
+                continue;
+            }
+            block_row_scores(a, Ks, Qs + (size_t)warp * nhp * ld, hw + warp * nhp, ld, t, nvt,
+                             m0, mt);
+        }
+    }
+}
+
 /* Candidate block scores: bs[t][b] = max of the block's visible scores (the twin's sequential
  * `>` scan from -inf), the newest block +inf. */
 __global__ void cand_scores_kernel(const float *scores, size_t stride, const int32_t *n_visible,
@@ -385,22 +579,21 @@ __global__ void topk_select_kernel(const float *scores, size_t stride, const int
 
 /* ---- launchers ---- */
 
-static di_status launch_index_scores(cuda_ctx *c, scores_args *a, uint32_t n_groups,
-                                     uint32_t group_rows, cudaStream_t stream)
+/* One of the scores kernels over n_groups groups (grid y, at most 65,535 a launch) and `spans`
+ * spans of entries (grid x), with `smem` bytes of shared memory. */
+static di_status launch_scores(cuda_ctx *c, const char *name, void (*kernel)(scores_args),
+                               scores_args *a, uint32_t n_groups, uint32_t spans,
+                               uint32_t threads, size_t smem, cudaStream_t stream)
 {
-    assert(a->head_dim % 32 == 0 && a->head_dim <= IDX_MAX_HD && a->n_heads <= IDX_MAX_HEADS);
-    scores_smem L = scores_layout(a->n_heads, a->head_dim, group_rows);
-    di_status st = cuda_check(c, cudaFuncSetAttribute(index_scores_kernel,
+    di_status st = cuda_check(c, cudaFuncSetAttribute(kernel,
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                      (int)L.total),
+                                                      (int)smem),
                               "index_scores: cudaFuncSetAttribute");
-    uint32_t tiles = (a->max_vis + IDX_TE - 1) / IDX_TE;
     for (uint32_t g0 = 0; st == DI_OK && g0 < n_groups; g0 += 65535) {
         a->group0 = g0;
-        dim3 grid(tiles, n_groups - g0 < 65535 ? n_groups - g0 : 65535);
-        cuda_launch(c, "index_scores_kernel", index_scores_kernel, grid, IDX_THREADS, L.total,
-                    stream, *a);
-        st = cuda_launched(c, "index_scores_kernel");
+        dim3 grid(spans, n_groups - g0 < 65535 ? n_groups - g0 : 65535);
+        cuda_launch(c, name, kernel, grid, threads, smem, stream, *a);
+        st = cuda_launched(c, name);
     }
     return st;
 }
@@ -446,21 +639,25 @@ static di_status max_visible(cuda_ctx *c, const char *op, const int32_t *nv, uin
     return DI_OK;
 }
 
-/* The scores' row groups: runs of consecutive rows of one sequence, at most `cap` rows each,
- * written as (first row, rows) pairs to grp when it is not NULL; returns their count, the
- * largest in *widest. */
-static uint32_t score_groups(const kern_index_scores *p, uint32_t cap, uint32_t *grp,
-                             uint32_t *widest)
+/* The scores' row groups of one kernel: the runs of consecutive rows of one sequence whose
+ * length is in [lo, hi), cut into groups of at most `cap` rows, written as (first row, rows)
+ * pairs to grp when it is not NULL; returns their count, the largest in *widest. */
+static uint32_t score_groups(const kern_index_scores *p, uint32_t cap, uint32_t lo, uint32_t hi,
+                             uint32_t *grp, uint32_t *widest)
 {
     uint32_t g = 0;
-    for (uint32_t t = 0; t < p->n_rows; g++) {
-        uint32_t n = 1;
-        while (t + n < p->n_rows && n < cap && p->row_seq[t + n] == p->row_seq[t])
-            n++;
-        if (grp)
-            grp[2 * g] = t, grp[2 * g + 1] = n;
-        *widest = n > *widest ? n : *widest;
-        t += n;
+    for (uint32_t t = 0; t < p->n_rows;) {
+        uint32_t run = 1;
+        while (t + run < p->n_rows && p->row_seq[t + run] == p->row_seq[t])
+            run++;
+        for (uint32_t r = 0; run >= lo && run < hi && r < run; g++) {
+            uint32_t n = run - r < cap ? run - r : cap;
+            if (grp)
+                grp[2 * g] = t + r, grp[2 * g + 1] = n;
+            *widest = n > *widest ? n : *widest;
+            r += n;
+        }
+        t += run;
     }
     return g;
 }
@@ -512,17 +709,28 @@ di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
                                                  &c->smem_optin, 48 * 1024);
     while (group_rows > 1 && scores_layout(p->n_heads, p->head_dim, group_rows).total > smem)
         group_rows--;
+    /* the block kernel for sequences of at least index_block_rows rows in the call (at most
+     * IDXB_MAX_HEADS heads, 16-byte aligned queries) */
+    uint32_t block_min = c->index_block_rows;
+    if (p->n_heads > IDXB_MAX_HEADS || (uintptr_t)p->q % 16 ||
+        block_layout(p->n_heads, p->head_dim).total > smem)
+        block_min = UINT32_MAX;
     cuda_meta_reset(c);
-    size_t seq_off = 0, table_off = 0, nv_off = 0, rs_off = 0, grp_off = 0;
+    size_t seq_off = 0, table_off = 0, nv_off = 0, rs_off = 0, grp_off = 0, blk_off = 0;
     uint8_t *dev = NULL;
-    uint32_t widest = 1, n_groups = score_groups(p, group_rows, NULL, &widest);
+    uint32_t widest = 1, bwidest = 1;
+    uint32_t n_groups = score_groups(p, group_rows, 0, block_min, NULL, &widest);
+    uint32_t n_blocks = score_groups(p, IDXB_ROWS, block_min, UINT32_MAX, NULL, &bwidest);
     group_rows = widest; /* the launch's shared memory: the largest group's (occupancy) */
     if ((st = cuda_meta_seqs(c, "index_scores", p->seqs, n_seqs, 0, &seq_off, &table_off, NULL)) != DI_OK ||
         (st = cuda_meta_push(c, p->n_visible, (size_t)p->n_rows * 4, &nv_off)) != DI_OK ||
         (st = cuda_meta_push(c, p->row_seq, (size_t)p->n_rows * 4, &rs_off)) != DI_OK ||
-        (st = cuda_meta_push(c, NULL, (size_t)n_groups * 8, &grp_off)) != DI_OK)
+        (st = cuda_meta_push(c, NULL, (size_t)n_groups * 8, &grp_off)) != DI_OK ||
+        (st = cuda_meta_push(c, NULL, (size_t)n_blocks * 8, &blk_off)) != DI_OK)
         return st;
-    score_groups(p, group_rows, (uint32_t *)cuda_meta_at(c, grp_off), &widest);
+    score_groups(p, group_rows, 0, block_min, (uint32_t *)cuda_meta_at(c, grp_off), &widest);
+    score_groups(p, IDXB_ROWS, block_min, UINT32_MAX, (uint32_t *)cuda_meta_at(c, blk_off),
+                 &bwidest);
     if ((st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
         return st;
     uint64_t vis_cap = p->cand_mask ? (uint64_t)p->cand_stride * p->cand_block : p->stride;
@@ -537,9 +745,21 @@ di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p)
     a.per_block = p->pool.entries_per_block;
     a.cand_mask = p->cand_mask, a.cand_stride = p->cand_stride, a.cand_block = p->cand_block;
     a.scores = p->scores, a.stride = p->stride;
-    a.groups = (const uint32_t *)(dev + grp_off);
     a.n_heads = p->n_heads, a.head_dim = p->head_dim, a.max_vis = max_vis;
-    return launch_index_scores(c, &a, n_groups, group_rows, c->stream);
+    assert(p->head_dim <= IDX_MAX_HD && p->n_heads <= IDX_MAX_HEADS);
+    a.groups = (const uint32_t *)(dev + grp_off);
+    if (n_groups > 0 &&
+        (st = launch_scores(c, "index_scores_kernel", index_scores_kernel, &a, n_groups,
+                            (max_vis + IDX_TE - 1) / IDX_TE, IDX_THREADS,
+                            scores_layout(p->n_heads, p->head_dim, group_rows).total,
+                            c->stream)) != DI_OK)
+        return st;
+    a.groups = (const uint32_t *)(dev + blk_off);
+    if (n_blocks == 0)
+        return DI_OK;
+    return launch_scores(c, "index_scores_block_kernel", index_scores_block_kernel, &a, n_blocks,
+                         (max_vis + IDXB_SPAN - 1) / IDXB_SPAN, IDXB_THREADS,
+                         block_layout(p->n_heads, p->head_dim).total, c->stream);
 }
 
 di_status cuda_op_index_candidates(void *ctx, const kern_index_candidates *p)

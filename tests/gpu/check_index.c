@@ -9,11 +9,18 @@
  * Scores come from FP4 queries and keys as in the model (and once from queries that are not
  * FP4 values), with candidate masks; selections get ties on purpose (scores from a handful of
  * values), -inf runs, NaN, rows with nothing visible, k above and below the visible count.
+ * Prefill shapes: long sequences (the block kernel from 16 rows of a sequence), several
+ * sequences in one call (blocks of 8 rows cut at each sequence's end, short ones on the per-row
+ * kernel in the same call), rows whose bound falls inside a tile or a span, head counts that
+ * are not a multiple of 8, 64 heads (the per-row kernel); every scores case also runs with every
+ * row on the per-row kernel (grouped by 8), which must give the same bits (FP4 queries).
  * The three ops also run chained as the forward runs them (scores -> candidates -> masked
  * scores -> top-k), each stage fed from the CPU's previous stage.
  * With --bench: scores and top-k at V4.1-Flash shapes (32 heads of 128, top-512) for 1, 8, 64
- * and 384 decode rows and 64 sequences of 6 rows, next to the copy bandwidth and BF16 GEMM
- * ceiling of the same run.
+ * and 384 decode rows and 64 sequences of 6 rows, and the scores of a 4,096- and a 16,384-row
+ * prefill chunk of one sequence (ratio-1 keys, row t sees t + 1) on the block kernel and on the
+ * per-row kernel, next to the copy bandwidth and BF16 GEMM ceiling of the same run.
+ * CHECK_INDEX_BENCH=prefill (for a profiler): only the prefill timings, no checks.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error. */
 #include <inttypes.h>
 #include <math.h>
@@ -29,7 +36,8 @@
 static const char usage[] =
     "usage: check_index [--bench] [--seed N]\n"
     "  CUDA index_scores, index_candidates, index_topk against the C twins; --bench adds\n"
-    "  V4.1-Flash timings\n";
+    "  V4.1-Flash timings (decode rows and 4,096- and 16,384-row prefill chunks)\n"
+    "  CHECK_INDEX_BENCH=prefill: only the prefill timings, no checks (for a profiler)\n";
 
 #define MAX_SEQS 4
 #define SHOW 5
@@ -120,8 +128,11 @@ typedef struct score_case {
     uint32_t stride_pad;
 } score_case;
 
-/* The backend with kern_cuda_config.index_group_rows = 8 (set in main). */
-static kern_backend *g_grouped;
+/* The backends with every row on the per-row kernel (kern_cuda_config.index_block_rows -1):
+ * rows of a sequence 8 to a CTA (index_group_rows 8) and each row alone (set in main). */
+static kern_backend *g_grouped, *g_rows;
+/* CHECK_INDEX_BENCH=prefill: only the prefill timings (set in main). */
+static int g_prefill_only;
 
 static void check_scores(chk_env *env, const score_case *sc)
 {
@@ -173,14 +184,16 @@ static void check_scores(chk_env *env, const score_case *sc)
     chk_cpu_status(env->cpu.ops.index_scores(env->cpu.ctx, &p), what);
     if (!bad)
         bad = cmp_scores(what, out, gout, T, stride, max_vis);
-    /* the rows of a sequence scored together (index_group_rows 8): the same bits */
+    /* every row on the per-row kernel, the rows of a sequence 8 to a CTA (index_group_rows 8):
+     * the same bits as the block kernel where the queries are FP4 values (exact block sums),
+     * else the twin's tolerance */
     float *grouped = chk_malloc((size_t)T * stride * 4);
     chk_poison(grouped, (size_t)T * stride * 4);
     chk_put(env, dout, grouped, (size_t)T * stride * 4);
     p.q = dq, p.w = dw, p.seqs = kv.seqs_d, p.pool = kv.pool_d, p.cand_mask = sc->masked ? dmask : NULL;
     p.scores = dout;
-    char w2[300];
-    snprintf(w2, sizeof(w2), "%s (rows of a sequence together)", what);
+    char w2[320];
+    snprintf(w2, sizeof(w2), "%s (per-row kernel, rows of a sequence together)", what);
     di_error e;
     if (!bad)
         bad = chk_gpu_status(env, g_grouped->ops.index_scores(g_grouped->ctx, &p), w2);
@@ -188,7 +201,8 @@ static void check_scores(chk_env *env, const score_case *sc)
         bad = chk_gpu_status(env, kern_cuda_sync(g_grouped, &e), w2);
     if (!bad) {
         chk_get(env, grouped, dout, (size_t)T * stride * 4);
-        bad = chk_cmp_bytes(w2, gout, grouped, (size_t)T * stride * 4);
+        bad = sc->fp4_q ? chk_cmp_bytes(w2, gout, grouped, (size_t)T * stride * 4)
+                        : cmp_scores(w2, out, grouped, T, stride, max_vis);
     }
     free(grouped);
     chk_count(env, bad);
@@ -401,6 +415,22 @@ static void sweep(chk_env *env)
         {1, {SQ(2, 62, 64)}, 64, 256, 1, 2, 0, 1, 0},
         /* decode steps of 1 + 5 rows: a sequence's rows scored together */
         {3, {SQ(6, 3000, 3006), SQ(6, 1000, 1006), SQ(1, 77, 78)}, 32, 128, 1, 128, 1, 1, 0},
+        /* prefill: one sequence from position 0 (ratio 2: its first row sees nothing) */
+        {1, {SQ(300, 0, 150)}, 32, 128, 2, 128, 0, 1, 0},
+        /* bounds crossing the 512-entry span of a block CTA, candidate mask */
+        {1, {SQ(200, 450, 650)}, 32, 128, 1, 64, 1, 1, 3},
+        /* three sequences: blocks cut at 45 and 37 rows, a 3-row one on the per-row kernel */
+        {3, {SQ(45, 100, 145), SQ(3, 40, 43), SQ(37, 600, 637)}, 32, 128, 1, 128, 0, 1, 0},
+        /* ratio 2 with a 17-row sequence seeing 2-10 entries, masked */
+        {2, {SQ(70, 1000, 535), SQ(17, 3, 10)}, 32, 128, 2, 128, 1, 1, 2},
+        /* 20 heads (three n-tiles of 8, the last half padding) of 96, blocks of 8 entries */
+        {1, {SQ(24, 50, 74)}, 20, 96, 1, 8, 0, 1, 1},
+        /* queries that are not FP4 values on the block kernel */
+        {1, {SQ(40, 0, 40)}, 8, 64, 1, 16, 0, 0, 0},
+        /* 64 heads: the per-row kernel at any row count */
+        {1, {SQ(20, 10, 30)}, 64, 256, 1, 32, 0, 1, 0},
+        /* a long sequence: three spans */
+        {2, {SQ(1100, 0, 1100), SQ(16, 5, 21)}, 8, 64, 1, 128, 0, 1, 0},
     };
     int c0 = env->checks;
     for (size_t i = 0; i < sizeof(scs) / sizeof(scs[0]); i++)
@@ -455,9 +485,10 @@ static di_status bench_call(void *arg, int i)
 }
 
 /* n_seqs sequences of `per` rows each (the rows of a sequence share its keys), `visible`
- * ratio-1 keys per row. */
-static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, uint32_t visible, double copy,
-                       double peak)
+ * ratio-1 keys per row; causal: one prefill chunk from position 0 (row t sees t + 1 keys,
+ * `visible` = per), its scores on the block kernel and on the per-row kernel. */
+static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, uint32_t visible, int causal,
+                       double copy, double peak)
 {
     const uint32_t rows = n_seqs * per;
     di_rng rng;
@@ -479,11 +510,14 @@ static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, uint32_t vis
     for (uint32_t q = 0; q < n_seqs; q++) {
         for (uint32_t b = 0; b < nb; b++)
             tables[(size_t)q * nb + b] = (uint32_t)di_rng_below(&rng, B_POOL);
-        seqs[q] = (kern_seq){.row0 = q * per, .n_rows = per, .pos0 = visible - per,
+        seqs[q] = (kern_seq){.row0 = q * per, .n_rows = per, .pos0 = causal ? 0 : visible - per,
                              .blocks = tables + (size_t)q * nb, .n_blocks = nb, .ring_hi = -1};
     }
-    for (uint32_t r = 0; r < rows; r++)
-        nv[r] = (int32_t)visible, rs[r] = (int32_t)(r / per);
+    double seen = 0; /* visible (row, key) pairs */
+    for (uint32_t r = 0; r < rows; r++) {
+        nv[r] = causal ? (int32_t)(r % per + 1) : (int32_t)visible, rs[r] = (int32_t)(r / per);
+        seen += nv[r];
+    }
     size_t qn = (size_t)rows * B_HEADS * B_HD;
     uint16_t *hq = chk_malloc(qn * 2);
     fill_fp4_bf16(hq, qn, 1, &rng);
@@ -501,21 +535,25 @@ static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, uint32_t vis
                             .n_visible = nv, .out = chk_dev_alloc(env, (size_t)rows * B_TOPK * 4)};
     char label[32];
     snprintf(label, sizeof(label), "%u x %u", n_seqs, per);
-    static const int ops[3] = {0, 2, 1}; /* scores (rows alone), scores (rows together), top-k */
+    /* decode: scores (default: rows alone), scores (rows together), top-k; causal: scores
+     * (default: the block kernel), scores on the per-row kernel */
+    static const int ops[2][3] = {{0, 2, 1}, {0, 3, -1}};
     for (int oi = 0; oi < 3; oi++) {
-        int op = ops[oi];
-        if (op == 2 && per == 1)
+        int op = ops[causal != 0][oi];
+        if (op < 0 || (op == 2 && per == 1))
             continue;
         b.op = op == 1;
-        b.be = op == 2 ? g_grouped : &env->gpu;
+        b.be = op == 2 ? g_grouped : op == 3 ? g_rows : &env->gpu;
         double ms = chk_time_ms_on(env, b.be, bench_call, &b, 3, 20);
-        op = op == 2 ? 0 : op;
-        double flops = op == 0 ? 2.0 * rows * B_HEADS * B_HD * (double)visible : 0;
-        double bytes = op == 0 ? n_seqs * (double)visible * B_KEY +
+        double flops = op != 1 ? 2.0 * B_HEADS * B_HD * seen : 0;
+        double bytes = op != 1 ? n_seqs * (double)visible * B_KEY +
                                      rows * ((double)visible * 4 + B_HEADS * B_HD * 2.0)
                                : rows * (double)visible * 4;
-        const char *name = op == 1 ? "index_topk 512" : b.be == g_grouped ? "  rows together"
-                                                                             : "index_scores";
+        const char *name = op == 1   ? "index_topk 512"
+                           : op == 2 ? "  rows together"
+                           : op == 3 ? "  per-row kernel"
+                           : causal  ? "index_scores blk"
+                                     : "index_scores";
         if (ms <= 0) {
             printf("%-16s %9s %8u failed (message above)\n", name, label, visible);
             continue;
@@ -533,33 +571,52 @@ static void bench(chk_env *env)
 {
     double copy = gpu_copy_gbs((size_t)1 << 30, 20);
     double peak = chk_gemm_ceiling(env);
-    printf("\nindexer at V4.1-Flash decode shapes (32 heads of 128, one sequence per row, ratio-1 "
-           "keys)\nceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s; bytes = "
-           "keys read once per sequence, q read and scores written per row (top-k: scores read)\n", copy, peak);
-    printf("%-16s %9s %8s %9s %9s %7s %7s %7s\n", "op", "seqs x rows", "visible", "us", "TFLOP/s", "GB/s",
-           "of GEMM", "of copy");
-    bench_rows(env, 1, 1, 16384, copy, peak);
-    bench_rows(env, 8, 1, 16384, copy, peak);
-    bench_rows(env, 64, 1, 16384, copy, peak);
-    bench_rows(env, 64, 6, 16384, copy, peak);
-    bench_rows(env, 64, 1, 65536, copy, peak);
-    bench_rows(env, 384, 1, 16384, copy, peak);
+    printf("\nceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 %.0f TFLOP/s; bytes = keys "
+           "read once per sequence, q read and scores written per row (top-k: scores read)\n",
+           copy, peak);
+    const char *hdr = "%-16s %9s %8s %9s %9s %7s %7s %7s\n";
+    if (!g_prefill_only) {
+        printf("indexer at V4.1-Flash decode shapes (32 heads of 128, one sequence per row, "
+               "ratio-1 keys)\n");
+        printf(hdr, "op", "seqs x rows", "visible", "us", "TFLOP/s", "GB/s", "of GEMM", "of copy");
+        bench_rows(env, 1, 1, 16384, 0, copy, peak);
+        bench_rows(env, 8, 1, 16384, 0, copy, peak);
+        bench_rows(env, 64, 1, 16384, 0, copy, peak);
+        bench_rows(env, 64, 6, 16384, 0, copy, peak);
+        bench_rows(env, 64, 1, 65536, 0, copy, peak);
+        bench_rows(env, 384, 1, 16384, 0, copy, peak);
+    }
+    printf("\nindex_scores of a prefill chunk (one sequence from position 0, ratio-1 keys: row t "
+           "sees t + 1; FLOPs of the visible pairs, all rows x rows columns written)\n");
+    printf(hdr, "op", "seqs x rows", "visible", "us", "TFLOP/s", "GB/s", "of GEMM", "of copy");
+    bench_rows(env, 1, 4096, 4096, 1, copy, peak);
+    bench_rows(env, 1, 16384, 16384, 1, copy, peak);
 }
 
 int main(int argc, char **argv)
 {
     chk_env env;
     int want_bench = chk_init(&env, argc, argv, usage);
-    kern_backend grouped;
-    kern_cuda_config cfg = {.index_group_rows = 8};
+    kern_backend grouped, alone;
+    kern_cuda_config cfg = {.index_group_rows = 8, .index_block_rows = -1};
+    kern_cuda_config cfg1 = {.index_block_rows = -1};
     di_error e;
     if (kern_cuda_create(&cfg, &grouped, &e) != DI_OK) {
         fprintf(stderr, "CUDA backend (index_group_rows 8): %s\n", e.msg);
         return 2;
     }
-    g_grouped = &grouped;
-    sweep(&env);
+    if (kern_cuda_create(&cfg1, &alone, &e) != DI_OK) {
+        fprintf(stderr, "CUDA backend (index_block_rows -1): %s\n", e.msg);
+        kern_cuda_destroy(&grouped);
+        return 2;
+    }
+    g_grouped = &grouped, g_rows = &alone;
+    const char *only = getenv("CHECK_INDEX_BENCH");
+    g_prefill_only = only && strcmp(only, "prefill") == 0;
+    if (!g_prefill_only)
+        sweep(&env);
     int rc = chk_finish(&env, "check_index", want_bench, bench);
+    kern_cuda_destroy(&alone);
     kern_cuda_destroy(&grouped);
     return rc;
 }
