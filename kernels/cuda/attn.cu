@@ -60,7 +60,6 @@ typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_majo
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> frag_b;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> frag_c;
 
-
 /* Byte offsets of the shared buffers for a head width and entry capacity. */
 typedef struct attn_smem {
     size_t q, k, s, ph, pl, ptr, fmt, lut, blk, misc, total;
