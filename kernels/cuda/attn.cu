@@ -1,8 +1,13 @@
 /* attn.cu: sparse attention with a learned sink (kern_sparse_attn, MODEL.md §2.5 steps 5-8; C
- * twin: kernels/cpu/ops_attn.c). Key set of row t of sequence s at position p: the window
- * positions (this step's entries from `local`, older ones from the sequence's ring, or for a
- * draft block the ring up to ring_hi and every row of the block) and the compressed entries of
- * the row's top-k list, read from the paged blocks. Keys are values (MQA over one latent).
+ * twin: kernels/cpu/ops_attn.c): the op's entry (its checks) and the kernel it ran before the
+ * tile kernel of attn_decode.cu, which now takes every row, decode and prefill alike. This
+ * kernel runs only under kern_cuda_config.attn_old, which check_attn holds to the twin on every
+ * case and times against the tile kernel in the same run; it covers nothing the tile kernel does
+ * not (the tile kernel has no key-slot limit, takes any q and out alignment). Key set of row t
+ * of sequence s at position p: the window positions (this step's entries from `local`, older
+ * ones from the sequence's ring, or for a draft block the ring up to ring_hi and every row of
+ * the block) and the compressed entries of the row's top-k list, read from the paged blocks.
+ * Keys are values (MQA over one latent).
  *
  * One CTA per (row, group of ATTN_HG = 16 heads), ATTN_WARPS warps, tensor cores through WMMA
  * (bf16 operands, fp32 accumulation):
@@ -54,28 +59,6 @@ typedef wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_majo
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> frag_bt;
 typedef wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::row_major> frag_b;
 typedef wmma::fragment<wmma::accumulator, 16, 16, 16, float> frag_c;
-
-/* Everything the kernel reads: the op's params with the step metadata in device memory. */
-typedef struct attn_args {
-    const uint16_t *q;          /* [T, H, hd] */
-    const uint8_t *local;       /* [T, ring entry] */
-    uint16_t *out;              /* [T, H, hd] */
-    const float *sink;          /* [H] */
-    const int32_t *topk;        /* [T, topk_n] or NULL */
-    uint32_t topk_n;
-    const cuda_seq *seqs;       /* device metadata */
-    const uint32_t *tables;
-    const int32_t *row_seq;     /* [T] */
-    const uint8_t *blocks;      /* the compressed pool */
-    size_t block_bytes, main_offset, main_entry_bytes;
-    uint32_t per_block;
-    size_t ring_offset;
-    uint32_t ring_positions, window;
-    uint32_t n_heads, head_dim;
-    float scale;
-    uint32_t ne_pad;            /* entry capacity of the shared buffers (multiple of ATTN_TE) */
-    uint32_t skip_decode;       /* 1: rows of short sequences are attn_decode.cu's */
-} attn_args;
 
 /* Byte offsets of the shared buffers for a head width and entry capacity. */
 typedef struct attn_smem {
@@ -144,7 +127,7 @@ __device__ void decode_tile(const uint8_t *const *ptr, const uint8_t *fmt, uint3
 }
 
 /* First window position row `pos` of sequence s reads (the twin's window_lo_of). */
-__device__ __forceinline__ int64_t window_first(const attn_args &a, const cuda_seq &s, int64_t pos)
+__device__ __forceinline__ int64_t window_first(const cuda_attn_args &a, const cuda_seq &s, int64_t pos)
 {
     int64_t lo = pos - (int64_t)a.window + 1;
     if (lo < 0)
@@ -159,7 +142,7 @@ __device__ __forceinline__ int64_t window_first(const attn_args &a, const cuda_s
  * slot / ATTN_BLOCK: window slots first (a normal row's window takes `window` slots, empty ones
  * included), then one slot per top-k position, -1 included. Returns the entry count (all
  * threads). */
-__device__ uint32_t build_entries(const attn_args &a, uint32_t t, const uint8_t **ptr,
+__device__ uint32_t build_entries(const cuda_attn_args &a, uint32_t t, const uint8_t **ptr,
                                   uint8_t *fmt, uint32_t *misc)
 {
     const cuda_seq s = a.seqs[a.row_seq[t]];
@@ -219,14 +202,12 @@ __device__ uint32_t build_entries(const attn_args &a, uint32_t t, const uint8_t 
 /* ---- kernel ---- */
 
 __global__ void __launch_bounds__(ATTN_THREADS)
-sparse_attn_kernel(attn_args a)
+sparse_attn_kernel(cuda_attn_args a)
 {
     extern __shared__ __align__(128) uint8_t attn_smem_buf[];
     const uint32_t hd = a.head_dim, ldq = hd + 8, ne_pad = a.ne_pad;
     const uint32_t t = blockIdx.x, h0 = blockIdx.y * ATTN_HG;
     const uint32_t warp = threadIdx.x / 32;
-    if (a.skip_decode && a.seqs[a.row_seq[t]].n_rows <= CUDA_ATTN_DECODE_ROWS)
-        return;
     const attn_smem L = attn_layout(hd, ne_pad);
     uint16_t *Qs = (uint16_t *)(attn_smem_buf + L.q);
     uint16_t *Ks = (uint16_t *)(attn_smem_buf + L.k);
@@ -373,7 +354,7 @@ sparse_attn_kernel(attn_args a)
 
 /* ---- launcher ---- */
 
-static di_status launch_sparse_attn(cuda_ctx *c, const attn_args *a, uint32_t n_rows,
+static di_status launch_sparse_attn(cuda_ctx *c, const cuda_attn_args *a, uint32_t n_rows,
                                     cudaStream_t stream)
 {
     assert(a->head_dim % 32 == 0 && a->head_dim <= ATTN_MAX_HD && a->ne_pad % ATTN_TE == 0);
@@ -458,6 +439,8 @@ di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p)
     uint32_t max_ent = 0;
     if ((st = attn_bound(c, p, &max_ent)) != DI_OK)
         return st;
+    if (!c->attn_old)
+        return cuda_attn_tiles(c, p);
     if ((uint64_t)max_ent + p->window > (uint64_t)ATTN_MAX_BLK * ATTN_BLOCK)
         return cuda_fail(c, DI_EUNSUPPORTED, "sparse_attn: %u keys per row and a window of %u "
                          "exceed %d key slots", max_ent, p->window, ATTN_MAX_BLK * ATTN_BLOCK);
@@ -472,32 +455,31 @@ di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p)
     if (attn_layout(p->head_dim, ne_pad).total > ATTN_SMEM_LIMIT)
         return cuda_fail(c, DI_EUNSUPPORTED, "sparse_attn: %u keys per row of %u numbers need "
                          "more shared memory than a block has", max_ent, p->head_dim);
-    cuda_attn_plan pl;
-    const int decode = !c->attn_old && cuda_attn_decode_plan(c, p, &pl);
     cuda_meta_reset(c);
     size_t seq_off = 0, table_off = 0, rs_off = 0;
-    uint8_t *dev = NULL, *part = NULL;
+    uint8_t *dev = NULL;
     if ((st = cuda_meta_seqs(c, "sparse_attn", p->seqs, p->n_seqs, p->n_rows, &seq_off,
                              &table_off, &rs_off)) != DI_OK ||
-        (st = cuda_meta_upload(c, 0, decode ? pl.scratch : 0, &dev, &part)) != DI_OK)
+        (st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
         return st;
-    attn_args a;
-    memset(&a, 0, sizeof(a));
-    a.q = p->q, a.local = p->local, a.out = p->out, a.sink = p->sink;
-    a.topk = p->topk, a.topk_n = p->topk ? p->topk_n : 0;
-    a.seqs = (const cuda_seq *)(dev + seq_off);
-    a.tables = (const uint32_t *)(dev + table_off);
-    a.row_seq = (const int32_t *)(dev + rs_off);
-    a.blocks = p->pool.blocks, a.block_bytes = p->pool.block_bytes;
-    a.main_offset = p->pool.main_offset, a.main_entry_bytes = p->pool.main_entry_bytes;
-    a.per_block = p->pool.entries_per_block;
-    a.ring_offset = p->ring_offset, a.ring_positions = p->ring_positions, a.window = p->window;
-    a.n_heads = p->n_heads, a.head_dim = p->head_dim, a.scale = p->scale, a.ne_pad = ne_pad;
-    a.skip_decode = (uint32_t)decode;
-    if (decode && pl.rows == p->n_rows)
-        return cuda_attn_decode(c, p, &pl, a.seqs, a.tables, a.row_seq, part);
-    st = launch_sparse_attn(c, &a, p->n_rows, c->stream);
-    if (st == DI_OK && decode)
-        st = cuda_attn_decode(c, p, &pl, a.seqs, a.tables, a.row_seq, part);
-    return st;
+    cuda_attn_args a;
+    cuda_attn_args_init(&a, p, dev, seq_off, table_off, rs_off);
+    a.ne_pad = ne_pad;
+    return launch_sparse_attn(c, &a, p->n_rows, c->stream);
+}
+
+void cuda_attn_args_init(cuda_attn_args *a, const kern_sparse_attn *p, const uint8_t *dev,
+                         size_t seq_off, size_t table_off, size_t row_seq_off)
+{
+    memset(a, 0, sizeof(*a));
+    a->q = p->q, a->local = p->local, a->out = p->out, a->sink = p->sink;
+    a->topk = p->topk, a->topk_n = p->topk ? p->topk_n : 0;
+    a->seqs = (const cuda_seq *)(dev + seq_off);
+    a->tables = (const uint32_t *)(dev + table_off);
+    a->row_seq = (const int32_t *)(dev + row_seq_off);
+    a->blocks = p->pool.blocks, a->block_bytes = p->pool.block_bytes;
+    a->main_offset = p->pool.main_offset, a->main_entry_bytes = p->pool.main_entry_bytes;
+    a->per_block = p->pool.entries_per_block;
+    a->ring_offset = p->ring_offset, a->ring_positions = p->ring_positions, a->window = p->window;
+    a->n_heads = p->n_heads, a->head_dim = p->head_dim, a->scale = p->scale;
 }

@@ -1,14 +1,16 @@
-/* attn_decode.cu: sparse attention with a sink for the rows of sequences with few rows (decode:
- * 1 + nextn rows; kern_sparse_attn, MODEL.md §2.5 steps 5-8; C twin: kernels/cpu/ops_attn.c).
- * attn.cu sends here every row whose sequence has at most CUDA_ATTN_DECODE_ROWS rows; its own
- * kernel takes the others (prefill chunks). Keys are values (MQA over one latent).
+/* attn_decode.cu: the tile kernel of sparse attention with a sink, for every row of the call,
+ * decode rows (1 + nextn a sequence) and prefill chunks alike (kern_sparse_attn, MODEL.md §2.5
+ * steps 5-8; C twin: kernels/cpu/ops_attn.c; attn.cu checks the op and calls
+ * cuda_attn_tiles). Keys are values (MQA over one latent).
  *
  * A row's key slots are the twin's: the window slots (a normal row: `window` slots, empty ones
- * included; a draft block: the ring up to ring_hi, then every row of the block), then one slot
- * per top-k position (-1 empty). One CTA per (row, split of the slots, group of up to 64 heads):
- * every head of the group in one CTA, so each entry is read and decoded once for the scores
- * and the values of all of them. A split is a range of `chunk` slots (a multiple of 16); the
- * CTA walks it by tiles, a tile being the split's part of one 64-slot softmax block:
+ * included, positions of this step from `local` and older ones from the ring, so a prefill row
+ * whose window crosses the chunk start reads both; a draft block: the ring up to ring_hi, then
+ * every row of the block), then one slot per top-k position (-1 and ids past the block table
+ * empty). One CTA per (row, split of the slots, group of up to 64 heads): every head of the
+ * group in one CTA, so each entry is read and decoded once for the scores and the values of
+ * all of them. A split is a range of `chunk` slots (a multiple of 16); the CTA walks it by
+ * tiles, a tile being the split's part of one 64-slot softmax block:
  *  1. the tile's slot addresses (one thread per slot, compacted by ballot), the entries decoded
  *     into bf16 in shared memory (E4M3 x UE8M0 ring entries and E2M1 x E4M3 compressed ones
  *     are exact in bf16), zero rows up to a multiple of 16;
@@ -26,10 +28,14 @@
  * twin: double), the block sums of P V in fp32 (the twin: double), and a split starts its own
  * running max, so where a split does not start at slot 0 its p are rounded to bf16 against
  * another max (a relative 2^-9 per weight at most): within kernels.h's abs 2e-2 and cosine
- * 0.9999 per head. The split plan depends on the call's row count (more splits for fewer rows,
- * to fill the SMs), so a row's bits may change with the batch; in batch-invariant mode the
- * chunk is fixed (CUDA_ATTN_BI_CHUNK slots) and a row's result depends on nothing else in the
- * call. */
+ * 0.9999 per head.
+ * Splits: about one CTA per SM for the call (floor(SMs / (rows x head groups)) splits of at
+ * least 64 slots), so a call of at least as many rows as SMs (a prefill chunk, a large decode
+ * batch) takes one split and no combine. The plan depends on the call's row count, so a row's
+ * bits may change with the batch; in batch-invariant mode the plan depends on the row's
+ * sequence alone: rows of sequences of at most CUDA_ATTN_DECODE_ROWS rows take splits of
+ * CUDA_ATTN_BI_CHUNK slots, the others one split (two launches where a call holds both, each
+ * over its list of rows). */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -52,28 +58,6 @@
 #define AD_COMBINE_THREADS 128
 #define AD_MAX_SPLIT 1024             /* splits per row at most (the combine's factors) */
 #define AD_MIN_SPLIT AD_TE            /* slots per split at least, unless the mode fixes it */
-
-typedef struct ad_args {
-    const uint16_t *q;          /* [T, H, hd] */
-    const uint8_t *local;       /* [T, ring entry] */
-    uint16_t *out;              /* [T, H, hd] */
-    const float *sink;          /* [H] */
-    const int32_t *topk;        /* [T, topk_n] or NULL */
-    uint32_t topk_n;
-    const cuda_seq *seqs;
-    const uint32_t *tables;
-    const int32_t *row_seq;
-    const uint8_t *blocks;
-    size_t block_bytes, main_offset, main_entry_bytes;
-    uint32_t per_block;
-    size_t ring_offset;
-    uint32_t ring_positions, window;
-    uint32_t n_heads, head_dim;
-    float scale;
-    uint32_t chunk, n_split;
-    float *part;                /* [T, n_split, H, hd] partial numerators, or NULL (one split) */
-    float *ml;                  /* [T, n_split, H, 2]: running max and denominator */
-} ad_args;
 
 typedef struct ad_smem {
     size_t q, k, s, p, stage, ptr, fmt, lut, head, misc, total;
@@ -169,7 +153,7 @@ typedef struct ad_win {
     uint32_t slots;             /* window slots (filled or not) */
 } ad_win;
 
-__device__ __forceinline__ ad_win ad_window(const ad_args &a, const cuda_seq &s, uint32_t t)
+__device__ __forceinline__ ad_win ad_window(const cuda_attn_args &a, const cuda_seq &s, uint32_t t)
 {
     ad_win w;
     w.pos = s.pos0 + ((int64_t)t - s.row0);
@@ -193,7 +177,7 @@ __device__ __forceinline__ ad_win ad_window(const ad_args &a, const cuda_seq &s,
 }
 
 /* The entry of key slot i of row t (NULL: an empty slot); *fmt 0 ring format, 1 compressed. */
-__device__ __forceinline__ const uint8_t *ad_slot(const ad_args &a, const cuda_seq &s,
+__device__ __forceinline__ const uint8_t *ad_slot(const cuda_attn_args &a, const cuda_seq &s,
                                                   const ad_win &w, uint32_t t, uint32_t i,
                                                   uint8_t *fmt)
 {
@@ -277,7 +261,7 @@ __device__ __forceinline__ void ad_tile(uint32_t lo, uint32_t hi, uint32_t k, ui
 /* Warps 0 and 1: the entries of slots [b0, b1) compacted in slot order into ptr, fmt (bit 1
  * set where the entry is copied to the stage: 16-byte aligned and of a whole number of 16-byte
  * chunks) and misc[2] = their count. */
-__device__ void ad_entries(const ad_args &a, const cuda_seq &s, const ad_win &w, uint32_t t,
+__device__ void ad_entries(const cuda_attn_args &a, const cuda_seq &s, const ad_win &w, uint32_t t,
                            uint32_t b0, uint32_t b1, const uint8_t **ptr, uint8_t *fmt,
                            uint32_t *misc)
 {
@@ -321,13 +305,12 @@ __device__ void ad_stage_copy(const uint8_t *const *ptr, const uint8_t *fmt, uin
 /* ---- kernels ---- */
 
 __global__ void __launch_bounds__(AD_THREADS, 1)
-attn_decode_kernel(ad_args a)
+attn_tile_kernel(cuda_attn_args a)
 {
     extern __shared__ __align__(128) uint8_t ad_smem_buf[];
-    const uint32_t t = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * AD_HG;
+    const uint32_t lr = blockIdx.x, split = blockIdx.y, h0 = blockIdx.z * AD_HG;
+    const uint32_t t = a.rows ? (uint32_t)a.rows[lr] : lr; /* lr: the row of the launch */
     const cuda_seq s = a.seqs[a.row_seq[t]];
-    if (s.n_rows > CUDA_ATTN_DECODE_ROWS) /* a prefill chunk: attn.cu's kernel */
-        return;
     const uint32_t hd = a.head_dim, ld = hd + 8;
     const uint32_t warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const uint32_t nh = a.n_heads - h0 < AD_HG ? a.n_heads - h0 : AD_HG, n_mt = (nh + 15) / 16;
@@ -346,13 +329,22 @@ attn_decode_kernel(ad_args a)
 
     for (uint32_t i = threadIdx.x; i < 256 + 16; i += blockDim.x)
         lut8[i] = i < 256 ? dev_e4m3_decode((uint8_t)i) : dev_e2m1_decode((uint8_t)(i - 256));
-    {   /* the row's queries of the group, 16 bytes at a time; zero rows past the last head */
+    {   /* the row's queries of the group, 16 bytes at a time where q is aligned; zero rows
+         * past the last head */
         const uint32_t per = hd / 8;
-        const uint4 *src = reinterpret_cast<const uint4 *>(a.q + ((size_t)t * a.n_heads + h0) * hd);
+        const uint16_t *qr = a.q + ((size_t)t * a.n_heads + h0) * hd;
+        const bool vec = ((uintptr_t)a.q & 15u) == 0;
         for (uint32_t i = threadIdx.x; i < AD_HG * per; i += blockDim.x) {
             uint32_t h = i / per, c = i % per;
-            *reinterpret_cast<uint4 *>(Qs + (size_t)h * ld + c * 8) =
-                h < nh ? __ldg(src + (size_t)h * per + c) : make_uint4(0u, 0u, 0u, 0u);
+            uint4 v = make_uint4(0u, 0u, 0u, 0u);
+            if (h < nh && vec) {
+                v = __ldg(reinterpret_cast<const uint4 *>(qr + (size_t)h * hd) + c);
+            } else if (h < nh) {
+                const uint16_t *e = qr + (size_t)h * hd + c * 8;
+                v = make_uint4(e[0] | (uint32_t)e[1] << 16, e[2] | (uint32_t)e[3] << 16,
+                               e[4] | (uint32_t)e[5] << 16, e[6] | (uint32_t)e[7] << 16);
+            }
+            *reinterpret_cast<uint4 *>(Qs + (size_t)h * ld + c * 8) = v;
         }
     }
     if (threadIdx.x < AD_HG) {
@@ -493,7 +485,7 @@ attn_decode_kernel(ad_args a)
         den[h] = __fadd_rn(l_run[h], (float)exp((double)__fsub_rn(sk, m_run[h])));
     }
     if (a.part && threadIdx.x < nh) {
-        float *ml = a.ml + (((size_t)t * a.n_split + split) * a.n_heads + h0 + threadIdx.x) * 2;
+        float *ml = a.ml + (((size_t)lr * a.n_split + split) * a.n_heads + h0 + threadIdx.x) * 2;
         ml[0] = m_run[threadIdx.x];
         ml[1] = l_run[threadIdx.x];
     }
@@ -512,11 +504,17 @@ attn_decode_kernel(ad_args a)
                 continue;
             const float x0 = acc[j][2 * half], x1 = acc[j][2 * half + 1];
             if (a.part) {
-                float *o = a.part + (((size_t)t * a.n_split + split) * a.n_heads + h0 + h) * hd + col;
+                float *o = a.part + (((size_t)lr * a.n_split + split) * a.n_heads + h0 + h) * hd + col;
                 *reinterpret_cast<float2 *>(o) = make_float2(x0, x1);
             } else {
                 uint16_t *o = a.out + ((size_t)t * a.n_heads + h0 + h) * hd + col;
-                *reinterpret_cast<uint32_t *>(o) = ad_pack(__fdiv_rn(x0, den[h]), __fdiv_rn(x1, den[h]));
+                const uint32_t v = ad_pack(__fdiv_rn(x0, den[h]), __fdiv_rn(x1, den[h]));
+                if (((uintptr_t)o & 3u) == 0) {
+                    *reinterpret_cast<uint32_t *>(o) = v;
+                } else {
+                    o[0] = (uint16_t)v;
+                    o[1] = (uint16_t)(v >> 16);
+                }
             }
         }
     }
@@ -525,14 +523,13 @@ attn_decode_kernel(ad_args a)
 /* One block per (row, head): the splits combined in split order (the factors computed once
  * per split). */
 __global__ void __launch_bounds__(AD_COMBINE_THREADS)
-attn_combine_kernel(ad_args a)
+attn_combine_kernel(cuda_attn_args a)
 {
     __shared__ float f[AD_MAX_SPLIT];
     __shared__ float l_s;
-    const uint32_t t = blockIdx.x, h = blockIdx.y, hd = a.head_dim;
-    if (a.seqs[a.row_seq[t]].n_rows > CUDA_ATTN_DECODE_ROWS)
-        return;
-    const float *ml = a.ml + ((size_t)t * a.n_split * a.n_heads + h) * 2;
+    const uint32_t lr = blockIdx.x, h = blockIdx.y, hd = a.head_dim;
+    const uint32_t t = a.rows ? (uint32_t)a.rows[lr] : lr;
+    const float *ml = a.ml + ((size_t)lr * a.n_split * a.n_heads + h) * 2;
     const size_t sstride = (size_t)a.n_heads * 2;
     float M = -1e30f;
     for (uint32_t j = 0; j < a.n_split; j++)
@@ -548,7 +545,7 @@ attn_combine_kernel(ad_args a)
     }
     __syncthreads();
     const float l = l_s;
-    const float *part = a.part + ((size_t)t * a.n_split * a.n_heads + h) * hd;
+    const float *part = a.part + ((size_t)lr * a.n_split * a.n_heads + h) * hd;
     const size_t pstride = (size_t)a.n_heads * hd;
     for (uint32_t d = threadIdx.x; d < hd; d += blockDim.x) {
         float o = 0.0f;
@@ -560,92 +557,146 @@ attn_combine_kernel(ad_args a)
 
 /* ---- host side ---- */
 
-/* Key slots of the largest decode row, and whether any row is one. */
-static uint32_t ad_max_slots(const kern_sparse_attn *p)
+/* A launch over some of the call's rows. */
+typedef struct ad_plan {
+    uint32_t rows;              /* rows of the launch */
+    uint32_t slots;             /* key slots of its largest row */
+    uint32_t chunk, n_split;
+    size_t scratch;             /* bytes of the splits' partial sums (0: one split) */
+} ad_plan;
+
+/* Key slots of a row of sequence s. */
+static uint64_t ad_seq_slots(const kern_sparse_attn *p, const kern_seq *s)
 {
-    uint64_t mx = 0;
-    for (uint32_t i = 0; i < p->n_seqs; i++) {
-        const kern_seq *s = &p->seqs[i];
-        if (s->n_rows == 0 || s->n_rows > CUDA_ATTN_DECODE_ROWS)
-            continue;
-        uint64_t win = p->window;
-        if (s->ring_hi >= 0) {
-            int64_t first = s->ring_hi - (int64_t)p->window + 1 < 0 ? 0 : s->ring_hi - (int64_t)p->window + 1;
-            win = (uint64_t)(s->ring_hi - first + 1) + s->n_rows;
-        }
-        uint64_t n = win + (p->topk ? p->topk_n : 0);
-        mx = n > mx ? n : mx;
+    uint64_t win = p->window;
+    if (s->ring_hi >= 0) {
+        int64_t first = s->ring_hi - (int64_t)p->window + 1 < 0 ? 0 : s->ring_hi - (int64_t)p->window + 1;
+        win = (uint64_t)(s->ring_hi - first + 1) + s->n_rows;
     }
-    return (uint32_t)mx;
+    return win + (p->topk ? p->topk_n : 0);
 }
 
-int cuda_attn_decode_plan(cuda_ctx *c, const kern_sparse_attn *p, cuda_attn_plan *pl)
+/* Sequence s in class cls: 0 every sequence, 1 decode (at most CUDA_ATTN_DECODE_ROWS rows),
+ * 2 prefill (more). */
+static int ad_in_class(const kern_seq *s, int cls)
+{
+    return s->n_rows > 0 && (cls == 0 || (cls == 1) == (s->n_rows <= CUDA_ATTN_DECODE_ROWS));
+}
+
+/* The rows and largest slot count of class cls, and its splits: `chunk` slots a split (0:
+ * about one CTA per SM; UINT32_MAX: one split). */
+static void ad_plan_class(cuda_ctx *c, const kern_sparse_attn *p, int cls, uint32_t chunk,
+                          ad_plan *pl)
 {
     memset(pl, 0, sizeof(*pl));
-    for (uint32_t i = 0; i < p->n_seqs; i++)
-        if (p->seqs[i].n_rows > 0 && p->seqs[i].n_rows <= CUDA_ATTN_DECODE_ROWS)
-            pl->rows += p->seqs[i].n_rows;
-    if (pl->rows == 0 || (uintptr_t)p->q % 16 != 0 ||
-        ad_layout(p->head_dim).total > (size_t)cuda_device_attr(c, cudaDevAttrMaxSharedMemoryPerBlockOptin,
-                                                               &c->smem_optin, 48 * 1024))
-        return 0;
-    const uint32_t slots = ad_max_slots(p);
-    if (c->batch_invariant) { /* a row's splits depend on its own slots only */
-        pl->chunk = CUDA_ATTN_BI_CHUNK;
-    } else { /* about one CTA per SM for the call's decode rows, splits of >= 64 slots */
+    uint64_t mx = 0;
+    for (uint32_t i = 0; i < p->n_seqs; i++) {
+        if (!ad_in_class(&p->seqs[i], cls))
+            continue;
+        pl->rows += p->seqs[i].n_rows;
+        uint64_t n = ad_seq_slots(p, &p->seqs[i]);
+        mx = n > mx ? n : mx;
+    }
+    pl->slots = (uint32_t)mx; /* attn.cu bounds it */
+    const uint32_t units = (pl->slots + AD_SPLIT_UNIT - 1) / AD_SPLIT_UNIT;
+    if (chunk == UINT32_MAX) {
+        pl->chunk = units ? units * AD_SPLIT_UNIT : AD_SPLIT_UNIT;
+    } else if (chunk) {
+        pl->chunk = chunk;
+    } else {
         const uint32_t groups = (p->n_heads + AD_HG - 1) / AD_HG;
         const uint32_t sms = (uint32_t)cuda_device_attr(c, cudaDevAttrMultiProcessorCount, &c->sm_count, 132);
-        const uint32_t units = (slots + AD_SPLIT_UNIT - 1) / AD_SPLIT_UNIT;
-        const uint32_t most = (slots + AD_MIN_SPLIT - 1) / AD_MIN_SPLIT;
-        uint32_t want = sms / (pl->rows * groups);
+        const uint32_t most = (pl->slots + AD_MIN_SPLIT - 1) / AD_MIN_SPLIT;
+        uint64_t want = sms / ((uint64_t)pl->rows * groups);
         want = want > most ? most : want;
         want = want < 1 ? 1 : want;
-        pl->chunk = units ? (units + want - 1) / want * AD_SPLIT_UNIT : AD_SPLIT_UNIT;
+        pl->chunk = units ? (uint32_t)((units + want - 1) / want) * AD_SPLIT_UNIT : AD_SPLIT_UNIT;
     }
-    pl->n_split = slots ? (slots + pl->chunk - 1) / pl->chunk : 1;
+    pl->n_split = pl->slots ? (pl->slots + pl->chunk - 1) / pl->chunk : 1;
     if (pl->n_split > AD_MAX_SPLIT) {
-        pl->chunk = (slots + AD_MAX_SPLIT - 1) / AD_MAX_SPLIT;
+        pl->chunk = (pl->slots + AD_MAX_SPLIT - 1) / AD_MAX_SPLIT;
         pl->chunk = (pl->chunk + AD_SPLIT_UNIT - 1) / AD_SPLIT_UNIT * AD_SPLIT_UNIT;
-        pl->n_split = (slots + pl->chunk - 1) / pl->chunk;
+        pl->n_split = (pl->slots + pl->chunk - 1) / pl->chunk;
     }
-    pl->scratch = pl->n_split > 1 ? (size_t)p->n_rows * pl->n_split * p->n_heads *
+    pl->scratch = pl->n_split > 1 ? (size_t)pl->rows * pl->n_split * p->n_heads *
                                         ((size_t)p->head_dim + 2) * 4 + 256
                                   : 0;
-    return 1;
 }
 
-di_status cuda_attn_decode(cuda_ctx *c, const kern_sparse_attn *p, const cuda_attn_plan *pl,
-                           const cuda_seq *seqs, const uint32_t *tables, const int32_t *row_seq,
-                           uint8_t *scratch)
+/* Queues the tile kernel (and the combine of the splits) over the launch's rows. */
+static di_status ad_launch(cuda_ctx *c, const kern_sparse_attn *p, cuda_attn_args a,
+                           const ad_plan *pl, const int32_t *rows, uint8_t *scratch)
 {
-    ad_args a;
-    memset(&a, 0, sizeof(a));
-    a.q = p->q, a.local = p->local, a.out = p->out, a.sink = p->sink;
-    a.topk = p->topk, a.topk_n = p->topk ? p->topk_n : 0;
-    a.seqs = seqs, a.tables = tables, a.row_seq = row_seq;
-    a.blocks = p->pool.blocks, a.block_bytes = p->pool.block_bytes;
-    a.main_offset = p->pool.main_offset, a.main_entry_bytes = p->pool.main_entry_bytes;
-    a.per_block = p->pool.entries_per_block;
-    a.ring_offset = p->ring_offset, a.ring_positions = p->ring_positions, a.window = p->window;
-    a.n_heads = p->n_heads, a.head_dim = p->head_dim, a.scale = p->scale;
+    a.rows = rows;
     a.chunk = pl->chunk, a.n_split = pl->n_split;
     if (pl->n_split > 1) {
         a.part = (float *)scratch;
-        a.ml = a.part + (size_t)p->n_rows * pl->n_split * p->n_heads * p->head_dim;
+        a.ml = a.part + (size_t)pl->rows * pl->n_split * p->n_heads * p->head_dim;
     }
     const ad_smem L = ad_layout(p->head_dim);
-    di_status st = cuda_check(c, cudaFuncSetAttribute(attn_decode_kernel,
+    dim3 grid(pl->rows, pl->n_split, (p->n_heads + AD_HG - 1) / AD_HG);
+    cuda_launch(c, "attn_tile_kernel", attn_tile_kernel, grid, AD_THREADS, L.total, c->stream, a);
+    di_status st = cuda_launched(c, "attn_tile_kernel");
+    if (st != DI_OK || pl->n_split == 1)
+        return st;
+    cuda_launch(c, "attn_combine_kernel", attn_combine_kernel, dim3(pl->rows, p->n_heads),
+                AD_COMBINE_THREADS, 0, c->stream, a);
+    return cuda_launched(c, "attn_combine_kernel");
+}
+
+di_status cuda_attn_tiles(cuda_ctx *c, const kern_sparse_attn *p)
+{
+    const ad_smem L = ad_layout(p->head_dim);
+    if (L.total > (size_t)cuda_device_attr(c, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                           &c->smem_optin, 48 * 1024))
+        return cuda_fail(c, DI_EUNSUPPORTED, "sparse_attn: head_dim %u needs %zu bytes of shared "
+                         "memory a block, more than the device has", p->head_dim, L.total);
+    di_status st = cuda_check(c, cudaFuncSetAttribute(attn_tile_kernel,
                                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
                                                       (int)L.total),
                               "sparse_attn: cudaFuncSetAttribute");
     if (st != DI_OK)
         return st;
-    dim3 grid(p->n_rows, pl->n_split, (p->n_heads + AD_HG - 1) / AD_HG);
-    cuda_launch(c, "attn_decode_kernel", attn_decode_kernel, grid, AD_THREADS, L.total, c->stream,
-                a);
-    if ((st = cuda_launched(c, "attn_decode_kernel")) != DI_OK || pl->n_split == 1)
+    /* the launches: every row, or in batch-invariant mode each class of rows on its own plan */
+    ad_plan pl[2];
+    int cls[2], n_l = 0;
+    if (c->batch_invariant) {
+        ad_plan_class(c, p, 1, CUDA_ATTN_BI_CHUNK, &pl[n_l]);
+        if (pl[n_l].rows)
+            cls[n_l++] = 1;
+        ad_plan_class(c, p, 2, UINT32_MAX, &pl[n_l]);
+        if (pl[n_l].rows)
+            cls[n_l++] = 2;
+    } else {
+        ad_plan_class(c, p, 0, 0, &pl[0]);
+        cls[n_l++] = 0;
+    }
+    size_t scratch = 0;
+    for (int k = 0; k < n_l; k++) /* the launches run in turn on the stream: one scratch */
+        scratch = pl[k].scratch > scratch ? pl[k].scratch : scratch;
+    cuda_meta_reset(c);
+    size_t seq_off = 0, table_off = 0, rs_off = 0, list_off[2] = {0, 0};
+    if ((st = cuda_meta_seqs(c, "sparse_attn", p->seqs, p->n_seqs, p->n_rows, &seq_off,
+                             &table_off, &rs_off)) != DI_OK)
         return st;
-    cuda_launch(c, "attn_combine_kernel", attn_combine_kernel, dim3(p->n_rows, p->n_heads),
-                AD_COMBINE_THREADS, 0, c->stream, a);
-    return cuda_launched(c, "attn_combine_kernel");
+    for (int k = 0; n_l > 1 && k < n_l; k++) /* a launch over part of the rows: its list */
+        if ((st = cuda_meta_push(c, NULL, (size_t)pl[k].rows * 4, &list_off[k])) != DI_OK)
+            return st;
+    for (int k = 0; n_l > 1 && k < n_l; k++) {
+        int32_t *list = (int32_t *)cuda_meta_at(c, list_off[k]);
+        uint32_t n = 0;
+        for (uint32_t i = 0; i < p->n_seqs; i++)
+            if (ad_in_class(&p->seqs[i], cls[k]))
+                for (uint32_t j = 0; j < p->seqs[i].n_rows; j++)
+                    list[n++] = (int32_t)(p->seqs[i].row0 + j);
+    }
+    uint8_t *dev = NULL, *part = NULL;
+    if ((st = cuda_meta_upload(c, 0, scratch, &dev, &part)) != DI_OK)
+        return st;
+    cuda_attn_args a;
+    cuda_attn_args_init(&a, p, dev, seq_off, table_off, rs_off);
+    for (int k = 0; k < n_l && st == DI_OK; k++)
+        st = ad_launch(c, p, a, &pl[k], n_l > 1 ? (const int32_t *)(dev + list_off[k]) : NULL,
+                       part);
+    return st;
 }

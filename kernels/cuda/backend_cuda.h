@@ -76,8 +76,9 @@ typedef struct kern_cuda_config {
                                  * previous version, for comparison); 0: the split per shape */
     int linear_stream_rows;     /* most rows of a linear_fp8 / linear_fp4 call on that kernel:
                                  * 0 = the default (16), at most 64, negative = never */
-    int attn_old;               /* 1: sparse_attn runs every row on the kernel of one CTA per
-                                 * (row, 16 heads), as before the decode kernel */
+    int attn_old;               /* 1: sparse_attn runs every row on attn.cu's kernel of one
+                                 * CTA per (row, 16 heads), as before the tile kernel (for
+                                 * check_attn's comparison in the same run) */
     int index_group_rows;       /* index_scores scores up to this many consecutive rows of one
                                  * sequence in one CTA, their keys decoded once (at most 8);
                                  * 0 = 1: each row alone, the faster on the H200 (docs/cuda.md) */

@@ -175,7 +175,8 @@ typedef struct cuda_ctx {
                                  * until first queried (cuda_device_attr) */
     int sm_count;               /* the device's SMs; 0 until first queried (cuda_device_attr) */
     int batch_invariant;        /* 1: batch-invariant mode (kern_cuda_set_batch_invariant) */
-    int attn_old;               /* 1: sparse_attn never takes the decode kernel (kern_cuda_config) */
+    int attn_old;               /* 1: sparse_attn on attn.cu's kernel, not the tile kernel
+                                 * (kern_cuda_config) */
     int index_group_rows;       /* index_scores' rows per CTA at most, >= 1 (kern_cuda_config) */
     uint32_t index_block_rows;  /* index_scores' block kernel from this many rows of a sequence
                                  * (kern_cuda_config resolved; UINT32_MAX = never) */
@@ -560,25 +561,45 @@ di_status cuda_op_compress_pool(void *ctx, const kern_compress_pool *p);
 di_status cuda_op_compressed_store(void *ctx, const kern_compressed_store *p);
 di_status cuda_op_sparse_attn(void *ctx, const kern_sparse_attn *p);
 
-/* ---- sparse attention of decode rows (attn_decode.cu) ---- */
+/* ---- sparse attention (attn.cu, attn_decode.cu) ---- */
 
-/* Rows of a sequence of at most this many rows take the decode kernel. */
+/* Everything the attention kernels read: the op's params with the step metadata in device
+ * memory (cuda_meta_seqs). */
+typedef struct cuda_attn_args {
+    const uint16_t *q;          /* [T, H, hd] */
+    const uint8_t *local;       /* [T, ring entry] */
+    uint16_t *out;              /* [T, H, hd] */
+    const float *sink;          /* [H] */
+    const int32_t *topk;        /* [T, topk_n] or NULL */
+    uint32_t topk_n;
+    const cuda_seq *seqs;
+    const uint32_t *tables;
+    const int32_t *row_seq;     /* [T] */
+    const uint8_t *blocks;      /* the compressed pool */
+    size_t block_bytes, main_offset, main_entry_bytes;
+    uint32_t per_block;
+    size_t ring_offset;
+    uint32_t ring_positions, window;
+    uint32_t n_heads, head_dim;
+    float scale;
+    const int32_t *rows;        /* the launch's rows (one per CTA column), or NULL: every row */
+    uint32_t chunk, n_split;    /* key slots per split, splits per row */
+    float *part;                /* [launch rows, n_split, H, hd] partial numerators, or NULL */
+    float *ml;                  /* [launch rows, n_split, H, 2]: running max and denominator */
+    uint32_t ne_pad;            /* attn.cu's kernel: entry capacity of its shared buffers */
+} cuda_attn_args;
+
+/* Rows of a sequence of more than this many rows are prefill rows: in batch-invariant mode
+ * they take one split, the others CUDA_ATTN_BI_CHUNK slots a split. */
 #define CUDA_ATTN_DECODE_ROWS 16
-/* Key slots per split in batch-invariant mode (a multiple of 16). */
+/* Key slots per split of decode rows in batch-invariant mode (a multiple of 16). */
 #define CUDA_ATTN_BI_CHUNK 128
-typedef struct cuda_attn_plan {
-    uint32_t rows;              /* rows of the call that take the decode kernel */
-    uint32_t chunk;             /* key slots per split */
-    uint32_t n_split;           /* splits per row */
-    size_t scratch;             /* device scratch for the splits' partial sums (0: one split) */
-} cuda_attn_plan;
-/* 1 when some rows of the call take the decode kernel (*pl filled), 0 when none does. */
-int cuda_attn_decode_plan(cuda_ctx *c, const kern_sparse_attn *p, cuda_attn_plan *pl);
-/* Queues the decode kernel (and the combine of the splits) over the call's decode rows; the
- * metadata as cuda_meta_seqs uploaded it; scratch holds pl->scratch bytes. */
-di_status cuda_attn_decode(cuda_ctx *c, const kern_sparse_attn *p, const cuda_attn_plan *pl,
-                           const cuda_seq *seqs, const uint32_t *tables, const int32_t *row_seq,
-                           uint8_t *scratch);
+/* Queues sparse_attn on the tile kernel of attn_decode.cu for every row of the call (p checked
+ * by cuda_op_sparse_attn). DI_EUNSUPPORTED where its shared memory does not fit the device. */
+di_status cuda_attn_tiles(cuda_ctx *c, const kern_sparse_attn *p);
+/* Fills the fields of a shared by both kernels from p and the uploaded metadata. */
+void cuda_attn_args_init(cuda_attn_args *a, const kern_sparse_attn *p, const uint8_t *dev,
+                         size_t seq_off, size_t table_off, size_t row_seq_off);
 di_status cuda_op_index_scores(void *ctx, const kern_index_scores *p);
 di_status cuda_op_index_candidates(void *ctx, const kern_index_candidates *p);
 di_status cuda_op_index_topk(void *ctx, const kern_index_topk *p);

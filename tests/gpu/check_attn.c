@@ -5,10 +5,17 @@
  * sequences' blocks scattered over the pool), window clips (window_lo), draft blocks
  * (ring_hi: the ring up to P plus every row of the block), rows without a long-range list;
  * heads 1, 4, 8, 20 and 64 (a partial group of 16), head widths 64, 128, 512; queries from zeros
- * to large (one-hot softmax) and sinks that dominate. Outputs are poisoned first; every row is
- * also computed alone and must equal, bit for bit, its value inside the batch.
- * With --bench: V4.1-Flash decode shapes (64 heads of 512, window 128 + 512 top-k entries, 64 and
- * 384 rows) next to the copy bandwidth and the BF16 GEMM ceiling measured in the same run.
+ * to large (one-hot softmax) and sinks that dominate; prefill chunks (rows whose window crosses
+ * the chunk start, chunks longer than the window, at V4.1-Flash width too), decode and prefill
+ * rows in one call, top-k lists with empty slots among the ids and ids past the block table
+ * (empty on the device; the twin, which asserts them, is given -1 there). Every case also runs
+ * with q and out two bytes off 16-byte alignment, on the kernel of one CTA per (row, 16 heads)
+ * (kern_cuda_config.attn_old) and in batch-invariant mode. Outputs are poisoned first; in batch-invariant mode the last sequence
+ * alone must give its rows of the batch bit for bit.
+ * With --bench: V4.1-Flash shapes (64 heads of 512, window 128 + 512 top-k entries): decode
+ * batches and prefill chunks of 4,096 and 16,384 rows, on the tile kernel and on the kernel of
+ * one CTA per (row, 16 heads) in the same run, next to the copy bandwidth and the BF16 GEMM
+ * ceiling measured in the same run.
  * Exit 0: all match; 1: a mismatch (parameters and first mismatches printed); 2: setup error. */
 #include <inttypes.h>
 #include <math.h>
@@ -23,14 +30,14 @@
 
 static const char usage[] =
     "usage: check_attn [--bench] [--seed N]\n"
-    "  CUDA sparse_attn against the C twin; --bench adds V4.1-Flash decode timings\n";
+    "  CUDA sparse_attn against the C twin; --bench adds V4.1-Flash decode and prefill timings\n";
 
 #define MAX_SEQS 6
 #define ATOL 2e-2
 #define MIN_COS 0.9999
 
 /* The backend with kern_cuda_config.attn_old: every row on the kernel of one CTA per (row,
- * 16 heads), the path of prefill chunks (set in main). */
+ * 16 heads), the path of prefill chunks before the tile kernel took them (set in main). */
 static kern_backend *g_old;
 
 typedef struct attn_case {
@@ -44,6 +51,8 @@ typedef struct attn_case {
     uint32_t per_block;
     int qmode;
     float sink_scale;
+    int holes;                      /* 1: of each row's ids, about 1/4 made -1 and 1/8 past the
+                                     * block table (-1 for the twin) */
 } attn_case;
 
 /* Per (row, head): elements within ATOL and cosine >= MIN_COS. Returns mismatches. */
@@ -171,11 +180,26 @@ static void check_attn(chk_env *env, const attn_case *ac, double *worst_abs, dou
     }
     if (ac->topk_n)
         make_topk(h.topk, ac, &kv, &rng);
+    int32_t *gtopk = chk_malloc(tn * 4); /* the device's list: ids past the table where the
+                                          * twin's has -1 */
+    memcpy(gtopk, h.topk, tn * 4);
+    for (uint32_t s = 0; ac->holes && s < ac->n_seqs; s++) {
+        const kern_seq *q = &kv.seqs_h[s];
+        for (size_t i = (size_t)q->row0 * ac->topk_n; i < (size_t)(q->row0 + q->n_rows) * ac->topk_n; i++) {
+            uint32_t r = di_rng_below(&rng, 8);
+            if (h.topk[i] >= 0 && r < 2) {
+                h.topk[i] = gtopk[i] = -1;
+            } else if (h.topk[i] >= 0 && r == 2) {
+                h.topk[i] = -1;
+                gtopk[i] = (int32_t)((uint64_t)q->n_blocks * ac->per_block + di_rng_below(&rng, 1000));
+            }
+        }
+    }
     chk_fill_f32(h.sink, ac->heads, ac->sink_scale, &rng);
     chk_fill_u16(h.out, qn, CHK_POISON_BF16);
     attn_bufs d = {.q = chk_dev_copy(env, h.q, qn * 2), .out = chk_dev_copy(env, h.out, qn * 2),
                    .local = chk_dev_copy(env, h.local, T * eb),
-                   .topk = chk_dev_copy(env, h.topk, tn * 4),
+                   .topk = chk_dev_copy(env, gtopk, tn * 4),
                    .sink = chk_dev_copy(env, h.sink, ac->heads * 4)};
     char sq[200], what[400];
     size_t len = 0;
@@ -184,9 +208,9 @@ static void check_attn(chk_env *env, const attn_case *ac, double *worst_abs, dou
                                 ac->seqs[s].n_rows, ac->seqs[s].pos0,
                                 ac->ring_hi[s] >= 0 ? "(draft)" : ac->window_lo[s] ? "(clip)" : "");
     snprintf(what, sizeof(what), "sparse_attn seqs=[%s] heads=%u hd=%u window=%u ring=%u topk=%u "
-             "ratio=%u per_block=%u q=%s sink_scale=%g seed=%" PRIu64, sq, ac->heads, hd,
+             "ratio=%u per_block=%u q=%s sink_scale=%g%s seed=%" PRIu64, sq, ac->heads, hd,
              ac->window, ac->ring, ac->topk_n, ac->ratio, ac->per_block,
-             chk_mode_name[ac->qmode], (double)ac->sink_scale, seed);
+             chk_mode_name[ac->qmode], (double)ac->sink_scale, ac->holes ? " holes" : "", seed);
     kern_sparse_attn p = attn_params(ac, T, &d, &kv.pool_d, ac->n_seqs, kv.seqs_d, ring_offset);
     size_t bad = chk_gpu_status(env, env->gpu.ops.sparse_attn(env->gpu.ctx, &p), what);
     uint16_t *gout = chk_malloc(qn * 2);
@@ -195,9 +219,23 @@ static void check_attn(chk_env *env, const attn_case *ac, double *worst_abs, dou
     chk_cpu_status(env->cpu.ops.sparse_attn(env->cpu.ctx, &p), what);
     if (!bad)
         bad = compare_heads(what, h.out, gout, T, ac->heads, hd, worst_abs, worst_cos);
+    char w2[480];
+    /* q and out two bytes off 16-byte alignment (the vector loads and stores give way) */
+    snprintf(w2, sizeof(w2), "%s (q and out misaligned)", what);
+    uint16_t *mq = chk_dev_alloc(env, qn * 2 + 16), *mo = chk_dev_alloc(env, qn * 2 + 16);
+    attn_bufs dm = d;
+    dm.q = mq + 1, dm.out = mo + 1;
+    chk_put(env, dm.q, h.q, qn * 2);
+    p = attn_params(ac, T, &dm, &kv.pool_d, ac->n_seqs, kv.seqs_d, ring_offset);
+    if (!bad)
+        bad = chk_gpu_status(env, env->gpu.ops.sparse_attn(env->gpu.ctx, &p), w2);
+    if (!bad) {
+        chk_get(env, gout, dm.out, qn * 2);
+        bad = compare_heads(w2, h.out, gout, T, ac->heads, hd, worst_abs, worst_cos);
+    }
+    chk_dev_free(env, mq), chk_dev_free(env, mo);
     /* the kernel of one CTA per (row, 16 heads) on the same case */
     p = attn_params(ac, T, &d, &kv.pool_d, ac->n_seqs, kv.seqs_d, ring_offset);
-    char w2[480];
     snprintf(w2, sizeof(w2), "%s (attn_old)", what);
     if (!bad)
         bad = chk_gpu_status(env, g_old->ops.sparse_attn(g_old->ctx, &p), w2);
@@ -224,7 +262,7 @@ static void check_attn(chk_env *env, const attn_case *ac, double *worst_abs, dou
     chk_dev_free(env, d.q), chk_dev_free(env, d.out), chk_dev_free(env, d.local);
     chk_dev_free(env, d.topk), chk_dev_free(env, d.sink);
     chk_kv_free(env, &kv);
-    free(h.q), free(h.out), free(h.local), free(h.topk), free(h.sink), free(gout);
+    free(h.q), free(h.out), free(h.local), free(h.topk), free(h.sink), free(gout), free(gtopk);
 }
 
 /* ---- refused inputs ---- */
@@ -273,28 +311,40 @@ static void sweep(chk_env *env)
 {
     static const attn_case cases[] = {
         /* V4.1-Flash decode: one row per sequence, full window and a full top-k list */
-        {2, {S(1, 5000, 2501, 1), S(1, 700, 351, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 512, 2, 64, CHK_NORMAL, 1.0f},
+        {2, {S(1, 5000, 2501, 1), S(1, 700, 351, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 512, 2, 64, CHK_NORMAL, 1.0f, 0},
         /* ratio 1, a short context (top-k not full), 20 heads (a partial group of 16) */
-        {3, {S(1, 40, 41, 1), S(1, 0, 1, 0), S(1, 129, 130, 1)}, NOCLIP, NODRAFT, 20, 512, 128, 134, 512, 1, 128, CHK_NORMAL, 3.0f},
+        {3, {S(1, 40, 41, 1), S(1, 0, 1, 0), S(1, 129, 130, 1)}, NOCLIP, NODRAFT, 20, 512, 128, 134, 512, 1, 128, CHK_NORMAL, 3.0f, 0},
         /* a prefill chunk from 0 (no ring reads, no slot) and one continuing mid-window */
-        {2, {S(63, 0, 32, 0), S(40, 150, 95, 1)}, NOCLIP, NODRAFT, 4, 64, 128, 134, 64, 2, 64, CHK_NORMAL, 1.0f},
-        /* a prefill chunk and decode rows in one call (both kernels, each row on one) */
-        {3, {S(40, 150, 95, 1), S(1, 5000, 2501, 1), S(6, 3000, 1501, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 512, 2, 64, CHK_NORMAL, 1.0f},
+        {2, {S(63, 0, 32, 0), S(40, 150, 95, 1)}, NOCLIP, NODRAFT, 4, 64, 128, 134, 64, 2, 64, CHK_NORMAL, 1.0f, 0},
+        /* a prefill chunk and decode rows in one call (one launch; in batch-invariant mode two) */
+        {3, {S(40, 150, 95, 1), S(1, 5000, 2501, 1), S(6, 3000, 1501, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 512, 2, 64, CHK_NORMAL, 1.0f, 0},
         /* a chunk longer than the window, window clips */
-        {2, {S(200, 100, 150, 1), S(30, 300, 301, 1)}, {0, 320, 0, 0, 0, 0}, NODRAFT, 8, 128, 128, 134, 128, 1, 8, CHK_ARANGE, 1.0f},
-        {1, {S(127, 1000, 1128, 1)}, {1050, 0, 0, 0, 0, 0}, NODRAFT, 8, 128, 128, 134, 128, 1, 64, CHK_EDGES, 0.5f},
+        {2, {S(200, 100, 150, 1), S(30, 300, 301, 1)}, {0, 320, 0, 0, 0, 0}, NODRAFT, 8, 128, 128, 134, 128, 1, 8, CHK_ARANGE, 1.0f, 0},
+        {1, {S(127, 1000, 1128, 1)}, {1050, 0, 0, 0, 0, 0}, NODRAFT, 8, 128, 128, 134, 128, 1, 64, CHK_EDGES, 0.5f, 0},
         /* window-only layers (no top-k) and draft blocks (ring up to P plus the block) */
-        {3, {S(1, 3, 4, 1), S(5, 9, 4, 1), S(1, 900, 4, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 0, 1, 64, CHK_NORMAL, 1.0f},
-        {3, {S(5, 1001, 4, 1), S(5, 1, 4, 1), S(5, 60, 4, 1)}, NOCLIP, {1000, 0, 58, -1, -1, -1}, 64, 512, 128, 134, 0, 1, 64, CHK_NORMAL, 1.0f},
-        {2, {S(5, 400, 4, 1), S(5, 7, 4, 1)}, NOCLIP, {399, 6, -1, -1, -1, -1}, 4, 64, 128, 134, 0, 1, 64, CHK_NORMAL, 2.0f},
+        {3, {S(1, 3, 4, 1), S(5, 9, 4, 1), S(1, 900, 4, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 0, 1, 64, CHK_NORMAL, 1.0f, 0},
+        {3, {S(5, 1001, 4, 1), S(5, 1, 4, 1), S(5, 60, 4, 1)}, NOCLIP, {1000, 0, 58, -1, -1, -1}, 64, 512, 128, 134, 0, 1, 64, CHK_NORMAL, 1.0f, 0},
+        {2, {S(5, 400, 4, 1), S(5, 7, 4, 1)}, NOCLIP, {399, 6, -1, -1, -1, -1}, 4, 64, 128, 134, 0, 1, 64, CHK_NORMAL, 2.0f, 0},
         /* queries: zeros, ones, large (one-hot softmax), tiny; sinks that dominate */
-        {2, {S(1, 5000, 2501, 1), S(3, 2000, 1001, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 512, 2, 64, CHK_ZEROS, 1.0f},
-        {2, {S(1, 5000, 2501, 1), S(3, 2000, 1001, 1)}, NOCLIP, NODRAFT, 16, 512, 128, 134, 512, 2, 64, CHK_ONES, 1.0f},
-        {1, {S(3, 3000, 3001, 1)}, NOCLIP, NODRAFT, 16, 512, 128, 134, 512, 1, 128, CHK_LARGE, 1.0f},
-        {1, {S(3, 3000, 3001, 1)}, NOCLIP, NODRAFT, 1, 512, 128, 134, 512, 1, 128, CHK_TINY, 20.0f},
-        {2, {S(4, 500, 251, 1), S(2, 64, 33, 1)}, NOCLIP, NODRAFT, 8, 128, 64, 70, 32, 2, 2, CHK_NORMAL, 30.0f},
+        {2, {S(1, 5000, 2501, 1), S(3, 2000, 1001, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 512, 2, 64, CHK_ZEROS, 1.0f, 0},
+        {2, {S(1, 5000, 2501, 1), S(3, 2000, 1001, 1)}, NOCLIP, NODRAFT, 16, 512, 128, 134, 512, 2, 64, CHK_ONES, 1.0f, 0},
+        {1, {S(3, 3000, 3001, 1)}, NOCLIP, NODRAFT, 16, 512, 128, 134, 512, 1, 128, CHK_LARGE, 1.0f, 0},
+        {1, {S(3, 3000, 3001, 1)}, NOCLIP, NODRAFT, 1, 512, 128, 134, 512, 1, 128, CHK_TINY, 20.0f, 0},
+        {2, {S(4, 500, 251, 1), S(2, 64, 33, 1)}, NOCLIP, NODRAFT, 8, 128, 64, 70, 32, 2, 2, CHK_NORMAL, 30.0f, 0},
         /* a ring of 129 positions (nextn 0), per-block 1 */
-        {2, {S(2, 600, 601, 1), S(1, 129, 130, 1)}, NOCLIP, NODRAFT, 4, 64, 128, 129, 16, 1, 1, CHK_NORMAL, 1.0f},
+        {2, {S(2, 600, 601, 1), S(1, 129, 130, 1)}, NOCLIP, NODRAFT, 4, 64, 128, 129, 16, 1, 1, CHK_NORMAL, 1.0f, 0},
+        /* prefill chunks at V4.1-Flash width (64 heads of 512, window 128): a chunk whose first
+         * 127 rows' windows cross its start, one from position 0 (top-k lists mostly empty),
+         * with empty slots among the ids and ids past the block table */
+        {1, {S(150, 1000, 250, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 256, 4, 64, CHK_NORMAL, 1.0f, 1},
+        {2, {S(90, 0, 23, 0), S(40, 300, 76, 1)}, NOCLIP, NODRAFT, 64, 512, 128, 134, 64, 4, 16, CHK_NORMAL, 1.0f, 1},
+        /* fewer heads at hd 512: 20 (a partial group of 64), 8 and 1; a clipped window */
+        {1, {S(140, 200, 101, 1)}, NOCLIP, NODRAFT, 20, 512, 128, 134, 128, 2, 32, CHK_NORMAL, 2.0f, 1},
+        {2, {S(70, 60, 31, 1), S(33, 500, 251, 1)}, {0, 510, 0, 0, 0, 0}, NODRAFT, 8, 512, 128, 134, 192, 2, 64, CHK_NORMAL, 1.0f, 1},
+        {1, {S(64, 130, 131, 1)}, NOCLIP, NODRAFT, 1, 512, 128, 134, 128, 1, 128, CHK_LARGE, 1.0f, 0},
+        /* decode rows, a draft block and a prefill chunk (the last) in one call: in
+         * batch-invariant mode two launches, each over its list of rows */
+        {3, {S(1, 5000, 2501, 1), S(5, 61, 4, 1), S(100, 900, 451, 1)}, NOCLIP, {-1, 59, -1, -1, -1, -1}, 64, 512, 128, 134, 256, 2, 64, CHK_NORMAL, 1.0f, 1},
     };
     double worst_abs = 0, worst_cos = 1;
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++)
@@ -304,7 +354,7 @@ static void sweep(chk_env *env)
     check_refusals(env);
 }
 
-/* ---- benchmark: V4.1-Flash decode ---- */
+/* ---- benchmark: V4.1-Flash decode batches and prefill chunks ---- */
 
 enum { B_H = 64, B_HD = 512, B_WIN = 128, B_RING = 134, B_TOPK = 512, B_PER_BLOCK = 128,
        B_POOL = 4096, B_EB = B_HD + B_HD / 32, B_MAIN = B_HD / 2 + B_HD / 16, B_POS = 16383 };
@@ -322,9 +372,9 @@ static di_status bench_call(void *arg, int i)
 }
 
 /* n_seqs sequences of `per` rows (the last at position B_POS), each with its 64 blocks of 128
- * compressed entries drawn from a pool of B_POOL, a full window in its ring and 512 top-k
- * entries per row; timed on the decode kernel and on the kernel of one CTA per (row, 16 heads)
- * (attn_old) in the same run. */
+ * compressed entries drawn from a pool of B_POOL, a full window (this step's rows, the ring
+ * before them) and 512 top-k entries per row; timed on the tile kernel and on the kernel of
+ * one CTA per (row, 16 heads) (attn_old) in the same run. */
 static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, double copy, double peak)
 {
     di_rng rng;
@@ -383,8 +433,9 @@ static void bench_rows(chk_env *env, uint32_t n_seqs, uint32_t per, double copy,
     snprintf(label, sizeof(label), "%u x %u", n_seqs, per);
     for (int k = 0; k < 2; k++) {
         b.be = k == 0 ? &env->gpu : g_old;
-        double ms = chk_time_ms_on(env, b.be, bench_call, &b, 3, 20);
-        const char *name = k == 0 ? "sparse_attn decode" : "  one CTA per 16 heads";
+        const int big = rows >= 4096; /* a prefill chunk: ~0.1 s a call on the old kernel */
+        double ms = chk_time_ms_on(env, b.be, bench_call, &b, big ? 1 : 3, big ? 5 : 20);
+        const char *name = k == 0 ? "sparse_attn tiles" : "  one CTA per 16 heads";
         if (ms > 0) {
             double tf = flops / (ms * 1e-3) / 1e12, gb = bytes / (ms * 1e-3) / 1e9;
             printf("%-24s %9s %9.1f %9.1f %7.0f %6.1f%% %6.1f%%\n", name, label, ms * 1e3, tf, gb,
@@ -403,8 +454,9 @@ static void bench(chk_env *env)
 {
     double copy = gpu_copy_gbs((size_t)1 << 30, 20);
     double peak = chk_gemm_ceiling(env);
-    printf("\nsparse_attn at V4.1-Flash decode shapes: 64 heads of 512, %d window + %d top-k keys "
-           "per row at position %d\nceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 "
+    printf("\nsparse_attn at V4.1-Flash shapes (decode batches, then prefill chunks of one "
+           "sequence): 64 heads of 512, %d window + %d top-k keys per row, the last at position "
+           "%d\nceilings measured now: copy %.0f GB/s, BF16 GEMM 8192^3 "
            "%.0f TFLOP/s; FLOPs = 4 x rows x heads x keys x 512 (QK and PV); bytes = q, out and "
            "the keys read once per row\n", B_WIN, B_TOPK, B_POS, copy, peak);
     printf("%-24s %9s %9s %9s %7s %7s %7s\n", "op", "seqs x rows", "us", "TFLOP/s", "GB/s",
@@ -414,6 +466,8 @@ static void bench(chk_env *env)
     bench_rows(env, 64, 1, copy, peak);
     bench_rows(env, 64, 6, copy, peak);
     bench_rows(env, 384, 1, copy, peak);
+    bench_rows(env, 1, 4096, copy, peak);
+    bench_rows(env, 1, 16384, copy, peak);
 }
 
 int main(int argc, char **argv)
