@@ -44,6 +44,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/mma_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
 
 #define AD_HG 64                      /* heads per CTA */
@@ -98,50 +99,6 @@ static __host__ __device__ ad_smem ad_layout(uint32_t hd)
 __device__ __forceinline__ uint32_t ad_pack(float a, float b)
 {
     return (uint32_t)dev_f32_to_bf16(a) | (uint32_t)dev_f32_to_bf16(b) << 16;
-}
-
-__device__ __forceinline__ uint32_t ad_smem_addr(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-__device__ __forceinline__ void ad_ldm_x4(uint32_t *r, const void *p)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(ad_smem_addr(p)));
-}
-
-__device__ __forceinline__ void ad_ldm_x4_t(uint32_t *r, const void *p)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(ad_smem_addr(p)));
-}
-
-__device__ __forceinline__ void ad_cp16(void *dst, const void *src)
-{
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(ad_smem_addr(dst)), "l"(src)
-                 : "memory");
-}
-
-__device__ __forceinline__ void ad_cp_commit(void)
-{
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void ad_cp_wait_all(void)
-{
-    asm volatile("cp.async.wait_all;\n" ::: "memory");
-}
-
-/* d += a b: m16n8k16, bf16 operands, fp32 accumulators. */
-__device__ __forceinline__ void ad_mma(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 /* Where a row's window slots come from. */
@@ -297,9 +254,9 @@ __device__ void ad_stage_copy(const uint8_t *const *ptr, const uint8_t *fmt, uin
             continue;
         const uint32_t bytes = (fmt[e] & 1u) ? hd / 2 + hd / 16 : hd + hd / 32;
         if (k * 16 < bytes)
-            ad_cp16(stage + (size_t)e * sstride + k * 16, ptr[e] + k * 16);
+            dev_cp16(stage + (size_t)e * sstride + k * 16, ptr[e] + k * 16);
     }
-    ad_cp_commit();
+    dev_cp_commit();
 }
 
 /* ---- kernels ---- */
@@ -378,7 +335,7 @@ attn_tile_kernel(cuda_attn_args a)
         const uint32_t cur = k & 1u, nxt = cur ^ 1u;
         const uint8_t **ptr = ptrs + cur * AD_TE;
         const uint8_t *fmt = fmts + cur * AD_TE;
-        ad_cp_wait_all();
+        dev_cp_wait_all();
         __syncthreads();
         const uint32_t n_e = miscs[cur * 4 + 2], n_pad = (n_e + 15) / 16 * 16;
         /* 1. the tile's entries in bf16 (an empty tile changes nothing: the twin's alpha is 1,
@@ -400,10 +357,10 @@ attn_tile_kernel(cuda_attn_args a)
                                  ((lane >> 3) & 1) * 8;
             for (uint32_t kk = 0; kk < hd; kk += 16) {
                 uint32_t fa[4], fb[4];
-                ad_ldm_x4(fa, qa + kk);
-                ad_ldm_x4(fb, kb + kk);
-                ad_mma(c0, fa, fb[0], fb[1]);
-                ad_mma(c1, fa, fb[2], fb[3]);
+                dev_ldm_x4(fa, qa + kk);
+                dev_ldm_x4(fb, kb + kk);
+                dev_mma_bf16(c0, fa, fb[0], fb[1]);
+                dev_mma_bf16(c1, fa, fb[2], fb[3]);
             }
             const uint32_t r = mt * 16 + lane / 4, cc = ng * 16 + (lane % 4) * 2;
             float *s0 = S + (size_t)r * AD_SLD + cc, *s1 = s0 + 8 * AD_SLD;
@@ -462,20 +419,20 @@ attn_tile_kernel(cuda_attn_args a)
                                  ng * AD_NT * 8 + (lane >> 4) * 8;
             for (uint32_t kk = 0; kk < n_pad; kk += 16) {
                 uint32_t fa[4];
-                ad_ldm_x4(fa, pa + kk);
+                dev_ldm_x4(fa, pa + kk);
 #pragma unroll
                 for (int jp = 0; jp < AD_NT / 2; jp++) {
                     if (ng * AD_NT * 8 + jp * 16 < hd) {
                         uint32_t fb[4];
-                        ad_ldm_x4_t(fb, vb + (size_t)kk * ld + jp * 16);
-                        ad_mma(acc[2 * jp], fa, fb[0], fb[1]);
-                        ad_mma(acc[2 * jp + 1], fa, fb[2], fb[3]);
+                        dev_ldm_x4_t(fb, vb + (size_t)kk * ld + jp * 16);
+                        dev_mma_bf16(acc[2 * jp], fa, fb[0], fb[1]);
+                        dev_mma_bf16(acc[2 * jp + 1], fa, fb[2], fb[3]);
                     }
                 }
             }
         }
     }
-    ad_cp_wait_all();
+    dev_cp_wait_all();
     __syncthreads();
 
     /* finish the row, or leave the split's (O, m, l) to the combine */

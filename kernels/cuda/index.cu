@@ -48,6 +48,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/mma_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
 
 using namespace nvcuda;
@@ -136,28 +137,6 @@ static __host__ __device__ scores_smem block_layout(uint32_t nh, uint32_t hd)
 }
 
 /* ---- device helpers ---- */
-
-__device__ __forceinline__ uint32_t idx_smem_addr(const void *p)
-{
-    return (uint32_t)__cvta_generic_to_shared(p);
-}
-
-/* Four 8x8 b16 matrices from shared memory (lane i gives a row address of matrix i / 8). */
-__device__ __forceinline__ void idx_ldm_x4(uint32_t *r, const void *p)
-{
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(idx_smem_addr(p)));
-}
-
-/* d += a b, m16n8k16, bf16 operands, fp32 accumulators. */
-__device__ __forceinline__ void idx_mma(float *d, const uint32_t *a, uint32_t b0, uint32_t b1)
-{
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-                 "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 __device__ __forceinline__ float bf16_round_dev(float x)
 {
@@ -387,15 +366,15 @@ __device__ __forceinline__ void block_row_scores(const scores_args &a, const uin
 #pragma unroll
         for (uint32_t k = 0; k < 32; k += 16) {
             uint32_t af[4], bf[4];
-            idx_ldm_x4(af, ka + b * 32 + k);
+            dev_ldm_x4(af, ka + b * 32 + k);
 #pragma unroll
             for (uint32_t np = 0; np < 2; np++) {
                 if (2 * np >= nt_n)
                     break;
-                idx_ldm_x4(bf, qb + (size_t)np * 16 * ld + b * 32 + k);
-                idx_mma(acc[2 * np], af, bf[0], bf[1]);
+                dev_ldm_x4(bf, qb + (size_t)np * 16 * ld + b * 32 + k);
+                dev_mma_bf16(acc[2 * np], af, bf[0], bf[1]);
                 if (2 * np + 1 < nt_n)
-                    idx_mma(acc[2 * np + 1], af, bf[2], bf[3]);
+                    dev_mma_bf16(acc[2 * np + 1], af, bf[2], bf[3]);
             }
         }
 #pragma unroll
