@@ -153,8 +153,8 @@ __device__ __forceinline__ uint32_t wide_prmt(uint32_t a, uint32_t b, uint32_t s
  * byte permutes look each magnitude's high and low bf16 byte up in two 8-entry tables held in
  * the instruction's operands (hi: 00 3F 3F 3F 40 40 40 40, lo: 00 00 80 C0 00 40 80 C0), the
  * sign bits are moved to bit 7 of the high bytes, and two more permutes interleave the bytes
- * into pairs. The same bits as the byte table's entries (checked on all 256 bytes in every
- * position by tests/gpu/check_moe.c, which compares the shapes bit for bit). */
+ * into pairs. The same bits as the byte table's entries (tests/gpu/check_moe.c compares the
+ * shapes bit for bit). */
 __device__ __forceinline__ void wide_e2m1x8(uint32_t w, uint32_t (&o)[4])
 {
     const uint32_t sel = w & 0x77777777u, w4 = w << 4;
