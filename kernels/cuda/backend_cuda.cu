@@ -543,6 +543,9 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     c->batch_invariant = cfg->batch_invariant != 0;
     c->moe_host_plan = cfg->moe_host_plan != 0;
     c->moe_per_expert = cfg->moe_per_expert != 0;
+    c->moe_wide_tile = cfg->moe_wide_tile > 0 && cfg->moe_wide_tile < KERN_CUDA_WIDE_SHAPES
+                           ? cfg->moe_wide_tile
+                           : KERN_CUDA_WIDE_DEFAULT;
     c->attn_old = cfg->attn_old != 0;
     c->index_group_rows = cfg->index_group_rows > 1 ? cfg->index_group_rows : 1;
     c->index_block_rows = cfg->index_block_rows < 0 ? UINT32_MAX

@@ -47,6 +47,17 @@
 extern "C" {
 #endif
 
+/* The wide MoE kernel's block shapes and FP4 decodings (kern_cuda_config.moe_wide_tile,
+ * kernels/cuda/moe_wide.cu); every one gives the same bits. */
+enum {
+    KERN_CUDA_WIDE_DEFAULT = 0, /* blocks of 128 rows x 128 outputs, 8 warps of 64 x 32, the
+                                 * E2M1 pairs by byte permutes in registers */
+    KERN_CUDA_WIDE_FIRST = 1,   /* the same warps, the pairs from a byte table in shared memory
+                                 * (the first version) */
+    KERN_CUDA_WIDE_W64 = 2,     /* 4 warps of 64 x 64, byte permutes */
+    KERN_CUDA_WIDE_SHAPES = 3
+};
+
 /* How to build the backend. A zeroed struct (or NULL) gives the defaults. */
 typedef struct kern_cuda_config {
     int device;                 /* CUDA device ordinal (0 = first) */
@@ -86,6 +97,8 @@ typedef struct kern_cuda_config {
                                  * a call by blocks of 8 of its rows on the block kernel (each
                                  * decoded key tile feeds 8 rows x 32 heads); 0 = the default
                                  * (16), negative = never (every row on the per-row kernel) */
+    int moe_wide_tile;          /* the wide MoE kernel's shape: KERN_CUDA_WIDE_* (above; 0 =
+                                 * the default, 1 = the previous version, for comparison) */
 } kern_cuda_config;
 
 /* Counters of the GEMM paths taken, written by the backend; for checks and benchmarks. */

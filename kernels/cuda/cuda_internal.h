@@ -187,6 +187,7 @@ typedef struct cuda_ctx {
     kern_cuda_stats stats;      /* counters; gemm.cu writes the GEMM ones */
     int moe_host_plan;          /* 1: moe_experts always buckets on the host (kern_cuda_config) */
     int moe_per_expert;         /* 1: no wide kernel for large buckets (kern_cuda_config) */
+    int moe_wide_tile;          /* the wide kernel's block shape: CUDA_MOE_WIDE_* (kern_cuda_config) */
     cuda_expert_table experts[CUDA_EXPERT_TABLES]; /* written by moe.cu */
     uint32_t experts_next;      /* slot the next new table replaces */
     int *err_flag;              /* mapped pinned word the kernels set on a bad input found on

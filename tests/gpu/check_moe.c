@@ -40,7 +40,8 @@
 static const char usage[] =
     "usage: check_moe [--bench] [--seed N]\n"
     "  CUDA moe_gate, swiglu, moe_experts against the C twins; --bench adds V4.1-Flash timings\n"
-    "  (CHECK_MOE_SWEEP=0 skips the checks and fails: the bench alone, for a profiler)\n";
+    "  (CHECK_MOE_SWEEP=0 skips the checks and fails: the bench alone, for a profiler;\n"
+    "  CHECK_MOE_BENCH_ROWS=N times only the calls of N rows, one of 1 8 64 384 4096 16384)\n";
 
 #define SHOW 5
 
@@ -256,11 +257,53 @@ typedef struct moe_backends {
     kern_backend perexp_never;  /* the same with the grouped path off (the bench) */
     kern_backend nosplit;       /* grouped path only, no split-k over blocks (kern_cuda_config
                                  * stream_splits = 1: the previous kernel's sums) */
+    kern_backend wide[KERN_CUDA_WIDE_SHAPES]; /* [i]: the wide kernel's shape i
+                                 * (kern_cuda_config.moe_wide_tile; [0] unused: env->gpu) */
 } moe_backends;
 
 static moe_backends g_be;
 static uint64_t g_wide_cases;   /* moe_experts cases that took the wide kernel and passed */
 static uint64_t g_device_vs_host; /* moe_experts cases whose device and host plans matched */
+static uint64_t g_wide_shapes;  /* wide cases whose every kernel shape gave the default's bits */
+
+/* The wide kernel's other shapes on the call p (device memory) against the default's output gy
+ * (xn elements): the same bits, as the accumulation order is the same on every shape. Returns
+ * mismatches. */
+static size_t wide_shapes_match(chk_env *env, const char *what, kern_moe_experts p,
+                                const uint16_t *poison, const uint16_t *gy, size_t xn)
+{
+    static const char *const names[KERN_CUDA_WIDE_SHAPES] = {
+        "default", "first version (byte table)", "64x64 warps"};
+    uint16_t *oy = chk_malloc(xn * 2);
+    size_t bad = 0;
+    for (int v = 1; v < KERN_CUDA_WIDE_SHAPES && !bad; v++) {
+        kern_backend *be = &g_be.wide[v];
+        kern_cuda_stats s0, s1;
+        kern_cuda_get_stats(be, &s0);
+        chk_put(env, p.y, poison, xn * 2);
+        di_error err;
+        if (be->ops.moe_experts(be->ctx, &p) != DI_OK || kern_cuda_sync(be, &err) != DI_OK) {
+            fprintf(stderr, "FAIL %s: wide kernel shape %s: %s\n", what, names[v],
+                    kern_cuda_last_error(be));
+            bad++;
+            break;
+        }
+        kern_cuda_get_stats(be, &s1);
+        if (s1.moe_wide - s0.moe_wide != 1) {
+            fprintf(stderr, "MISMATCH %s: shape %s did not take the wide kernel\n", what, names[v]);
+            bad++;
+        }
+        chk_get(env, oy, p.y, xn * 2);
+        for (size_t i = 0; !bad && i < xn; i++)
+            if (oy[i] != gy[i]) {
+                fprintf(stderr, "MISMATCH %s: y[%zu] wide shape %s 0x%04x, default 0x%04x\n", what,
+                        i, names[v], oy[i], gy[i]);
+                bad++;
+            }
+    }
+    free(oy);
+    return bad;
+}
 
 /* The path a backend must take: grouped when the call's rows (bucketed on the device) or its
  * largest group (bucketed on the host) are within its threshold. */
@@ -413,6 +456,10 @@ static void check_experts(chk_env *env, kern_backend *be, int threshold, const e
             }
         g_device_vs_host += !bad;
         free(hy);
+    }
+    if (!bad && want_wide && be == &env->gpu) {
+        bad += wide_shapes_match(env, what, p, y, gy, xn);
+        g_wide_shapes += !bad;
     }
     p.x = x, p.ids = ids, p.weights = w, p.experts = es.h, p.shared = es.sh, p.y = y;
     chk_cpu_status(env->cpu.ops.moe_experts(env->cpu.ctx, &p), what);
@@ -688,9 +735,11 @@ static void sweep(chk_env *env)
         check_experts(env, &env->gpu, THR_DEFAULT, &wide[i], worst);
         check_experts(env, &g_be.perexp, THR_DEFAULT, &wide[i], worst);
     }
-    printf("moe_experts: %" PRIu64 " cases on the wide kernel\n", g_wide_cases - wide0);
-    if (g_wide_cases == wide0) {
-        fprintf(stderr, "FAIL moe_experts: no case took the wide kernel\n");
+    printf("moe_experts: %" PRIu64 " cases on the wide kernel, %" PRIu64 " of them the same bits "
+           "on its %d other shapes\n", g_wide_cases - wide0, g_wide_shapes,
+           KERN_CUDA_WIDE_SHAPES - 1);
+    if (g_wide_cases == wide0 || g_wide_shapes == 0) {
+        fprintf(stderr, "FAIL moe_experts: no case took the wide kernel on every shape\n");
         chk_count(env, 1);
     }
     printf("moe_experts: %d cases (both paths, the grouped one on tensor cores staged and not, and on CUDA cores); worst |err|/tolerance %.3g, worst row cosine "
@@ -725,8 +774,8 @@ typedef struct bench_arg {
 } bench_arg;
 
 /* The timed ops: moe_experts forced onto each path, then moe_gate. */
-enum { OP_MMA, OP_NOSPLIT, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_PEREXP, OP_GATE,
-       BENCH_OPS };
+enum { OP_MMA, OP_NOSPLIT, OP_HOST, OP_UNSTAGED, OP_CORES, OP_GEMM, OP_FIRST, OP_W64,
+       OP_PEREXP, OP_GATE, BENCH_OPS };
 
 static di_status bench_call(void *arg, int i)
 {
@@ -784,12 +833,17 @@ static void bench(chk_env *env)
     printf("%-22s %5s %7s %9s %10s %9s %7s %7s %7s\n", "op", "rows", "experts", "max group", "us",
            "TFLOP/s", "GB/s", "of GEMM", "of copy");
     printf("moe_experts cublaslt: the pairs bucketed on the host, the routed experts on the wide "
-           "kernel (moe_wide.cu); per-expert: expert by expert on the linear path (dequantised "
-           "weight, cuBLASLt BF16 GEMM), as before the wide kernel; prefill sizes (4,096 and "
-           "16,384 rows) time only these two and the gate\n");
+           "kernel (moe_wide.cu: blocks of 128 x 128, warps of 64 x 32, FP4 by byte permutes); "
+           "wide first version: FP4 pairs from a byte table in shared memory, the other wide "
+           "rows its other shapes (kern_cuda_config.moe_wide_tile); per-expert: expert by "
+           "expert on the linear path (dequantised weight, cuBLASLt BF16 GEMM), as before the "
+           "wide kernel; prefill sizes (4,096 and 16,384 rows) time only these and the gate\n");
     static const uint32_t rows_list[] = {1, 8, 64, 384, 4096, 16384};
+    const char *only = getenv("CHECK_MOE_BENCH_ROWS");
     for (int r = 0; r < 6; r++) {
         uint32_t T = rows_list[r];
+        if (only && *only && strtoul(only, NULL, 10) != T)
+            continue;
         size_t nk = (size_t)T * B_K;
         int32_t *ids = chk_malloc(nk * 4);
         float *w = chk_malloc(nk * 4);
@@ -831,11 +885,14 @@ static void bench(chk_env *env)
                                                      "grouped, host plan",
                                                      "grouped unstaged",
                                                      "grouped cuda-core",
-                                                     "moe_experts cublaslt", "cublaslt per-expert",
-                                                     "moe_gate"};
+                                                     "moe_experts cublaslt",
+                                                     "wide first version", "wide 64x64 warps",
+                                                     "cublaslt per-expert", "moe_gate"};
         for (int op = 0; op < BENCH_OPS; op++) {
             if (T > 384 && op < OP_GEMM)
                 continue; /* groups of 16 at prefill sizes: not a path a prefill takes */
+            if (T <= 384 && (op == OP_FIRST || op == OP_W64))
+                continue; /* the wide kernel's shapes: prefill sizes only */
             b.op = op;
             /* the forced backends run on their own streams: time them as env->gpu */
             kern_backend keep = env->gpu;
@@ -847,6 +904,8 @@ static void bench(chk_env *env)
                            : op == OP_UNSTAGED ? g_be.unstaged
                            : op == OP_CORES    ? g_be.cores
                            : op == OP_PEREXP   ? g_be.perexp_never
+                           : op == OP_FIRST    ? g_be.wide[KERN_CUDA_WIDE_FIRST]
+                           : op == OP_W64      ? g_be.wide[KERN_CUDA_WIDE_W64]
                                                : g_be.gemm;
             double ms = chk_time_ms(env, bench_call, &b, T > 384 ? 1 : 2,
                                     ex_op ? (T > 384 ? 3 : 7) : 30);
@@ -894,6 +953,13 @@ int main(int argc, char **argv)
         fprintf(stderr, "CUDA backend (moe path forced): %s\n", e.msg);
         return 2;
     }
+    for (int v = 1; v < KERN_CUDA_WIDE_SHAPES; v++) {
+        kern_cuda_config shape = {.moe_wide_tile = v};
+        if (kern_cuda_create(&shape, &g_be.wide[v], &e) != DI_OK) {
+            fprintf(stderr, "CUDA backend (wide kernel shape %d): %s\n", v, e.msg);
+            return 2;
+        }
+    }
     const char *sw = getenv("CHECK_MOE_SWEEP");
     if (sw && !strcmp(sw, "0"))
         chk_count(&env, 1); /* nothing checked: not a pass */
@@ -905,6 +971,8 @@ int main(int argc, char **argv)
     kern_cuda_destroy(&g_be.unstaged);
     kern_cuda_destroy(&g_be.gemm);
     kern_cuda_destroy(&g_be.nosplit);
+    for (int v = 1; v < KERN_CUDA_WIDE_SHAPES; v++)
+        kern_cuda_destroy(&g_be.wide[v]);
     kern_cuda_destroy(&g_be.host);
     kern_cuda_destroy(&g_be.perexp);
     kern_cuda_destroy(&g_be.perexp_never);
