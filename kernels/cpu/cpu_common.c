@@ -360,6 +360,7 @@ di_status kern_cpu_create(uint32_t n_threads, kern_backend *out, di_error *err)
     be.ops.free = cpu_free;
     be.ops.to_host = cpu_copy;
     be.ops.from_host = cpu_copy;
+    be.ops.upload = cpu_copy;
     cpu_ops_basic(&be.ops);
     cpu_ops_linear(&be.ops);
     cpu_ops_cache(&be.ops);

@@ -29,7 +29,7 @@
     XX(fakequant) XX(ring_store) XX(compress_pool) XX(compressed_store) XX(sparse_attn)      \
     XX(index_scores) XX(index_candidates) XX(index_topk) XX(moe_gate) XX(swiglu)             \
     XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows) XX(sample) \
-    XX(step_ahead)
+    XX(step_ahead) XX(upload)
 
 typedef struct op_row {
     const char *name;           /* kern_ops field name */
@@ -344,6 +344,20 @@ static void cuda_copy(cuda_ctx *c, void *dst, const void *src, size_t bytes, con
         cuda_sync_check(c);
 }
 
+/* ops.upload: the bytes staged at once, the copy queued behind earlier work (cuda_upload). */
+static void cuda_upload_entry(void *ctx, void *dst, const void *src, size_t bytes)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_graph_op_enter(c, "upload", 0);
+    if (st == DI_OK)
+        st = cuda_check(c, cudaSetDevice(c->device), "upload");
+    if (st == DI_OK)
+        st = cuda_upload(c, dst, src, bytes);
+    cuda_graph_op_leave(c, st);
+    if (st != DI_OK)
+        c->pending = st;
+}
+
 static void cuda_to_host(void *ctx, void *dst, const void *src, size_t bytes)
 {
     cuda_copy((cuda_ctx *)ctx, dst, src, bytes, "to_host");
@@ -439,6 +453,9 @@ static void ctx_release(cuda_ctx *c)
     }
     if (c->err_flag)
         cudaFreeHost(c->err_flag);
+    if (c->tmap_dev)
+        cudaFree(c->tmap_dev);
+    free(c->tmap_host);
     cuda_prof_free(c);
     cuda_gemm_release(c);
     if (c->scratch)
@@ -563,6 +580,7 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.free = cuda_free_mem;
     be.ops.to_host = cuda_to_host;
     be.ops.from_host = cuda_from_host;
+    be.ops.upload = cuda_upload_entry;
     be.ops.embed = entry_embed;
     be.ops.rmsnorm = entry_rmsnorm;
     be.ops.rope = entry_rope;
