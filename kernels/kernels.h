@@ -573,9 +573,16 @@ typedef struct kern_ops {
     void (*free)(void *ctx, void *p);
     void (*to_host)(void *ctx, void *dst, const void *src, size_t bytes);
     void (*from_host)(void *ctx, void *dst, const void *src, size_t bytes);
-    /* optional: from_host in stream order, without waiting for the work queued before it (src
-     * is free again on return; later ops see the bytes). NULL: from_host serves */
-    void (*upload)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* mapped memory and marks (one step ahead: the host reads step N's outcome while step N+1
+     * is queued behind it): alloc_mapped returns memory both the ops and the host address
+     * (the host at *host; zeroed; host writes are seen by ops queued after them, op writes by
+     * the host after wait_mark of a mark made after the op); mark records the work queued so
+     * far; wait_mark waits for the work before that mark only, and returns a failure the
+     * device found in it (or since). NULL on a backend without them */
+    void *(*alloc_mapped)(void *ctx, size_t bytes, void **host);
+    void (*free_mapped)(void *ctx, void *p);
+    di_status (*mark)(void *ctx, uint64_t *mark);
+    di_status (*wait_mark)(void *ctx, uint64_t mark);
 
     di_status (*embed)(void *ctx, const kern_embed *p);
     di_status (*rmsnorm)(void *ctx, const kern_rmsnorm *p);

@@ -46,9 +46,11 @@ typedef struct rx_flight {
     int32_t *lbase;             /* [E] first logits row of each entry, -1 none */
     uint32_t n_logit;           /* sampled rows */
     sampler_result *sres;       /* [T] outcomes of the sampled rows */
-    kern_sample_out *outs_dev;  /* [T] backend memory: the sampled rows' outcomes */
-    kern_sample_out *outs_host; /* [T] host mirror */
-    void *ah_dev, *ah_host;     /* the op's arrays of an overlapped issue (rx_ahead_view) */
+    kern_sample_out *outs_dev;  /* [T] mapped memory: the sampled rows' outcomes */
+    kern_sample_out *outs_host; /* its host address */
+    void *ah_dev, *ah_host;     /* the op's arrays of an overlapped issue (rx_ahead_view),
+                                 * mapped memory at its two addresses */
+    uint64_t mark;              /* the backend's mark after the step's work */
     uint8_t *ah_check;          /* [E] 1: entry's rows written by the op */
 } rx_flight;
 

@@ -3,14 +3,16 @@
  *
  * Such a step's positions, key lengths, blocks, emissions and window commits are the plan's
  * (no draft can be rejected); only the token of each continuing row is step N's outcome. So at
- * its issue the host uploads the plan's rows (the scheduler's guess for the continuing ones),
- * gathers step N's sampled tokens in backend memory into the step_ahead op's input, runs the
- * op (ids, positions and key lengths of the continuing rows), and the forward embeds and
- * hashes (Engram) the op's ids from backend memory; the Engram lookback before the row is
- * step N-1's outcome or older, already on the host. The sampler draws into backend memory
- * (kern_sample.out_dev) with the output index counting the tokens still in flight (its EOS
- * ban). Collect reads the op's rows and the draws back: the rows must be the plan's after the
- * host fix-up (sched_plan_fixup), then the requests' state takes the outcomes. */
+ * its issue the host writes the plan's rows (the scheduler's guess for the continuing ones)
+ * into mapped memory (kern_ops.alloc_mapped), gathers step N's sampled tokens into the
+ * step_ahead op's input, runs the op (ids, positions and key lengths of the continuing rows),
+ * and the forward embeds and hashes (Engram) the op's ids from there; the Engram lookback
+ * before the row is step N-1's outcome or older, already on the host. The sampler draws into
+ * mapped memory (kern_sample.out_dev) with the output index counting the tokens still in
+ * flight (its EOS ban), and a mark follows the step (kern_ops.mark). Collect waits for that
+ * mark only, not for the step issued after it, and reads the op's rows and the draws: the rows
+ * must be the plan's after the host fix-up (sched_plan_fixup), then the requests' state takes
+ * the outcomes. */
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +34,9 @@ di_status rx_flights_create(runner_exec *ex, di_error *err)
     }
     if (!ex->opt.overlap)
         return DI_OK;
+    if (!be->ops.alloc_mapped || !be->ops.free_mapped || !be->ops.mark || !be->ops.wait_mark)
+        return di_fail(err, DI_EUNSUPPORTED, "executor: the overlap needs the %s backend's "
+                       "mapped memory and marks", be->name ? be->name : "");
     kern_step_ahead v;
     size_t ah = rx_ahead_view(NULL, E, T, &v);
     ex->gather = calloc(E, sizeof(int32_t));
@@ -39,14 +44,13 @@ di_status rx_flights_create(runner_exec *ex, di_error *err)
         return di_fail(err, DI_ENOMEM, "executor: overlap scratch");
     for (int k = 0; k < 2; k++) {
         rx_flight *f = &ex->fl[k];
+        void *h = NULL;
         f->sres = calloc(T, sizeof(*f->sres));
-        f->outs_host = calloc(T, sizeof(*f->outs_host));
-        f->ah_host = calloc(1, ah);
         f->ah_check = calloc(E, 1);
-        f->outs_dev = be->ops.alloc(be->ctx, T * sizeof(kern_sample_out));
-        f->ah_dev = be->ops.alloc(be->ctx, ah);
-        if (!f->sres || !f->outs_host || !f->ah_host || !f->ah_check || !f->outs_dev ||
-            !f->ah_dev)
+        f->outs_dev = be->ops.alloc_mapped(be->ctx, T * sizeof(kern_sample_out), &h);
+        f->outs_host = h;
+        f->ah_dev = be->ops.alloc_mapped(be->ctx, ah, &f->ah_host);
+        if (!f->sres || !f->ah_check || !f->outs_dev || !f->ah_dev)
             return di_fail(err, DI_ENOMEM, "executor: buffers of two steps in flight (%u rows)",
                            T);
     }
@@ -60,25 +64,15 @@ void rx_flights_free(runner_exec *ex)
         free(f->res);
         free(f->lbase);
         free(f->sres);
-        free(f->outs_host);
-        free(f->ah_host);
         free(f->ah_check);
         if (f->outs_dev)
-            ex->be->ops.free(ex->be->ctx, f->outs_dev);
+            ex->be->ops.free_mapped(ex->be->ctx, f->outs_dev);
         if (f->ah_dev)
-            ex->be->ops.free(ex->be->ctx, f->ah_dev);
+            ex->be->ops.free_mapped(ex->be->ctx, f->ah_dev);
         memset(f, 0, sizeof(*f));
     }
     free(ex->gather);
     ex->gather = NULL;
-}
-
-static void upload(const kern_backend *be, void *dst, const void *src, size_t bytes)
-{
-    if (be->ops.upload)
-        be->ops.upload(be->ctx, dst, src, bytes);
-    else
-        be->ops.from_host(be->ctx, dst, src, bytes);
 }
 
 /* The step in flight that the plan would follow: issued last and not collected. */
@@ -117,13 +111,12 @@ static int overlap_ok(const runner_exec *ex, const sched_plan *plan, const rx_fl
     return 1;
 }
 
-/* Fills the flight's host outcomes' tokens and uploads them (a step sampled on the host
- * whose successor may be issued ahead of its collect). */
-static void tokens_to_dev(runner_exec *ex, rx_flight *f)
+/* The tokens of a step sampled on the host into its outcomes in mapped memory, for a
+ * successor issued ahead of its collect. */
+static void tokens_to_dev(rx_flight *f)
 {
     for (uint32_t k = 0; k < f->n_logit; k++)
         f->outs_host[k].token = f->sres[k].err.code == DI_OK ? f->sres[k].token : 0;
-    upload(ex->be, f->outs_dev, f->outs_host, f->n_logit * sizeof(kern_sample_out));
     f->outs_on_dev = 1;
 }
 
@@ -165,7 +158,7 @@ static di_status sample_rows(runner_exec *ex, const sched_plan *plan, const fwd_
             }
         }
         f->host_sampled = 1;
-        tokens_to_dev(ex, f);
+        tokens_to_dev(f);
     }
     free(rows);
     return s;
@@ -177,7 +170,7 @@ static di_status issue_overlapped(runner_exec *ex, const sched_plan *plan, rx_fl
                                   rx_flight *f, fwd_step *st, di_error *err)
 {
     const kern_backend *be = ex->be;
-    kern_step_ahead h, d;
+    kern_step_ahead h, d; /* one mapped block: the host writes the inputs, the op the rows */
     rx_ahead_view(f->ah_host, ex->max_entries, ex->opt.fwd.max_rows, &h);
     rx_ahead_view(f->ah_dev, ex->max_entries, ex->opt.fwd.max_rows, &d);
     int64_t *base_len = (int64_t *)h.base_len;
@@ -205,8 +198,6 @@ static di_status issue_overlapped(runner_exec *ex, const sched_plan *plan, rx_fl
         }
         row += s->n_rows;
     }
-    upload(be, f->ah_dev, f->ah_host, ex->opt.fwd.max_rows ? (size_t)((uint8_t *)h.live -
-           (uint8_t *)f->ah_host) + row : 0);
     if (n) {
         kern_copy_rows g = {.n_rows = n, .row_bytes = sizeof(int32_t),
                             .src = (const uint8_t *)prev->outs_dev +
@@ -277,7 +268,7 @@ static di_status issue_after(runner_exec *ex, const sched_plan *plan, rx_flight 
                                              ? r->tokens[r->n_tokens - 1] : 0;
             di_error_clear(&f->sres[f->lbase[i]].err);
         }
-    tokens_to_dev(ex, f);
+    tokens_to_dev(f);
     return DI_OK;
 }
 
@@ -327,7 +318,7 @@ di_status runner_exec_issue(runner_exec *ex, const sched_plan *plan, bool ahead,
     for (uint32_t i = 0; i < plan->n_seqs; i++)
         if (f->lbase[i] >= 0)
             rx_find(ex, plan->seqs[i].request_id)->uncommitted++;
-    return DI_OK;
+    return ex->be->ops.mark(ex->be->ctx, &f->mark); /* collect waits for this step only */
 }
 
 /* Collect's cross-check of an overlapped step: the op's rows of each continuing entry whose
@@ -335,10 +326,7 @@ di_status runner_exec_issue(runner_exec *ex, const sched_plan *plan, bool ahead,
 static di_status check_rows(runner_exec *ex, const sched_plan *plan, rx_flight *f,
                             di_error *err)
 {
-    const kern_backend *be = ex->be;
-    kern_step_ahead h;
-    size_t bytes = rx_ahead_view(NULL, ex->max_entries, ex->opt.fwd.max_rows, &h);
-    be->ops.to_host(be->ctx, f->ah_host, f->ah_dev, bytes);
+    kern_step_ahead h; /* written by the op, read after the wait */
     rx_ahead_view(f->ah_host, ex->max_entries, ex->opt.fwd.max_rows, &h);
     uint32_t n = 0, row = 0;
     for (uint32_t i = 0; i < plan->n_seqs; row += plan->seqs[i].seqlen_q, i++) {
@@ -392,13 +380,15 @@ di_status runner_exec_collect(runner_exec *ex, const sched_plan *plan,
         f->plan = NULL;
         return DI_OK;
     }
-    di_status s = f->overlapped ? check_rows(ex, plan, f, err) : DI_OK;
-    if (s == DI_OK && !f->host_sampled && f->n_logit) {
-        ex->be->ops.to_host(ex->be->ctx, f->outs_host, f->outs_dev,
-                            f->n_logit * sizeof(kern_sample_out));
-        for (uint32_t k = 0; k < f->n_logit; k++)
-            sampler_backend_result(&f->outs_host[k], &f->sres[k]);
-    }
+    /* the step's own work, not the step issued after it */
+    di_status s = ex->be->ops.wait_mark(ex->be->ctx, f->mark);
+    if (s != DI_OK)
+        di_fail(err, s, "collect: the %s backend failed in the step (%s)", ex->be->name,
+                di_status_str(s));
+    if (s == DI_OK && f->overlapped)
+        s = check_rows(ex, plan, f, err);
+    for (uint32_t k = 0; s == DI_OK && !f->host_sampled && k < f->n_logit; k++)
+        sampler_backend_result(&f->outs_host[k], &f->sres[k]);
     /* the requests take the outcomes, in flight no more */
     for (uint32_t i = 0; i < plan->n_seqs; i++) {
         sched_seq_result *res = &results[i];
