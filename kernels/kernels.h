@@ -557,10 +557,11 @@ typedef struct kern_sample {
     size_t logits_stride;       /* >= n_vocab */
     const kern_sample_row *rows; /* host [n_rows] */
     kern_sample_out *out;       /* host [n_rows], written before the op returns */
-    kern_sample_out *out_dev;   /* backend memory [n_rows]: when set the outcomes are written
-                                 * there in stream order and the op returns without waiting
-                                 * (out unused): the caller reads them back later and the
-                                 * tokens may feed later ops on the device (one step ahead) */
+    kern_sample_out *out_dev;   /* backend or mapped memory (alloc_mapped) [n_rows]: when set
+                                 * the outcomes are written there in stream order and the op
+                                 * returns without waiting (out unused): the caller reads them
+                                 * after a mark, and the tokens may feed later ops (one step
+                                 * ahead) */
 } kern_sample;
 
 /* ---- the table ----------------------------------------------------------------------------- */

@@ -373,3 +373,54 @@ Test(ahead, a_wrong_id_from_the_op_fails_the_overlapped_step_at_collect)
     cr_assert_eq(runner_exec_create(&g_rm, &g_be, &eo, &ex, &err), DI_EINVAL);
     cr_assert(strstr(err.msg, "overlap"), "%s", err.msg);
 }
+
+/* A backend whose marks report a failure the device found: the overlapped step fails at
+ * collect with the backend named. */
+static di_status failing_wait(void *ctx, uint64_t mark)
+{
+    (void)ctx, (void)mark;
+    return DI_EINVAL;
+}
+
+Test(ahead, a_failure_found_by_the_device_fails_the_step_at_collect)
+{
+    kern_backend be = g_be;
+    be.ops.wait_mark = failing_wait;
+    run_cfg c = {0, 0.0f, 1, 0, 1, -1, 0};
+    rig r;
+    di_error err;
+    cr_assert_eq(rig_open(&r, &be, &c, &err), DI_OK, "%s", err.msg);
+    cr_assert_eq(scenario(&r, &c, &err), DI_EINVAL);
+    cr_assert(strstr(err.msg, "collect: the cpu backend failed"), "%s", err.msg);
+    rig_close(&r);
+    be.ops.wait_mark = NULL; /* no marks: the overlap is refused at create */
+    runner_exec_options eo = {.fwd = {.max_rows = 8}, .n_blocks = 8, .n_slots = 2, .ahead = 1,
+                              .overlap = 1};
+    runner_exec *ex;
+    cr_assert_eq(runner_exec_create(&g_rm, &be, &eo, &ex, &err), DI_EUNSUPPORTED);
+    cr_assert(strstr(err.msg, "marks"), "%s", err.msg);
+}
+
+/* Issue and collect out of order are refused. */
+Test(ahead, collect_before_issue_and_issue_twice_are_refused)
+{
+    runner_exec_options eo = {.fwd = {.max_rows = 8}, .n_blocks = 8, .n_slots = 2, .ahead = 1,
+                              .overlap = 1};
+    runner_exec *ex;
+    di_error err;
+    cr_assert_eq(runner_exec_create(&g_rm, &g_be, &eo, &ex, &err), DI_OK, "%s", err.msg);
+    sched_plan p = {.placeholder = true}, q = {.placeholder = true}, t = {.placeholder = true};
+    sched_seq_result res[1];
+    bool issued;
+    cr_assert_eq(runner_exec_collect(ex, &p, res, &err), DI_ESTATE);
+    cr_assert(strstr(err.msg, "not in flight"), "%s", err.msg);
+    cr_assert_eq(runner_exec_issue(ex, &p, false, &issued, &err), DI_OK, "%s", err.msg);
+    cr_assert(issued);
+    cr_assert_eq(runner_exec_issue(ex, &p, false, &issued, &err), DI_ESTATE);
+    cr_assert_eq(runner_exec_issue(ex, &q, false, &issued, &err), DI_OK, "%s", err.msg);
+    cr_assert_eq(runner_exec_issue(ex, &t, false, &issued, &err), DI_ESTATE);
+    cr_assert(strstr(err.msg, "two steps in flight"), "%s", err.msg);
+    cr_assert_eq(runner_exec_collect(ex, &p, res, &err), DI_OK, "%s", err.msg);
+    cr_assert_eq(runner_exec_collect(ex, &q, res, &err), DI_OK, "%s", err.msg);
+    runner_exec_free(ex);
+}
