@@ -342,8 +342,8 @@ di_status engine_flush(engine *e, di_error *err)
         return DI_OK;
     sched_plan *p = e->prev;
     e->prev = NULL;
-    di_status st = e->cfg.exec.collect ? e->cfg.exec.collect(e->cfg.exec.ctx, p, e->prev_res, err)
-                                       : DI_OK;
+    const engine_executor *x = &e->cfg.exec;
+    di_status st = x->collect ? x->collect(x->ctx, p, e->prev_res, err) : DI_OK;
     if (st == DI_OK)
         st = process(e, p, e->prev_res, err);
     e->prev_res = NULL;

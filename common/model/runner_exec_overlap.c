@@ -294,6 +294,7 @@ di_status runner_exec_issue(runner_exec *ex, const sched_plan *plan, bool ahead,
     if (!f)
         return di_fail(err, DI_ESTATE, "issue: two steps in flight already");
     memset(f, 0, offsetof(rx_flight, res));
+    f->n_logit = 0;
     f->plan = plan;
     if (plan->placeholder) { /* one rank: nothing to run */
         f->placeholder = 1;
@@ -318,7 +319,9 @@ di_status runner_exec_issue(runner_exec *ex, const sched_plan *plan, bool ahead,
     for (uint32_t i = 0; i < plan->n_seqs; i++)
         if (f->lbase[i] >= 0)
             rx_find(ex, plan->seqs[i].request_id)->uncommitted++;
-    return ex->be->ops.mark(ex->be->ctx, &f->mark); /* collect waits for this step only */
+    s = ex->be->ops.mark(ex->be->ctx, &f->mark); /* collect waits for this step only */
+    return s == DI_OK ? DI_OK : di_fail(err, s, "issue: the %s backend's mark failed (%s)",
+                                        ex->be->name, di_status_str(s));
 }
 
 /* Collect's cross-check of an overlapped step: the op's rows of each continuing entry whose

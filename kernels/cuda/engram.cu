@@ -228,7 +228,8 @@ static di_status row_tokens(cuda_ctx *c, const kern_engram_hash *p, uint32_t t, 
 static di_status token_map_dev(cuda_ctx *c, const kern_engram_hash *p, const int32_t **out)
 {
     size_t bytes = (size_t)p->vocab * sizeof(int32_t);
-    if (c->tmap_dev && c->tmap_vocab == p->vocab && memcmp(c->tmap_host, p->token_map, bytes) == 0) {
+    if (c->tmap_dev && c->tmap_vocab == p->vocab &&
+        memcmp(c->tmap_host, p->token_map, bytes) == 0) {
         *out = c->tmap_dev;
         return DI_OK;
     }
