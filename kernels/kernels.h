@@ -88,6 +88,11 @@ typedef struct kern_embed {
     const int32_t *ids;         /* [T] token ids (host) */
     const uint16_t *table;      /* [vocab, D] bf16 */
     uint16_t *out;              /* [T, n_copies, D] bf16 */
+    const int32_t *ids_dev;     /* [T] token ids in backend memory, read instead of ids (which
+                                 * may then be NULL): the ids a device op wrote (one step
+                                 * ahead). An id outside [0, vocab) gives a zero row and fails
+                                 * the op (CPU) or the next synchronisation (a device). NULL:
+                                 * ids */
 } kern_embed;
 
 /* RMSNorm: r = fp32(1/sqrt(fp32(mean(x^2)) + eps)), y = bf16(fp32(fp32(x * r) * w)). y may
@@ -447,6 +452,8 @@ typedef struct kern_engram_hash {
     const uint64_t *primes;     /* [n_layers, (max_ngram-1)*n_heads] (host) */
     const uint64_t *offsets;    /* [n_layers, (max_ngram-1)*n_heads] (host) */
     int64_t *out;               /* [T, n_layers, (max_ngram-1)*n_heads] */
+    const int32_t *ids_dev;     /* [T] the step's row ids in backend memory, read instead of
+                                 * ids (history stays host): as kern_embed.ids_dev. NULL: ids */
 } kern_engram_hash;
 
 /* Fills one Engram table row: head_dim E4M3 codes and head_dim/32 UE8M0 scales. For tables
@@ -533,7 +540,7 @@ typedef struct kern_sample_row {
 /* One row's outcome (host memory). */
 typedef struct kern_sample_out {
     int32_t status;             /* kern_sample_status; the rest is undefined unless OK */
-    int32_t token;              /* the drawn token */
+    int32_t token;              /* the drawn token; 0 when the row failed */
     float logprob;              /* log(m / M) of the token, rounded once to fp32 */
     uint32_t n_top;             /* min(n_logprobs, n_kept) */
     uint64_t total;             /* M: the kept tokens' integer mass */
@@ -550,6 +557,11 @@ typedef struct kern_sample {
     size_t logits_stride;       /* >= n_vocab */
     const kern_sample_row *rows; /* host [n_rows] */
     kern_sample_out *out;       /* host [n_rows], written before the op returns */
+    kern_sample_out *out_dev;   /* backend or mapped memory (alloc_mapped) [n_rows]: when set
+                                 * the outcomes are written there in stream order and the op
+                                 * returns without waiting (out unused): the caller reads them
+                                 * after a mark, and the tokens may feed later ops (one step
+                                 * ahead) */
 } kern_sample;
 
 /* ---- the table ----------------------------------------------------------------------------- */
@@ -562,6 +574,16 @@ typedef struct kern_ops {
     void (*free)(void *ctx, void *p);
     void (*to_host)(void *ctx, void *dst, const void *src, size_t bytes);
     void (*from_host)(void *ctx, void *dst, const void *src, size_t bytes);
+    /* mapped memory and marks (one step ahead: the host reads step N's outcome while step N+1
+     * is queued behind it): alloc_mapped returns memory both the ops and the host address
+     * (the host at *host; zeroed; host writes are seen by ops queued after them, op writes by
+     * the host after wait_mark of a mark made after the op); mark records the work queued so
+     * far; wait_mark waits for the work before that mark only, and returns a failure the
+     * device found in it (or since). NULL on a backend without them */
+    void *(*alloc_mapped)(void *ctx, size_t bytes, void **host);
+    void (*free_mapped)(void *ctx, void *p);
+    di_status (*mark)(void *ctx, uint64_t *mark);
+    di_status (*wait_mark)(void *ctx, uint64_t mark);
 
     di_status (*embed)(void *ctx, const kern_embed *p);
     di_status (*rmsnorm)(void *ctx, const kern_rmsnorm *p);

@@ -121,6 +121,9 @@ di_status engine_create(const engine_config *cfg, engine **out, di_error *err)
         return di_fail(err, DI_EINVAL, "engine: config and result are required");
     if (!cfg->exec.step)
         return di_fail(err, DI_EINVAL, "engine: the executor has no step function");
+    if (!cfg->exec.issue != !cfg->exec.collect)
+        return di_fail(err, DI_EINVAL, "engine: the executor has issue without collect or "
+                                       "collect without issue");
     const di_alloc *a = cfg->sched.alloc;
     engine *e = di_alloc_zero(a, 1, sizeof(*e));
     if (!e)
@@ -339,7 +342,10 @@ di_status engine_flush(engine *e, di_error *err)
         return DI_OK;
     sched_plan *p = e->prev;
     e->prev = NULL;
-    di_status st = process(e, p, e->prev_res, err);
+    const engine_executor *x = &e->cfg.exec;
+    di_status st = x->collect ? x->collect(x->ctx, p, e->prev_res, err) : DI_OK;
+    if (st == DI_OK)
+        st = process(e, p, e->prev_res, err);
     e->prev_res = NULL;
     e->stats.sched_ns += e->stats.last_sched_ns;
     return st == DI_OK ? DI_OK : fail(e, st);
@@ -363,24 +369,39 @@ di_status engine_step(engine *e, bool *ran, di_error *err)
     e->scheduled++;
     if ((st = reserve_results(e, p->n_seqs, err)) != DI_OK)
         return fail(e, st);
-    if (e->prev) { /* async: step N is processed while N+1 is about to run */
+    const engine_executor *x = &e->cfg.exec;
+    bool split = x->issue != NULL, issued = false;
+    if (e->prev) { /* async: step N is processed while N+1 is about to run (or runs) */
         sched_plan *prev = e->prev;
         e->prev = NULL;
+        if (split && (st = x->issue(x->ctx, p, true, &issued, err)) != DI_OK)
+            return fail(e, st);
+        if (split && (st = x->collect(x->ctx, prev, e->prev_res, err)) != DI_OK)
+            return fail(e, st);
         if ((st = process(e, prev, e->prev_res, err)) != DI_OK)
             return fail(e, st);
         t0 = now_ns(e);
         sched_plan_fixup(p, prev, e->prev_res);
         e->stats.last_sched_ns += now_ns(e) - t0;
         e->prev_res = NULL;
+        e->stats.issued_ahead += issued;
     }
     sched_seq_result *res = e->results + (size_t)e->cur * e->cap;
     memset(res, 0, sizeof(*res) * p->n_seqs);
-    if ((st = e->cfg.exec.step(e->cfg.exec.ctx, p, res, err)) != DI_OK)
+    if (!split)
+        st = x->step(x->ctx, p, res, err);
+    else if (!issued)
+        st = x->issue(x->ctx, p, false, &issued, err);
+    if (st == DI_OK && split && !issued)
+        st = di_fail(err, DI_EINTERNAL, "engine: the executor did not issue a plan");
+    if (st != DI_OK)
         return fail(e, st);
     e->stats.steps++;
     if (ran)
         *ran = true;
     if (!e->cfg.sched.async || p->process_now) {
+        if (split && (st = x->collect(x->ctx, p, res, err)) != DI_OK)
+            return fail(e, st);
         if ((st = process(e, p, res, err)) != DI_OK)
             return fail(e, st);
     } else {

@@ -25,6 +25,10 @@
  *   async: schedule N+1 -> process N (outputs of N) -> fixup N+1 from N -> exec.step N+1;
  *          a plan with process_now is processed at once; engine_flush processes the plan
  *          still in flight when no work is left.
+ *   async with exec.issue/collect: schedule N+1 -> issue N+1 ahead (when the executor can) ->
+ *          collect N -> process N -> fixup N+1 from N -> issue N+1 (when it was not yet);
+ *          step N+1 is collected at the next engine_step (or engine_flush), so the executor
+ *          runs N+1 while the host collects and processes N.
  *
  * Thread safety: none; one engine per rank, driven by one thread. The callbacks run on that
  * thread, from inside engine_step / engine_abort / engine_flush; they must not call back into
@@ -58,6 +62,18 @@ typedef struct engine_executor {
      * SCHED_RESULT_FAILED; a failure return fails the step (engine_step returns it). */
     di_status (*step)(void *ctx, const sched_plan *plan, sched_seq_result *results,
                       di_error *err);
+    /* Optional, both or neither: step split in two, so that one step ahead (sched_config.async)
+     * the executor may be given step N+1 before it hands over step N's results. issue starts
+     * a plan and sets *issued; collect waits for it and fills its results (as step does).
+     * With `ahead` step N is issued and not collected: the executor issues N+1 only when it
+     * can without N's results on the host, else leaves *issued false and the engine collects
+     * and processes N, fixes N+1 up and issues it again without `ahead` (which must issue).
+     * Plans are collected in the order they were issued; a failure of either fails the step
+     * as step's does. NULL: step. */
+    di_status (*issue)(void *ctx, const sched_plan *plan, bool ahead, bool *issued,
+                       di_error *err);
+    di_status (*collect)(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                         di_error *err);
 } engine_executor;
 
 /* One output of one request, as the scheduler produced it. */
@@ -92,6 +108,7 @@ typedef struct engine_stats {
     uint32_t live;               /* request records (added, not yet removed from the executor) */
     uint64_t sched_ns;           /* clock_ns time in schedule, process and fixup, in all */
     uint64_t last_sched_ns;      /* of that, in the latest engine_step / engine_flush */
+    uint64_t issued_ahead;       /* plans issued before the previous one was collected */
 } engine_stats;
 
 /* Creates an engine (and its scheduler). DI_OK; DI_EINVAL (config, no exec.step); DI_ENOMEM.

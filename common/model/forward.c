@@ -815,7 +815,7 @@ static di_status engram_hash(fwd_run *r, di_error *err)
                           .ids = r->ids, .row_seq = r->rows.row_seq, .seqs = r->rows.seqs,
                           .token_map = m->tmap, .vocab = c->vocab_size, .pad_id = m->engram_pad,
                           .multipliers = m->e_mult, .primes = m->e_primes,
-                          .offsets = m->e_offsets, .out = r->hash};
+                          .offsets = m->e_offsets, .out = r->hash, .ids_dev = r->ids_dev};
     FWD_TRY(err, -1, m->be->ops.engram_hash(m->be->ctx, &p));
     fwd_dump(r, "engram.hash", -1, FWD_I64, r->hash, r->rows.n, c->n_engram_layers,
              c->engram_cols);
@@ -937,8 +937,9 @@ static di_status step_run(fwd_run *r, fwd_kv *kv, const fwd_step *st, float *log
     fwd_model *m = r->m;
     const model_config *c = m->cfg;
     build_rows(r, kv, st);
+    r->ids_dev = st->ids_dev;
     kern_embed e = {.n_rows = T, .dim = c->dim, .n_copies = c->hc_mult, .vocab = c->vocab_size,
-                    .ids = r->ids, .table = m->embed, .out = r->h};
+                    .ids = r->ids, .table = m->embed, .out = r->h, .ids_dev = st->ids_dev};
     FWD_TRY(err, -1, m->be->ops.embed(m->be->ctx, &e)); /* H [T, hc, D] */
     if ((s = engram_hash(r, err)) != DI_OK)
         return s;

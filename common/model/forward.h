@@ -147,6 +147,13 @@ typedef struct fwd_step {
     uint32_t n_logit_rows;   /* rows whose logits are wanted */
     const int32_t *logit_rows; /* [n_logit_rows] row indices in step order (sequence 0's rows
                                 first); distinct; never a placeholder row */
+    const int32_t *ids_dev;  /* [rows] the rows' token ids in backend memory (one step ahead:
+                                written there by a device op): the embedding and the Engram
+                                hashes of the step's rows read them instead of the seqs'
+                                tokens, which are still checked but otherwise unused (a
+                                placeholder row's id must be 0). An id outside the vocabulary
+                                fails the step or the next synchronisation. NULL: the seqs'
+                                tokens */
 } fwd_step;
 
 /* Runs one step. logits (host, [n_logit_rows, vocab_size] fp32) receives the raw model

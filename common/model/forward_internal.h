@@ -148,6 +148,7 @@ struct fwd_run {
     int64_t *emit_pos;               /* [T] their RoPE positions j*r */
     int32_t *emit_seq;               /* [T] their sequences */
     int32_t *ids;                    /* [T] token ids in row order */
+    const int32_t *ids_dev;          /* [T] fwd_step.ids_dev of the step running, or NULL */
     int32_t *sel;                    /* [T] rows gathered for the head */
 };
 

@@ -8,69 +8,9 @@
 #include "common/util/clock.h"
 #include "common/util/machine.h"
 #include "kernels/cpu/step_ahead.h"
+#include "common/model/runner_exec_internal.h"
 
-#define RX_MAX_ROWS (SEQ_MAX_NEXTN + 1)
-
-/* What the executor keeps of one request. */
-typedef struct rx_req {
-    uint64_t id;
-    int32_t *toks;              /* [cap] token at each position (plan rows are authoritative) */
-    uint32_t cap;
-    uint32_t prompt_len;
-    sampling_params params;
-    int32_t *forced;            /* [n_forced] teacher-forced continuation, or NULL */
-    uint32_t n_forced;
-    uint32_t n_out;             /* tokens produced so far */
-    float *draft_logits;        /* [nextn, V] the draft head's logits of the pending drafts */
-    int32_t drafts[SEQ_MAX_NEXTN];
-    uint32_t n_drafts;
-    runner_token last[RX_MAX_ROWS]; /* tokens of the latest step */
-    uint32_t n_last;
-    /* the outcome of the latest step that sampled it, for the step_ahead op */
-    uint64_t ah_step;           /* that step's number (runner_exec_stats.steps after it) */
-    int64_t ah_base;            /* its first position */
-    uint32_t ah_q;              /* its rows */
-    sched_seq_result ah_res;    /* its result (n_tokens 0: failed) */
-    char err[sizeof(((di_error *)0)->msg)];
-} rx_req;
-
-struct runner_exec {
-    const runner_model *rm;
-    const kern_backend *be;
-    runner_exec_options opt;
-    fwd_model *m;
-    fwd_run *run;
-    fwd_kv *kv;
-    sampler_workspace *ws;
-    uint32_t V;
-    uint32_t nextn;             /* drafts proposed per step (0 without draft stages) */
-    rx_req **reqs;
-    uint32_t n_reqs, cap_reqs;
-    /* step scratch */
-    fwd_seq *fseqs;             /* [max entries] */
-    int32_t *lrows;             /* [max_rows] */
-    int32_t *lbase;             /* [max entries] first logits row of each entry, -1 none */
-    float *logits;              /* [max_rows, V] */
-    float *dlogits;             /* [max entries, nextn, V] */
-    int32_t *dtok;              /* [max entries, nextn] */
-    float *dconf, *dcum;        /* [max entries, nextn] */
-    fwd_draft_req *dreq;        /* [max entries] */
-    uint32_t *dentry;           /* [max entries] plan entry of each draft request */
-    rx_req **drec;              /* [max entries] request of each draft request */
-    uint32_t max_entries;
-    /* the step_ahead op's arrays (runner_exec_options.ahead): one block laid out by
-     * ahead_view, in backend memory (ah_dev) with its host mirror (ah_host) */
-    void *ah_dev, *ah_host;
-    size_t ah_bytes;
-    int32_t *ah_rows;           /* [max_rows] the op's row tokens the step runs on */
-    runner_exec_stats stats;
-};
-
-#define RX_AH_STRIDE (SEQ_MAX_NEXTN + 1) /* accepted tokens per sequence (out_stride) */
-
-/* The op's arrays of `n_seqs` sequences over `n_rows` rows at `base` (NULL: sizes only);
- * returns the bytes they take. Each array starts 64-byte aligned. */
-static size_t ahead_view(uint8_t *base, uint32_t E, uint32_t T, kern_step_ahead *v)
+size_t rx_ahead_view(uint8_t *base, uint32_t E, uint32_t T, kern_step_ahead *v)
 {
     size_t o = 0;
 #define AH_ARRAY(field, type, count)                                                         \
@@ -91,6 +31,7 @@ static size_t ahead_view(uint8_t *base, uint32_t E, uint32_t T, kern_step_ahead 
     return o;
 }
 
+
 const runner_exec_stats *runner_exec_get_stats(const runner_exec *ex)
 {
     return &ex->stats;
@@ -106,7 +47,7 @@ fwd_kv *runner_exec_kv(const runner_exec *ex)
     return ex->kv;
 }
 
-static rx_req *find(const runner_exec *ex, uint64_t id)
+rx_req *rx_find(const runner_exec *ex, uint64_t id)
 {
     for (uint32_t i = 0; i < ex->n_reqs; i++)
         if (ex->reqs[i]->id == id)
@@ -162,7 +103,7 @@ di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
         st = sampler_workspace_new(ex->V, &ex->ws, err);
     if (st == DI_OK && opt->ahead) {
         kern_step_ahead v;
-        ex->ah_bytes = ahead_view(NULL, (uint32_t)E, (uint32_t)T, &v);
+        ex->ah_bytes = rx_ahead_view(NULL, (uint32_t)E, (uint32_t)T, &v);
         if (!be->ops.step_ahead)
             st = di_fail(err, DI_EUNSUPPORTED, "executor: one step ahead needs the %s "
                          "backend's step_ahead entry", be->name ? be->name : "");
@@ -188,6 +129,10 @@ di_status runner_exec_create(const runner_model *rm, const kern_backend *be,
             !ex->dtok || !ex->dconf || !ex->dcum || !ex->dreq || !ex->dentry || !ex->drec)
             st = di_fail(err, DI_ENOMEM, "executor scratch for %zu rows", T);
     }
+    if (st == DI_OK && opt->overlap && !opt->ahead)
+        st = di_fail(err, DI_EINVAL, "executor: the overlap needs one step ahead (ahead)");
+    if (st == DI_OK)
+        st = rx_flights_create(ex, err);
     if (st != DI_OK) {
         runner_exec_free(ex);
         return st;
@@ -204,6 +149,7 @@ void runner_exec_free(runner_exec *ex)
         req_free(ex->reqs[i]);
     free(ex->reqs);
     sampler_workspace_free(ex->ws);
+    rx_flights_free(ex);
     if (ex->ah_dev)
         ex->be->ops.free(ex->be->ctx, ex->ah_dev);
     free(ex->ah_host);
@@ -229,7 +175,7 @@ di_status runner_exec_add(runner_exec *ex, const runner_request *q, di_error *er
 {
     if (!ex || !q || !q->prompt || q->prompt_len == 0)
         return di_fail(err, DI_EINVAL, "request: empty prompt");
-    if (find(ex, q->id))
+    if (rx_find(ex, q->id))
         return di_fail(err, DI_EEXIST, "request %llu already registered",
                        (unsigned long long)q->id);
     di_status st = sampling_params_validate(&q->params, ex->V, err);
@@ -297,7 +243,7 @@ size_t runner_exec_state_bytes(const runner_exec *ex)
 di_status runner_exec_export_state(const runner_exec *ex, uint64_t id, void *dst, size_t cap,
                                    size_t *n, di_error *err)
 {
-    const rx_req *r = ex ? find(ex, id) : NULL;
+    const rx_req *r = ex ? rx_find(ex, id) : NULL;
     if (!r)
         return di_fail(err, DI_ENOENT, "executor state: request %llu is not registered",
                        (unsigned long long)id);
@@ -346,7 +292,7 @@ static di_status state_import(runner_exec *ex, rx_req *r, const uint8_t *src, si
 
 const int32_t *runner_exec_drafts(const runner_exec *ex, uint64_t id, uint32_t *n)
 {
-    const rx_req *r = ex ? find(ex, id) : NULL;
+    const rx_req *r = ex ? rx_find(ex, id) : NULL;
     *n = r ? r->n_drafts : 0;
     return r ? r->drafts : NULL;
 }
@@ -363,14 +309,14 @@ void runner_exec_remove(runner_exec *ex, uint64_t id)
 
 const runner_token *runner_exec_tokens(const runner_exec *ex, uint64_t id, uint32_t *n)
 {
-    rx_req *r = find(ex, id);
+    rx_req *r = rx_find(ex, id);
     *n = r ? r->n_last : 0;
     return r ? r->last : NULL;
 }
 
 const char *runner_exec_error(const runner_exec *ex, uint64_t id)
 {
-    rx_req *r = find(ex, id);
+    rx_req *r = rx_find(ex, id);
     return r ? r->err : "";
 }
 
@@ -378,7 +324,7 @@ const char *runner_exec_error(const runner_exec *ex, uint64_t id)
 
 /* The plan's fork copies, block to block and slot to slot, as backend copies (the KV storage
  * is backend memory: a device backend keeps it on the device). */
-static di_status do_copies(runner_exec *ex, const sched_plan *plan, di_error *err)
+di_status rx_do_copies(runner_exec *ex, const sched_plan *plan, di_error *err)
 {
     const kern_backend *be = ex->be;
     for (uint32_t i = 0; i < plan->n_copies; i++) {
@@ -400,7 +346,7 @@ static di_status do_copies(runner_exec *ex, const sched_plan *plan, di_error *er
 }
 
 /* Builds the forward's step from the plan; records each entry's tokens by position. */
-static di_status build_step(runner_exec *ex, const sched_plan *plan, fwd_step *st, di_error *err)
+di_status rx_build_step(runner_exec *ex, const sched_plan *plan, fwd_step *st, di_error *err)
 {
     const model_config *c = fwd_model_config(ex->m);
     uint32_t lb = c->n_engram_layers ? c->engram_max_ngram_size - 1 : 0;
@@ -411,7 +357,7 @@ static di_status build_step(runner_exec *ex, const sched_plan *plan, fwd_step *s
     for (uint32_t i = 0; i < plan->n_seqs; i++) {
         const sched_seq_plan *p = &plan->seqs[i];
         ex->lbase[i] = -1;
-        rx_req *r = p->request_id == SCHED_PLACEHOLDER_ID ? NULL : find(ex, p->request_id);
+        rx_req *r = p->request_id == SCHED_PLACEHOLDER_ID ? NULL : rx_find(ex, p->request_id);
         if (!r)
             return di_fail(err, DI_EINVAL, "plan entry %u: request %llu is not registered", i,
                            (unsigned long long)p->request_id);
@@ -447,7 +393,7 @@ static di_status build_step(runner_exec *ex, const sched_plan *plan, fwd_step *s
     return DI_OK;
 }
 
-static sampler_row target_row(const runner_exec *ex, const rx_req *r, const float *logits,
+sampler_row rx_target_row(const runner_exec *ex, const rx_req *r, const float *logits,
                               uint64_t position, uint32_t row, uint32_t out_index)
 {
     sampler_row s = {.logits = logits, .n_vocab = ex->V, .params = &r->params,
@@ -475,7 +421,7 @@ static di_status sample_entry(runner_exec *ex, const sched_plan *plan, uint32_t 
     const float *lg = ex->logits + (size_t)ex->lbase[i] * ex->V;
     r->n_last = 0;
     if (plan->prompt_run) {
-        sampler_row row = target_row(ex, r, lg, sampler_prefill_position(p->seqlen_k), 0,
+        sampler_row row = rx_target_row(ex, r, lg, sampler_prefill_position(p->seqlen_k), 0,
                                      r->n_out);
         if (r->n_out < r->n_forced) {
             forced_token(ex, r, &row, r->forced[r->n_out], &r->last[0]);
@@ -492,7 +438,7 @@ static di_status sample_entry(runner_exec *ex, const sched_plan *plan, uint32_t 
         uint64_t P = sampler_decode_position(p->seqlen_k, p->seqlen_q);
         sampler_row rows[RX_MAX_ROWS];
         for (uint32_t j = 0; j <= k; j++)
-            rows[j] = target_row(ex, r, lg + (size_t)j * ex->V, P, j, r->n_out + j);
+            rows[j] = rx_target_row(ex, r, lg + (size_t)j * ex->V, P, j, r->n_out + j);
         if (r->n_out < r->n_forced) {
             /* accept drafts while they are the forced continuation */
             uint32_t a = 0;
@@ -589,7 +535,7 @@ static di_status propose(runner_exec *ex, const sched_plan *plan, sched_seq_resu
         const sched_seq_plan *p = &plan->seqs[i];
         if (ex->lbase[i] < 0 || results[i].status != SCHED_RESULT_OK)
             continue;
-        rx_req *r = find(ex, p->request_id);
+        rx_req *r = rx_find(ex, p->request_id);
         uint32_t a = plan->prompt_run ? p->seqlen_q - 1 : results[i].n_tokens - 1;
         ex->dreq[n] = (fwd_draft_req){.slot = (uint32_t)p->state_slot,
                                       .pos = (int64_t)p->first_position + a,
@@ -629,13 +575,29 @@ static di_status propose(runner_exec *ex, const sched_plan *plan, sched_seq_resu
     return DI_OK;
 }
 
+void rx_take_draw(rx_req *r, const sampler_result *o, sched_seq_result *res)
+{
+    if (o->err.code != DI_OK) {
+        res->status = SCHED_RESULT_FAILED;
+        r->n_last = 0;
+        snprintf(r->err, sizeof r->err, "%s", o->err.msg);
+        return;
+    }
+    r->last[0].res = *o;
+    r->last[0].token = o->token;
+    r->n_last = 1;
+    res->n_tokens = 1;
+    res->tokens[0] = o->token;
+    r->n_out++;
+}
+
 /* Entry i's result, cleared to OK, and its request with no error yet. */
-static rx_req *result_open(runner_exec *ex, const sched_plan *plan, uint32_t i,
+rx_req *rx_result_open(runner_exec *ex, const sched_plan *plan, uint32_t i,
                            sched_seq_result *res)
 {
     memset(res, 0, sizeof(*res));
     res->status = SCHED_RESULT_OK;
-    rx_req *r = find(ex, plan->seqs[i].request_id);
+    rx_req *r = rx_find(ex, plan->seqs[i].request_id);
     r->err[0] = 0;
     return r;
 }
@@ -643,7 +605,7 @@ static rx_req *result_open(runner_exec *ex, const sched_plan *plan, uint32_t i,
 /* 1 when the step can sample on the backend: it has the entry, the caller did not ask for
  * host sampling or the logits, and every sampled entry draws one fresh row (a prompt's last
  * row, or a decode row with no drafts to verify) with no forced token. */
-static int device_sampling(const runner_exec *ex, const sched_plan *plan)
+int rx_device_sampling(const runner_exec *ex, const sched_plan *plan)
 {
     if (!ex->be->ops.sample || ex->opt.host_sampling || ex->opt.on_logits)
         return 0;
@@ -652,8 +614,8 @@ static int device_sampling(const runner_exec *ex, const sched_plan *plan)
         if (ex->lbase[i] < 0)
             continue;
         const sched_seq_plan *p = &plan->seqs[i];
-        const rx_req *r = find(ex, p->request_id);
-        if ((!plan->prompt_run && p->seqlen_q != 1) || r->n_out < r->n_forced)
+        const rx_req *r = rx_find(ex, p->request_id);
+        if ((!plan->prompt_run && p->seqlen_q != 1) || r->n_out + r->uncommitted < r->n_forced)
             return 0;
         sampled++;
     }
@@ -682,30 +644,18 @@ static di_status step_device_sampled(runner_exec *ex, const sched_plan *plan,
         if (ex->lbase[i] < 0)
             continue;
         const sched_seq_plan *p = &plan->seqs[i];
-        rx_req *r = find(ex, p->request_id);
+        rx_req *r = rx_find(ex, p->request_id);
         uint64_t pos = plan->prompt_run ? sampler_prefill_position(p->seqlen_k)
                                         : sampler_decode_position(p->seqlen_k, p->seqlen_q);
-        rows[ex->lbase[i]] = target_row(ex, r, NULL, pos, 0, r->n_out);
+        rows[ex->lbase[i]] = rx_target_row(ex, r, NULL, pos, 0, r->n_out);
     }
     s = sampler_sample_backend(ex->be, logits, ex->V, rows, n, ex->ws, out, NULL, err);
     for (uint32_t i = 0; s == DI_OK && i < plan->n_seqs; i++) {
         sched_seq_result *res = &results[i];
-        rx_req *r = result_open(ex, plan, i, res);
+        rx_req *r = rx_result_open(ex, plan, i, res);
         if (ex->lbase[i] < 0)
             continue;
-        const sampler_result *o = &out[ex->lbase[i]];
-        if (o->err.code != DI_OK) {
-            res->status = SCHED_RESULT_FAILED;
-            r->n_last = 0;
-            snprintf(r->err, sizeof r->err, "%s", o->err.msg);
-            continue;
-        }
-        r->last[0].res = *o;
-        r->last[0].token = o->token;
-        r->n_last = 1;
-        res->n_tokens = 1;
-        res->tokens[0] = o->token;
-        r->n_out++;
+        rx_take_draw(r, &out[ex->lbase[i]], res);
     }
     free(rows);
     free(out);
@@ -716,28 +666,31 @@ static di_status step_device_sampled(runner_exec *ex, const sched_plan *plan,
 
 static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *err);
 
-/* One step of a plan that runs (runner_exec_step). */
-static di_status step_run(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
+di_status rx_step_prepare(runner_exec *ex, const sched_plan *plan, fwd_step *st,
                           di_error *err)
 {
-    fwd_step st;
-    di_status s = do_copies(ex, plan, err);
+    di_status s = rx_do_copies(ex, plan, err);
     if (s == DI_OK)
-        s = build_step(ex, plan, &st, err);
+        s = rx_build_step(ex, plan, st, err);
     if (s == DI_OK && ex->opt.ahead && !plan->prompt_run)
         s = ahead_fix(ex, plan, err);
     for (uint32_t i = 0; s == DI_OK && i < plan->n_seqs; i++)
         if (plan->seqs[i].n_load || plan->seqs[i].load_window)
             s = ex->opt.on_load(ex->opt.load_userdata, ex->kv, &plan->seqs[i], err);
-    if (s == DI_OK && device_sampling(ex, plan))
-        return step_device_sampled(ex, plan, &st, results, err);
-    if (s == DI_OK)
-        s = fwd_step_run(ex->run, ex->kv, &st, ex->logits, err);
+    return s;
+}
+
+di_status rx_step_finish(runner_exec *ex, const sched_plan *plan, const fwd_step *st,
+                         sched_seq_result *results, di_error *err)
+{
+    if (rx_device_sampling(ex, plan))
+        return step_device_sampled(ex, plan, st, results, err);
+    di_status s = fwd_step_run(ex->run, ex->kv, st, ex->logits, err);
     if (s != DI_OK)
         return s;
     for (uint32_t i = 0; i < plan->n_seqs; i++) {
         sched_seq_result *res = &results[i];
-        rx_req *r = result_open(ex, plan, i, res);
+        rx_req *r = rx_result_open(ex, plan, i, res);
         if (ex->lbase[i] < 0)
             continue; /* an earlier prompt chunk: nothing to sample */
         di_error e;
@@ -773,14 +726,14 @@ static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *er
     for (uint32_t i = 0; i < plan->n_seqs; i++) {
         const sched_seq_plan *p = &plan->seqs[i];
         total += p->seqlen_q;
-        if (p->tokens_from_prev && ahead_entry(ex, p, find(ex, p->request_id)))
+        if (p->tokens_from_prev && ahead_entry(ex, p, rx_find(ex, p->request_id)))
             ks |= 1u << (p->seqlen_q - 1);
     }
     for (uint32_t k = 0; k <= SEQ_MAX_NEXTN; k++) {
         if (!(ks >> k & 1))
             continue;
         kern_step_ahead h, d;
-        ahead_view(ex->ah_host, ex->max_entries, ex->opt.fwd.max_rows, &h);
+        rx_ahead_view(ex->ah_host, ex->max_entries, ex->opt.fwd.max_rows, &h);
         /* the op's inputs, written here on the host mirror */
         int64_t *base_len = (int64_t *)h.base_len;
         int32_t *accepted = (int32_t *)h.accepted, *toks = (int32_t *)h.tokens;
@@ -789,7 +742,7 @@ static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *er
         uint32_t n = 0, row = 0;
         for (uint32_t i = 0; i < plan->n_seqs; row += plan->seqs[i].seqlen_q, i++) {
             const sched_seq_plan *p = &plan->seqs[i];
-            const rx_req *r = find(ex, p->request_id);
+            const rx_req *r = rx_find(ex, p->request_id);
             if (p->seqlen_q != k + 1 || !ahead_entry(ex, p, r))
                 continue;
             const sched_seq_result *o = &r->ah_res;
@@ -813,7 +766,7 @@ static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *er
         h.n_rows = total;
         h.out_stride = RX_AH_STRIDE;
         be->ops.from_host(be->ctx, ex->ah_dev, ex->ah_host, ex->ah_bytes);
-        ahead_view(ex->ah_dev, ex->max_entries, ex->opt.fwd.max_rows, &d);
+        rx_ahead_view(ex->ah_dev, ex->max_entries, ex->opt.fwd.max_rows, &d);
         d.n_seqs = h.n_seqs, d.nextn = h.nextn, d.n_rows = h.n_rows, d.out_stride = h.out_stride;
         di_status st = be->ops.step_ahead(be->ctx, &d);
         if (st != DI_OK)
@@ -824,7 +777,7 @@ static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *er
         row = 0;
         for (uint32_t i = 0; i < plan->n_seqs; row += plan->seqs[i].seqlen_q, i++) {
             const sched_seq_plan *p = &plan->seqs[i];
-            rx_req *r = find(ex, p->request_id);
+            rx_req *r = rx_find(ex, p->request_id);
             if (p->seqlen_q != k + 1 || !ahead_entry(ex, p, r))
                 continue;
             if (h.seqlen_k[n] != (int64_t)p->seqlen_k || h.positions[row] != p->first_position ||
@@ -856,34 +809,20 @@ static di_status ahead_fix(runner_exec *ex, const sched_plan *plan, di_error *er
 }
 
 /* Keeps each sampled entry's outcome for the next step's op. */
-static void ahead_record(runner_exec *ex, const sched_plan *plan, const sched_seq_result *res)
+void rx_ahead_record(runner_exec *ex, const sched_plan *plan, const sched_seq_result *res,
+                     const int32_t *lbase, uint64_t number)
 {
     for (uint32_t i = 0; i < plan->n_seqs; i++) {
-        rx_req *r = find(ex, plan->seqs[i].request_id);
+        rx_req *r = rx_find(ex, plan->seqs[i].request_id);
         if (!r)
             continue;
-        r->ah_step = ex->stats.steps;
+        r->ah_step = number;
         r->ah_base = plan->seqs[i].first_position;
         r->ah_q = plan->seqs[i].seqlen_q;
         r->ah_res = res[i];
-        if (ex->lbase[i] < 0 || res[i].status != SCHED_RESULT_OK)
+        if (lbase[i] < 0 || res[i].status != SCHED_RESULT_OK)
             r->ah_res.n_tokens = 0;
     }
-}
-
-di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
-                           di_error *err)
-{
-    if (!ex || !plan || (!results && plan->n_seqs))
-        return di_fail(err, DI_EINVAL, "step: executor, plan and results are required");
-    if (plan->placeholder)
-        return DI_OK; /* one rank: nothing to run */
-    di_status s = step_run(ex, plan, results, err);
-    if (s != DI_OK)
-        return s;
-    ex->stats.steps++;
-    ahead_record(ex, plan, results);
-    return DI_OK;
 }
 
 /* ---- step-time measurement (MTP varlen's table) ----------------------------------------- */
@@ -951,8 +890,20 @@ static di_status exec_step(void *ctx, const sched_plan *plan, sched_seq_result *
     return runner_exec_step(ctx, plan, results, err);
 }
 
+static di_status exec_issue(void *ctx, const sched_plan *plan, bool ahead, bool *issued,
+                            di_error *err)
+{
+    return runner_exec_issue(ctx, plan, ahead, issued, err);
+}
+
+static di_status exec_collect(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                              di_error *err)
+{
+    return runner_exec_collect(ctx, plan, results, err);
+}
+
 engine_executor runner_exec_executor(runner_exec *ex)
 {
     return (engine_executor){.ctx = ex, .add = exec_add, .remove = exec_remove,
-                             .step = exec_step};
+                             .step = exec_step, .issue = exec_issue, .collect = exec_collect};
 }

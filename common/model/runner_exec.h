@@ -18,7 +18,9 @@
  *
  * With `ahead` (an engine that schedules one step ahead), the rows of a decode entry that
  * continues the previous step are written by the backend's step_ahead op from that step's
- * outcome, checked against the plan, and the step runs on them.
+ * outcome, checked against the plan, and the step runs on them. With `overlap` as well, a
+ * decode step without drafts is issued before the previous step is collected
+ * (runner_exec_issue): the host plans and issues step N+1 while the backend runs step N.
  *
  * Per request the executor keeps the tokens by position (the Engram lookback reads up to three
  * before a chunk), the sampling parameters, the draft head's logits of the pending drafts (the
@@ -77,9 +79,16 @@ typedef struct runner_exec_options {
                                  drafts), on backend memory, and the step runs on them; the
                                  op's rows, positions and key lengths must be the plan's (the
                                  scheduler's host fix-up): a difference fails the step
-                                 (DI_EINTERNAL). The host still reads each step's results
-                                 before it issues the next. Same results as 0; needs the
-                                 backend's step_ahead entry (DI_EUNSUPPORTED at create) */
+                                 (DI_EINTERNAL). Same results as 0; needs the backend's
+                                 step_ahead entry (DI_EUNSUPPORTED at create) */
+    int overlap;              /* 1 (needs ahead): a decode step whose entries have no drafts
+                                 (nextn 0), no forced tokens and no KV to load is issued
+                                 before the previous step is collected (runner_exec_issue
+                                 with ahead): its continuing rows are the op's from the
+                                 previous step's sampled tokens in backend memory, the
+                                 forward reads its ids there, the sampler's outcomes stay
+                                 there until collect; the host fix-up must equal the op's
+                                 rows, checked at collect (DI_EINTERNAL). Same results as 0 */
 } runner_exec_options;
 
 /* What the executor counted. */
@@ -87,6 +96,7 @@ typedef struct runner_exec_stats {
     uint64_t steps;           /* steps run (placeholder plans not counted) */
     uint64_t ahead_steps;     /* steps with rows written by the step_ahead op */
     uint64_t ahead_entries;   /* plan entries whose rows the op wrote */
+    uint64_t overlap_steps;   /* steps issued before the previous one was collected */
 } runner_exec_stats;
 
 /* What the executor must know of a request before its first plan. */
@@ -129,6 +139,24 @@ void runner_exec_remove(runner_exec *ex, uint64_t id);
  * itself cannot run (the forward's codes), with results untouched. */
 di_status runner_exec_step(runner_exec *ex, const sched_plan *plan, sched_seq_result *results,
                            di_error *err);
+
+/* The step split in two (engine_executor.issue and .collect): issue enqueues the plan's step
+ * on the backend and returns, collect waits for it and fills results as runner_exec_step
+ * does; runner_exec_step is issue then collect. A step that cannot be split (drafts, forced
+ * tokens, logits to the host, a backend without a sampler...) runs whole in issue and collect
+ * only hands its results over. With `ahead` the previous plan is issued and not collected:
+ * the plan is issued only when it qualifies for the overlap (options.overlap), *issued says
+ * whether it was; otherwise the caller collects the previous plan, fixes this one up
+ * (sched_plan_fixup) and issues it again without `ahead`. At most two plans are in flight;
+ * they are collected in the order they were issued. A request's per-step state
+ * (runner_exec_tokens, _drafts, _error) changes at collect, so outputs of step N read after
+ * N+1 was issued are N's. DI_ESTATE for a plan issued twice, collected before it was issued
+ * or out of order, or a third in flight; the step's failures as runner_exec_step's (a failed
+ * issue leaves nothing in flight); collect's cross-check of the op's rows: DI_EINTERNAL. */
+di_status runner_exec_issue(runner_exec *ex, const sched_plan *plan, bool ahead, bool *issued,
+                            di_error *err);
+di_status runner_exec_collect(runner_exec *ex, const sched_plan *plan,
+                              sched_seq_result *results, di_error *err);
 
 /* The tokens request `id` produced in the latest step that sampled it, with their sampler
  * results; *n = 0 when none. The array stays valid until the next step. */

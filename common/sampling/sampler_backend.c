@@ -76,22 +76,22 @@ static void host_row(const kern_backend *be, const float *logits, const sampler_
     free(x);
 }
 
-di_status sampler_sample_backend(const kern_backend *be, const float *logits, size_t stride,
-                                 const sampler_row *rows, size_t n, sampler_workspace *ws,
-                                 sampler_result *results, size_t *n_failed, di_error *err)
+/* The kernel rows of n sampler rows, and the launch of the backend's entry: into out (host)
+ * or, with out_dev, into backend memory without waiting. */
+static di_status launch(const kern_backend *be, const float *logits, size_t stride,
+                        const sampler_row *rows, size_t n, uint32_t ws_capacity,
+                        kern_sample_out *out, kern_sample_out *out_dev, di_error *err)
 {
     if (!be || !be->ops.sample)
         return di_fail(err, DI_EUNSUPPORTED, "backend %s cannot sample on its own memory",
                        be && be->name ? be->name : "(none)");
-    if (n == 0)
-        return n_failed ? (*n_failed = 0, DI_OK) : DI_OK;
-    if (!logits || !rows || !results || !ws)
+    if (!logits || !rows || (!out && !out_dev))
         return di_fail(err, DI_EINVAL, "sampler on the backend: logits, rows, results and "
                                        "workspace are required");
     uint32_t V = rows[0].n_vocab;
-    if (V == 0 || V > ws->capacity || stride < V || n > UINT32_MAX)
+    if (V == 0 || V > ws_capacity || stride < V || n > UINT32_MAX)
         return di_fail(err, DI_EINVAL, "sampler on the backend: %zu rows of %u tokens, stride "
-                                       "%zu, workspace %u", n, V, stride, ws->capacity);
+                                       "%zu, workspace %u", n, V, stride, ws_capacity);
     size_t words = ((size_t)V + 31) / 32;
     size_t maps = 0;
     for (size_t i = 0; i < n; i++) {
@@ -102,13 +102,10 @@ di_status sampler_sample_backend(const kern_backend *be, const float *logits, si
         maps += r->grammar_mask || r->params->n_blacklist ||
                 (r->params->eos_id >= 0 && r->output_index < r->params->first_n_no_eos);
     }
-    size_t bytes = n * (sizeof(kern_sample_row) + sizeof(kern_sample_out)) +
-                   maps * words * sizeof(uint32_t);
-    uint8_t *mem = malloc(bytes);
+    uint8_t *mem = malloc(n * sizeof(kern_sample_row) + maps * words * sizeof(uint32_t));
     if (!mem)
         return di_fail(err, DI_ENOMEM, "out of memory for %zu sampler rows", n);
-    kern_sample_out *out = (kern_sample_out *)mem;
-    kern_sample_row *kr = (kern_sample_row *)(out + n);
+    kern_sample_row *kr = (kern_sample_row *)mem;
     uint32_t *map = (uint32_t *)(kr + n);
     di_status st = DI_OK;
     for (size_t i = 0; i < n && st == DI_OK; i++) {
@@ -120,33 +117,80 @@ di_status sampler_sample_backend(const kern_backend *be, const float *logits, si
     }
     if (st == DI_OK) {
         kern_sample ks = {.n_rows = (uint32_t)n, .n_vocab = V, .logits = logits,
-                          .logits_stride = stride, .rows = kr, .out = out};
+                          .logits_stride = stride, .rows = kr, .out = out, .out_dev = out_dev};
         st = be->ops.sample(be->ctx, &ks);
         if (st != DI_OK)
             di_fail(err, st, "sampler on the backend %s failed", be->name ? be->name : "");
     }
+    free(mem);
+    return st;
+}
+
+/* A row's outcome as the result (OK only). */
+static void ok_result(const kern_sample_out *o, sampler_result *r)
+{
+    di_error_clear(&r->err);
+    r->token = o->token;
+    r->logprob = o->logprob;
+    r->n_top = o->n_top;
+    for (uint32_t j = 0; j < o->n_top; j++) {
+        r->top_tokens[j] = o->top_tokens[j];
+        r->top_logprobs[j] = o->top_logprobs[j];
+    }
+}
+
+di_status sampler_sample_backend(const kern_backend *be, const float *logits, size_t stride,
+                                 const sampler_row *rows, size_t n, sampler_workspace *ws,
+                                 sampler_result *results, size_t *n_failed, di_error *err)
+{
+    if (be && be->ops.sample && n == 0)
+        return n_failed ? (*n_failed = 0, DI_OK) : DI_OK;
+    if (be && be->ops.sample && (!results || !ws))
+        return di_fail(err, DI_EINVAL, "sampler on the backend: logits, rows, results and "
+                                       "workspace are required");
+    kern_sample_out *out = n ? malloc(n * sizeof(*out)) : NULL;
+    if (n && !out)
+        return di_fail(err, DI_ENOMEM, "out of memory for %zu sampler rows", n);
+    di_status st = launch(be, logits, stride, rows, n, ws ? ws->capacity : 0, out, NULL, err);
     size_t failed = 0;
     for (size_t i = 0; i < n && st == DI_OK; i++) {
         sampler_result *r = &results[i];
-        const kern_sample_out *o = &out[i];
-        if (o->status != KERN_SAMPLE_OK) {
+        if (out[i].status != KERN_SAMPLE_OK) {
             host_row(be, logits + i * stride, &rows[i], ws, r);
             failed += r->err.code != DI_OK;
             continue;
         }
-        di_error_clear(&r->err);
-        r->token = o->token;
-        r->logprob = o->logprob;
-        r->n_top = o->n_top;
-        for (uint32_t j = 0; j < o->n_top; j++) {
-            r->top_tokens[j] = o->top_tokens[j];
-            r->top_logprobs[j] = o->top_logprobs[j];
-        }
+        ok_result(&out[i], r);
     }
-    free(mem);
+    free(out);
     if (st == DI_OK && n_failed)
         *n_failed = failed;
     return st;
+}
+
+di_status sampler_launch_backend(const kern_backend *be, const float *logits, size_t stride,
+                                 const sampler_row *rows, size_t n, uint32_t ws_capacity,
+                                 kern_sample_out *out_dev, di_error *err)
+{
+    if (n == 0)
+        return DI_OK;
+    if (!out_dev)
+        return di_fail(err, DI_EINVAL, "sampler on the backend: no output array");
+    return launch(be, logits, stride, rows, n, ws_capacity, NULL, out_dev, err);
+}
+
+void sampler_backend_result(const kern_sample_out *o, sampler_result *r)
+{
+    if (o->status == KERN_SAMPLE_OK) {
+        ok_result(o, r);
+        return;
+    }
+    di_fail(&r->err, DI_ERANGE, "%s", o->status == KERN_SAMPLE_BAD_LOGIT
+                                           ? "a logit is NaN or +inf: logits must be finite or "
+                                             "-inf (found by the backend's sampler)"
+                                           : "no token may be drawn: every token is blocked "
+                                             "(found by the backend's sampler)");
+    fail_result(r);
 }
 
 static int row_has_bad(const float *x, uint32_t n)
@@ -160,12 +204,13 @@ static int row_has_bad(const float *x, uint32_t n)
 di_status sampler_host_sample(void *ctx, const kern_sample *p)
 {
     sampler_workspace *ws = ctx;
-    if (!ws || !p || (p->n_rows && (!p->logits || !p->rows || !p->out)) ||
+    kern_sample_out *outs = p ? (p->out_dev ? p->out_dev : p->out) : NULL; /* host memory */
+    if (!ws || !p || (p->n_rows && (!p->logits || !p->rows || !outs)) ||
         p->n_vocab == 0 || p->n_vocab > ws->capacity || p->logits_stride < p->n_vocab)
         return DI_EINVAL;
     for (uint32_t i = 0; i < p->n_rows; i++) {
         const kern_sample_row *k = &p->rows[i];
-        kern_sample_out *o = &p->out[i];
+        kern_sample_out *o = &outs[i];
         if (k->n_logprobs > KERN_SAMPLE_MAX_TOP)
             return DI_EINVAL;
         sampling_params sp = sampling_params_default();

@@ -32,6 +32,20 @@ di_status sampler_sample_backend(const kern_backend *be, const float *logits, si
                                  const sampler_row *rows, size_t n, sampler_workspace *ws,
                                  sampler_result *results, size_t *n_failed, di_error *err);
 
+/* The launch half of sampler_sample_backend, for a caller that reads the outcomes later (one
+ * step ahead): the rows checked and handed to the backend's entry with out_dev (backend
+ * memory [n]); returns without waiting for the draw. ws_capacity: the vocabulary a host
+ * workspace would need (rows' n_vocab at most). DI_OK (n = 0 too); DI_EUNSUPPORTED; DI_EINVAL
+ * (arguments, a row's parameters); DI_ENOMEM; the backend's failure. */
+di_status sampler_launch_backend(const kern_backend *be, const float *logits, size_t stride,
+                                 const sampler_row *rows, size_t n, uint32_t ws_capacity,
+                                 kern_sample_out *out_dev, di_error *err);
+
+/* One outcome of sampler_launch_backend, read back to the host, as sampler_sample's result.
+ * A refused row gets DI_ERANGE with the kernel's reason (the logits are gone by then, so the
+ * message does not name the token as sampler_sample's does). */
+void sampler_backend_result(const kern_sample_out *o, sampler_result *r);
+
 /* The `sample` entry (kern_sample) computed on host memory by this sampler: for each row,
  * sampler_process on a row with the kernel row's parameters and its bitmap as the grammar
  * mask, then the draw with sampler_uniform(seed, stream). ctx is a sampler workspace of at

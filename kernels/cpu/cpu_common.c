@@ -325,6 +325,34 @@ static void cpu_free(void *ctx, void *p)
     free(p);
 }
 
+/* Mapped memory and marks: host memory, and every op has finished when it returns. */
+static void *cpu_alloc_mapped(void *ctx, size_t bytes, void **host)
+{
+    (void)ctx;
+    void *p = calloc(1, bytes ? bytes : 1);
+    *host = p;
+    return p;
+}
+
+static void cpu_free_mapped(void *ctx, void *p)
+{
+    (void)ctx;
+    free(p);
+}
+
+static di_status cpu_mark(void *ctx, uint64_t *mark)
+{
+    (void)ctx;
+    *mark = 0;
+    return DI_OK;
+}
+
+static di_status cpu_wait_mark(void *ctx, uint64_t mark)
+{
+    (void)ctx, (void)mark;
+    return DI_OK;
+}
+
 static void cpu_copy(void *ctx, void *dst, const void *src, size_t bytes)
 {
     if (bytes)
@@ -360,6 +388,10 @@ di_status kern_cpu_create(uint32_t n_threads, kern_backend *out, di_error *err)
     be.ops.free = cpu_free;
     be.ops.to_host = cpu_copy;
     be.ops.from_host = cpu_copy;
+    be.ops.alloc_mapped = cpu_alloc_mapped;
+    be.ops.free_mapped = cpu_free_mapped;
+    be.ops.mark = cpu_mark;
+    be.ops.wait_mark = cpu_wait_mark;
     cpu_ops_basic(&be.ops);
     cpu_ops_linear(&be.ops);
     cpu_ops_cache(&be.ops);

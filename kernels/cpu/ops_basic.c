@@ -10,9 +10,14 @@
 
 static di_status cpu_embed(void *ctx, const kern_embed *p)
 {
+    const int32_t *ids = p->ids_dev ? p->ids_dev : p->ids;
+    for (uint32_t t = 0; t < p->n_rows; t++) /* ids_dev were not checked by the caller */
+        if (ids[t] < 0 || (uint32_t)ids[t] >= p->vocab) {
+            assert(p->ids_dev);
+            return DI_EINVAL;
+        }
     for (uint32_t t = 0; t < p->n_rows; t++) {
-        assert(p->ids[t] >= 0 && (uint32_t)p->ids[t] < p->vocab);
-        const uint16_t *src = p->table + (size_t)p->ids[t] * p->dim;
+        const uint16_t *src = p->table + (size_t)ids[t] * p->dim;
         for (uint32_t c = 0; c < p->n_copies; c++)
             memcpy(p->out + ((size_t)t * p->n_copies + c) * p->dim, src, p->dim * 2);
     }

@@ -11,7 +11,7 @@
 static int32_t token_at(const kern_engram_hash *p, const kern_seq *q, int64_t pos)
 {
     if (pos >= q->pos0)
-        return p->ids[q->row0 + (pos - q->pos0)];
+        return (p->ids_dev ? p->ids_dev : p->ids)[q->row0 + (pos - q->pos0)];
     int64_t h = pos - (q->pos0 - (int64_t)q->n_history);
     assert(h >= 0 && q->history);
     return q->history[h];
@@ -33,7 +33,8 @@ static di_status cpu_engram_hash(void *ctx, const kern_engram_hash *p)
                 tok[i] = (uint64_t)p->pad_id;
             } else {
                 int32_t id = token_at(p, q, pos - i);
-                assert(id >= 0 && (uint32_t)id < p->vocab);
+                if (id < 0 || (uint32_t)id >= p->vocab) /* host ids were checked; these not */
+                    return DI_EINVAL;
                 tok[i] = (uint64_t)p->token_map[id];
             }
         }

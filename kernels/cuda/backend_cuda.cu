@@ -29,7 +29,7 @@
     XX(fakequant) XX(ring_store) XX(compress_pool) XX(compressed_store) XX(sparse_attn)      \
     XX(index_scores) XX(index_candidates) XX(index_topk) XX(moe_gate) XX(swiglu)             \
     XX(moe_experts) XX(engram_hash) XX(engram_lookup) XX(engram_gate) XX(copy_rows) XX(sample) \
-    XX(step_ahead)
+    XX(step_ahead) XX(alloc_mapped) XX(free_mapped) XX(mark) XX(wait_mark)
 
 typedef struct op_row {
     const char *name;           /* kern_ops field name */
@@ -344,6 +344,71 @@ static void cuda_copy(cuda_ctx *c, void *dst, const void *src, size_t bytes, con
         cuda_sync_check(c);
 }
 
+/* ---- mapped memory and marks (one step ahead) ---- */
+
+static void *cuda_alloc_mapped(void *ctx, size_t bytes, void **host)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    void *h = NULL, *d = NULL;
+    *host = NULL;
+    if (cudaSetDevice(c->device) != cudaSuccess ||
+        cudaHostAlloc(&h, bytes ? bytes : 1, cudaHostAllocMapped) != cudaSuccess) {
+        cudaGetLastError();
+        return NULL;
+    }
+    if (cudaHostGetDevicePointer(&d, h, 0) != cudaSuccess || d != h) { /* UVA: one address */
+        cudaGetLastError();
+        cudaFreeHost(h);
+        return NULL;
+    }
+    memset(h, 0, bytes);
+    *host = h;
+    return d;
+}
+
+static void cuda_free_mapped(void *ctx, void *p)
+{
+    (void)ctx;
+    if (p)
+        cudaFreeHost(p);
+}
+
+/* A mark is an event recorded on the stream; the ring keeps the latest CUDA_MARKS. */
+static di_status cuda_mark(void *ctx, uint64_t *mark)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    cudaEvent_t *ev = &c->marks[c->mark_next % CUDA_MARKS];
+    di_status st = cuda_check(c, cudaSetDevice(c->device), "mark");
+    if (st == DI_OK && !*ev)
+        st = cuda_check(c, cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "mark: event");
+    if (st == DI_OK)
+        st = cuda_graph_break(c); /* logged work is launched first */
+    if (st == DI_OK)
+        st = cuda_check(c, cudaEventRecord(*ev, c->stream), "mark: cudaEventRecord");
+    if (st == DI_OK)
+        st = cuda_graph_resume(c);
+    if (st == DI_OK)
+        *mark = c->mark_next++;
+    return st;
+}
+
+static di_status cuda_wait_mark(void *ctx, uint64_t mark)
+{
+    cuda_ctx *c = (cuda_ctx *)ctx;
+    di_status st = cuda_check(c, cudaSetDevice(c->device), "wait");
+    if (st == DI_OK && (mark >= c->mark_next || mark + CUDA_MARKS < c->mark_next))
+        st = cuda_check(c, cudaStreamSynchronize(c->stream), "wait: cudaStreamSynchronize");
+    else if (st == DI_OK)
+        st = cuda_check(c, cudaEventSynchronize(c->marks[mark % CUDA_MARKS]),
+                        "wait: cudaEventSynchronize");
+    if (st != DI_OK)
+        return st;
+    cuda_sync_check(c);
+    st = c->pending;
+    c->pending = DI_OK;
+    return st;
+}
+
 static void cuda_to_host(void *ctx, void *dst, const void *src, size_t bytes)
 {
     cuda_copy((cuda_ctx *)ctx, dst, src, bytes, "to_host");
@@ -439,6 +504,12 @@ static void ctx_release(cuda_ctx *c)
     }
     if (c->err_flag)
         cudaFreeHost(c->err_flag);
+    if (c->tmap_dev)
+        cudaFree(c->tmap_dev);
+    for (int i = 0; i < CUDA_MARKS; i++)
+        if (c->marks[i])
+            cudaEventDestroy(c->marks[i]);
+    free(c->tmap_host);
     cuda_prof_free(c);
     cuda_gemm_release(c);
     if (c->scratch)
@@ -569,6 +640,10 @@ extern "C" di_status kern_cuda_create(const kern_cuda_config *cfg, kern_backend 
     be.ops.free = cuda_free_mem;
     be.ops.to_host = cuda_to_host;
     be.ops.from_host = cuda_from_host;
+    be.ops.alloc_mapped = cuda_alloc_mapped;
+    be.ops.free_mapped = cuda_free_mapped;
+    be.ops.mark = cuda_mark;
+    be.ops.wait_mark = cuda_wait_mark;
     be.ops.embed = entry_embed;
     be.ops.rmsnorm = entry_rmsnorm;
     be.ops.rope = entry_rope;

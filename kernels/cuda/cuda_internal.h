@@ -62,6 +62,7 @@ typedef struct cuda_prof {
 /* A routed-expert table (kern_moe_experts.experts) copied to the device once: the device
  * bucketing writes each group's weight pointers from it (moe.cu). */
 #define CUDA_EXPERT_TABLES 64
+#define CUDA_MARKS 8 /* kern_ops.mark events kept (a wait on an older mark syncs the stream) */
 typedef struct cuda_expert_table {
     const kern_expert *host;    /* the caller's array it was copied from (NULL: slot unused) */
     uint32_t n;                 /* experts */
@@ -194,6 +195,11 @@ typedef struct cuda_ctx {
                                  * the device (an expert id out of range); read after each
                                  * synchronisation (cuda_sync_check) */
     int *err_flag_dev;          /* its device address */
+    int32_t *tmap_dev;          /* engram_hash with ids_dev: device copy of the token map */
+    int32_t *tmap_host;         /* the host map it copies (compared on every call) */
+    uint32_t tmap_vocab;
+    cudaEvent_t marks[CUDA_MARKS]; /* kern_ops.mark's events, a ring */
+    uint64_t mark_next;         /* the next mark's number */
     cuda_graph_state graph;     /* written by graph.cu */
     di_error last;              /* message of the last failure */
     di_status pending;          /* failure of a transfer, returned by the next op */
@@ -315,6 +321,7 @@ static inline di_status cuda_launch_cluster(cuda_ctx *c, const char *kernel, voi
 /* Bits of cuda_ctx.err_flag: the bad input a kernel met. */
 #define CUDA_ERR_MOE_ID 1       /* moe_experts: an expert id outside [0, n_experts) */
 #define CUDA_ERR_STEP_AHEAD 2   /* kern_cuda_step_ahead: an accepted count out of range */
+#define CUDA_ERR_DEV_ID 4       /* embed, engram_hash: an id of ids_dev outside the vocabulary */
 /* After a synchronisation: a device-side input error becomes the pending failure. */
 void cuda_sync_check(cuda_ctx *c);
 

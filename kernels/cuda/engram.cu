@@ -5,7 +5,9 @@
  *  - hash: the lookback tokens of every row (the step's ids or the sequence's history, mapped
  *    to compressed ids, padded from the first position before 0 on) are resolved on the host,
  *    where the ids, the map and the constants live; one device thread per output then does the
- *    rolling uint64 hash, modulo and offset. Exact.
+ *    rolling uint64 hash, modulo and offset. Exact. With ids_dev (the step's ids in device
+ *    memory, one step ahead) the step's own rows are resolved by the kernel through a device
+ *    copy of the map; an id outside the vocabulary raises the error flag.
  *  - lookup: one block per (row, column), E4M3 x UE8M0 into bf16: exact. A table generated on
  *    demand (row_fn) is served by reading the hash ids back, generating the rows on the host
  *    and uploading them (one synchronisation per call). Row ids outside the table give NaN
@@ -44,7 +46,9 @@ __device__ __forceinline__ double warp_sum_e(double v)
  * [n_layers, ...] in device memory. */
 __global__ void engram_hash_kernel(const uint64_t *tok, const uint64_t *mult, const uint64_t *primes,
                                    const uint64_t *offsets, uint32_t n_rows, uint32_t n_layers,
-                                   uint32_t max_ngram, uint32_t n_heads, int64_t *out)
+                                   uint32_t max_ngram, uint32_t n_heads, int64_t *out,
+                                   const int32_t *ids_dev, const int32_t *map, uint32_t vocab,
+                                   int *error)
 {
     const uint32_t cols = (max_ngram - 1) * n_heads;
     size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
@@ -54,9 +58,21 @@ __global__ void engram_hash_kernel(const uint64_t *tok, const uint64_t *mult, co
     size_t t = i / cols / n_layers;
     uint32_t n = col / n_heads + 1; /* n-gram order n + 1 */
     const uint64_t *tk = tok + t * max_ngram, *m = mult + (size_t)l * max_ngram;
-    uint64_t r = tk[0] * m[0];
+    uint64_t v[ENGRAM_MAX_NGRAM];
+    for (uint32_t k = 0; k <= n; k++) {
+        v[k] = tk[k];
+        if (v[k] >> 63) { /* ids_dev: the id of step row v & ~bit 63, mapped here */
+            int32_t id = ids_dev[v[k] & 0x7fffffffu];
+            if (id < 0 || (uint32_t)id >= vocab) {
+                atomicOr(error, CUDA_ERR_DEV_ID);
+                id = 0;
+            }
+            v[k] = (uint64_t)map[id];
+        }
+    }
+    uint64_t r = v[0] * m[0];
     for (uint32_t k = 1; k <= n; k++)
-        r ^= tk[k] * m[k];
+        r ^= v[k] * m[k];
     size_t c = (size_t)l * cols + col;
     out[i] = (int64_t)(r % primes[c] + offsets[c]);
 }
@@ -137,14 +153,15 @@ __global__ void engram_gate_kernel(kern_engram_gate p)
 
 static di_status launch_hash(cuda_ctx *c, const kern_engram_hash *p, const uint64_t *tok,
                              const uint64_t *mult, const uint64_t *primes, const uint64_t *offsets,
-                             cudaStream_t stream)
+                             const int32_t *map, cudaStream_t stream)
 {
     size_t n = (size_t)p->n_rows * p->n_layers * (p->max_ngram - 1) * p->n_heads;
     if (n / CUDA_THREADS >= 0x7fffffffu)
         return cuda_fail(c, DI_EINVAL, "engram_hash: %zu outputs", n);
     cuda_launch(c, "engram_hash_kernel", engram_hash_kernel,
                 (unsigned)((n + CUDA_THREADS - 1) / CUDA_THREADS), CUDA_THREADS, 0, stream, tok,
-                mult, primes, offsets, p->n_rows, p->n_layers, p->max_ngram, p->n_heads, p->out);
+                mult, primes, offsets, p->n_rows, p->n_layers, p->max_ngram, p->n_heads, p->out,
+                p->ids_dev, map, p->vocab, c->err_flag_dev);
     return cuda_launched(c, "engram_hash_kernel");
 }
 
@@ -185,6 +202,10 @@ static di_status row_tokens(cuda_ctx *c, const kern_engram_hash *p, uint32_t t, 
             continue;
         }
         int32_t id;
+        if (at >= q->pos0 && p->ids_dev) { /* resolved by the kernel from device memory */
+            tok[i] = (1ull << 63) | (uint64_t)(q->row0 + (at - q->pos0));
+            continue;
+        }
         if (at >= q->pos0) {
             id = p->ids[q->row0 + (at - q->pos0)];
         } else {
@@ -202,6 +223,42 @@ static di_status row_tokens(cuda_ctx *c, const kern_engram_hash *p, uint32_t t, 
     return DI_OK;
 }
 
+/* The token map in device memory for ids_dev: copied once per map (compared with the
+ * caller's on every call, replaced when it differs). */
+static di_status token_map_dev(cuda_ctx *c, const kern_engram_hash *p, const int32_t **out)
+{
+    size_t bytes = (size_t)p->vocab * sizeof(int32_t);
+    if (c->tmap_dev && c->tmap_vocab == p->vocab &&
+        memcmp(c->tmap_host, p->token_map, bytes) == 0) {
+        *out = c->tmap_dev;
+        return DI_OK;
+    }
+    di_status st = cuda_graph_break(c); /* queued work may read the old copy */
+    if (st == DI_OK)
+        st = cuda_check(c, cudaStreamSynchronize(c->stream), "engram_hash: token map");
+    if (st != DI_OK)
+        return st;
+    cuda_sync_check(c);
+    cudaFree(c->tmap_dev);
+    free(c->tmap_host);
+    c->tmap_dev = NULL, c->tmap_vocab = 0;
+    c->tmap_host = (int32_t *)malloc(bytes);
+    if (!c->tmap_host || cudaMalloc((void **)&c->tmap_dev, bytes) != cudaSuccess) {
+        cudaGetLastError();
+        c->tmap_dev = NULL;
+        return cuda_fail(c, DI_ENOMEM, "engram_hash: token map of %u ids", p->vocab);
+    }
+    memcpy(c->tmap_host, p->token_map, bytes);
+    st = cuda_check(c, cudaMemcpy(c->tmap_dev, p->token_map, bytes, cudaMemcpyHostToDevice),
+                    "engram_hash: token map upload");
+    if (st == DI_OK)
+        c->tmap_vocab = p->vocab;
+    if (st == DI_OK)
+        st = cuda_graph_resume(c);
+    *out = c->tmap_dev;
+    return st;
+}
+
 di_status cuda_op_engram_hash(void *ctx, const kern_engram_hash *p)
 {
     cuda_ctx *c = (cuda_ctx *)ctx;
@@ -213,9 +270,14 @@ di_status cuda_op_engram_hash(void *ctx, const kern_engram_hash *p)
                          "layers", p->max_ngram, ENGRAM_MAX_NGRAM);
     if (p->n_rows == 0)
         return DI_OK;
-    if (!p->ids || !p->row_seq || !p->seqs || !p->token_map || !p->multipliers || !p->primes ||
-        !p->offsets || !p->out)
+    if ((!p->ids && !p->ids_dev) || !p->row_seq || !p->seqs || !p->token_map ||
+        !p->multipliers || !p->primes || !p->offsets || !p->out)
         return cuda_fail(c, DI_EINVAL, "engram_hash: a metadata or output pointer is NULL");
+    if (p->n_rows > 0x7fffffffu)
+        return cuda_fail(c, DI_EINVAL, "engram_hash: %u rows", p->n_rows);
+    const int32_t *map = NULL;
+    if (p->ids_dev && (st = token_map_dev(c, p, &map)) != DI_OK)
+        return st;
     size_t cols = (size_t)(p->max_ngram - 1) * p->n_heads;
     for (size_t i = 0; i < p->n_layers * cols; i++)
         if (p->primes[i] == 0)
@@ -234,7 +296,8 @@ di_status cuda_op_engram_hash(void *ctx, const kern_engram_hash *p)
         (st = cuda_meta_upload(c, 0, 0, &dev, NULL)) != DI_OK)
         return st;
     return launch_hash(c, p, (const uint64_t *)(dev + tok_off), (const uint64_t *)(dev + m_off),
-                       (const uint64_t *)(dev + p_off), (const uint64_t *)(dev + o_off), c->stream);
+                       (const uint64_t *)(dev + p_off), (const uint64_t *)(dev + o_off), map,
+                       c->stream);
 }
 
 /* A table generated on demand: the hash ids read back, the rows made on the host and staged in

@@ -632,6 +632,9 @@ void cuda_sync_check(cuda_ctx *c)
                            bits & CUDA_ERR_MOE_ID
                                ? "moe_experts: an expert id outside [0, n_experts) (found by the "
                                  "device bucketing)"
+                           : bits & CUDA_ERR_DEV_ID
+                               ? "embed or engram_hash: a token id in device memory outside the "
+                                 "vocabulary (found on the device)"
                                : "step ahead: an accepted count outside [0, out_stride] or rows "
                                  "past the step (found on the device)");
 }

@@ -354,8 +354,10 @@ __global__ void __launch_bounds__(SMP_THREADS) sample_kernel(smp_args a)
     bad = sh.u32a, allowed = sh.u32b, kmax = (uint32_t)sh.u64a;
     __syncthreads();
     if (bad || allowed == 0) {
-        if (tid == 0)
+        if (tid == 0) {
             out->status = bad ? KERN_SAMPLE_BAD_LOGIT : KERN_SAMPLE_ALL_BLOCKED;
+            out->token = 0; /* a later op may read it as an id (kern_sample_out) */
+        }
         return;
     }
 
@@ -479,7 +481,7 @@ di_status cuda_op_sample(void *ctx, const kern_sample *p)
     di_status st = cuda_op_begin(c, p, "sample");
     if (st != DI_OK || p->n_rows == 0)
         return st;
-    if (!p->logits || !p->rows || !p->out)
+    if (!p->logits || !p->rows || (!p->out && !p->out_dev))
         return cuda_fail(c, DI_EINVAL, "sample: logits, rows or out is NULL");
     if (p->n_vocab == 0 || p->n_vocab > (1u << 30) || p->logits_stride < p->n_vocab)
         return cuda_fail(c, DI_EINVAL, "sample: n_vocab %u outside [1, 2^30] or stride %zu "
@@ -535,10 +537,10 @@ di_status cuda_op_sample(void *ctx, const kern_sample *p)
     a.bitmaps = with_map ? (const uint32_t *)(dev + maps_off) : NULL;
     a.cand_key = (uint64_t *)extra;
     a.cand_mass = (uint32_t *)(extra + key_bytes);
-    a.out = (kern_sample_out *)(dev + out_off);
+    a.out = p->out_dev ? p->out_dev : (kern_sample_out *)(dev + out_off);
     cuda_launch(c, "sample_kernel", sample_kernel, p->n_rows, SMP_THREADS, 0, c->stream, a);
     st = cuda_launched(c, "sample_kernel");
-    if (st == DI_OK)
+    if (st == DI_OK && !p->out_dev) /* out_dev: the caller reads them back later */
         st = cuda_download(c, p->out, a.out, (size_t)p->n_rows * sizeof(kern_sample_out));
     return st;
 }

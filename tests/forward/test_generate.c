@@ -478,6 +478,18 @@ Test(generate, ahead_gives_the_outputs_of_the_synchronous_run)
             if (!tail[m])
                 cr_assert(json_equal(ra, rb), "%s: request %zu", modes[m], i + 1);
         }
+        /* --overlap: step N+1 issued before step N is read (decode without drafts) */
+        snprintf(args, sizeof args, "--model %s %s %s --overlap", g_model, base, modes[m]);
+        json_t *ov = gen_json(args);
+        json_t *n_ov = json_object_get(json_object_get(ov, "stats"), "overlap_steps");
+        cr_assert(json_is_integer(n_ov), "stats.overlap_steps");
+        if (strstr(modes[m], "--nextn 0"))
+            cr_assert_gt(json_integer_value(n_ov), 5, "%s: steps overlapped", modes[m]);
+        else
+            cr_assert_eq(json_integer_value(n_ov), 0, "%s: drafts never overlap", modes[m]);
+        cr_assert(json_equal(json_object_get(ov, "requests"), tail[m] ? b : a), "%s --overlap",
+                  modes[m]);
+        json_decref(ov);
         json_decref(sync);
         json_decref(ahead);
     }

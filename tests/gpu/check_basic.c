@@ -126,14 +126,42 @@ static void check_embed(chk_env *env, uint32_t rows, uint32_t dim, uint32_t copi
     uint16_t *dt = chk_dev_alloc(env, tbytes), *dout = chk_dev_alloc(env, obytes);
     chk_put(env, dt, table, tbytes);
     chk_put(env, dout, out, obytes);
-    kern_embed pg = {rows, dim, copies, vocab, ids, dt, dout};
+    kern_embed pg = {rows, dim, copies, vocab, ids, dt, dout, NULL};
     size_t bad = chk_gpu_status(env, env->gpu.ops.embed(env->gpu.ctx, &pg), what);
     chk_get(env, gout, dout, obytes);
-    kern_embed pc = {rows, dim, copies, vocab, ids, table, out};
+    kern_embed pc = {rows, dim, copies, vocab, ids, table, out, NULL};
     chk_cpu_status(env->cpu.ops.embed(env->cpu.ctx, &pc), what);
     if (!bad)
         bad = chk_cmp_bf16_exact(what, out, gout, obytes / 2);
     chk_count(env, bad);
+    /* the ids already in device memory (one step ahead): the same rows; an id outside the
+     * vocabulary gives a zero row and fails the next synchronisation */
+    int32_t *dids = chk_dev_copy(env, ids, (size_t)rows * 4);
+    chk_fill_u16(gout, obytes / 2, CHK_POISON_BF16);
+    chk_put(env, dout, gout, obytes);
+    kern_embed pd = {rows, dim, copies, vocab, NULL, dt, dout, dids};
+    snprintf(what + strlen(what), sizeof(what) - strlen(what), " ids_dev");
+    bad = chk_gpu_status(env, env->gpu.ops.embed(env->gpu.ctx, &pd), what);
+    chk_get(env, gout, dout, obytes);
+    if (!bad)
+        bad = chk_cmp_bf16_exact(what, out, gout, obytes / 2);
+    chk_count(env, bad);
+    if (rows > 1) {
+        int32_t over = (int32_t)vocab;
+        chk_put(env, dids + 1, &over, 4);
+        di_error e;
+        bad = chk_gpu_status(env, env->gpu.ops.embed(env->gpu.ctx, &pd), what);
+        bad += chk_expect(env, kern_cuda_sync(&env->gpu, &e), DI_EINVAL,
+                          "embed ids_dev: an id past the vocabulary fails the sync");
+        chk_get(env, gout, dout, obytes);
+        for (size_t i = 0; i < (size_t)copies * dim && !bad; i++)
+            if (gout[(size_t)copies * dim + i] != 0) {
+                printf("FAIL %s: row 1 of a bad id is not zero\n", what);
+                bad++;
+            }
+        chk_count(env, bad);
+    }
+    chk_dev_free(env, dids);
     chk_dev_free(env, dt);
     chk_dev_free(env, dout);
     free(table), free(out), free(gout), free(ids);
@@ -217,7 +245,7 @@ static void check_refusals(chk_env *env)
     bad += chk_expect(env, o->fakequant(c, &fq), DI_EINVAL, "fakequant format 7");
     kern_rmsnorm rn = {1, 64, NULL, 64, NULL, d, 64, 1e-6f};
     bad += chk_expect(env, o->rmsnorm(c, &rn), DI_EINVAL, "rmsnorm x NULL");
-    kern_embed em = {2, 8, 1, 7, ids, d, d + 512};
+    kern_embed em = {2, 8, 1, 7, ids, d, d + 512, NULL};
     bad += chk_expect(env, o->embed(c, &em), DI_EINVAL, "embed id 7 with vocab 7");
     ids[1] = -1;
     bad += chk_expect(env, o->embed(c, &em), DI_EINVAL, "embed id -1");
@@ -353,7 +381,7 @@ static di_status bench_call(void *varg, int i)
                        .yarn_orig_len = 65536.0f, .yarn_beta_fast = 32.0f, .yarn_beta_slow = 1.0f};
         return g->ops.rope(g->ctx, &p);
     }
-    kern_embed p = {EMBED_ROWS, DIM, COPIES, VOCAB, a->ids, a->w, a->y[s]};
+    kern_embed p = {EMBED_ROWS, DIM, COPIES, VOCAB, a->ids, a->w, a->y[s], NULL};
     return g->ops.embed(g->ctx, &p);
 }
 

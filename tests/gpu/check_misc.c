@@ -284,6 +284,20 @@ static void check_engram_hash(chk_env *env, const hash_case *hc)
     if (!bad)
         bad = chk_cmp_i64(what, out, gout, on);
     chk_count(env, bad);
+    /* the step's ids in device memory (one step ahead): the same hashes */
+    int32_t *dids = chk_dev_copy(env, ids, (size_t)T * 4);
+    chk_poison(gout, on * 8);
+    chk_put(env, dout, gout, on * 8);
+    p.out = dout;
+    p.ids = NULL;
+    p.ids_dev = dids;
+    snprintf(what + strlen(what), sizeof(what) - strlen(what), " ids_dev");
+    bad = chk_gpu_status(env, env->gpu.ops.engram_hash(env->gpu.ctx, &p), what);
+    chk_get(env, gout, dout, on * 8);
+    if (!bad)
+        bad = chk_cmp_i64(what, out, gout, on);
+    chk_count(env, bad);
+    chk_dev_free(env, dids);
     chk_dev_free(env, dout);
     for (uint32_t s = 0; s < hc->n_seqs; s++)
         free(hist[s]);

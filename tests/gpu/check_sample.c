@@ -181,6 +181,32 @@ static void check_batch(chk_env *env, uint32_t V, uint32_t n, const int *kinds, 
     char what[160];
     snprintf(what, sizeof what, "sample V=%u rows=%u seed=%" PRIu64, V, n, seed);
     size_t bad = chk_gpu_status(env, env->gpu.ops.sample(env->gpu.ctx, &ks), what);
+    /* outcomes left in device memory (one step ahead): the same, read back later */
+    kern_sample_out *dko = chk_dev_alloc(env, (size_t)n * sizeof(kern_sample_out));
+    kern_sample_out ko2[MAX_ROWS];
+    kern_sample ks2 = ks;
+    ks2.out = NULL;
+    ks2.out_dev = dko;
+    bad += chk_gpu_status(env, env->gpu.ops.sample(env->gpu.ctx, &ks2), what);
+    chk_get(env, ko2, dko, (size_t)n * sizeof(kern_sample_out));
+    chk_dev_free(env, dko);
+    for (uint32_t i = 0; i < n && !bad; i++) {
+        const kern_sample_out *a = &ko[i], *b = &ko2[i];
+        int same = a->status == b->status && a->token == b->token;
+        if (same && a->status == KERN_SAMPLE_OK) {
+            same = !memcmp(&a->logprob, &b->logprob, sizeof(float)) && a->n_top == b->n_top &&
+                   a->total == b->total && a->n_kept == b->n_kept &&
+                   !memcmp(a->top_tokens, b->top_tokens, a->n_top * sizeof(int32_t)) &&
+                   !memcmp(a->top_logprobs, b->top_logprobs, a->n_top * sizeof(float));
+        } else if (same) {
+            same = a->token == 0;
+        }
+        if (!same) {
+            printf("FAIL %s row %u: out_dev gives status %d token %d, out %d %d\n", what, i,
+                   b->status, b->token, a->status, a->token);
+            bad++;
+        }
+    }
     sampler_result got[MAX_ROWS];
     size_t n_failed = 0;
     di_error e;

@@ -6,7 +6,8 @@
 # Usage: tests/gpu/run.sh [--no-bench] [--only "check_moe check_forward ep_generate"]
 #   --only: build and run just these check programs (no di-generate end to end); ep_generate:
 #           the expert-parallel step (di-generate --ep-ranks 2 on this GPU against one rank,
-#           and one rank through NCCL); several GPUs: tests/gpu/ep_bench.sh
+#           and one rank through NCCL); several GPUs: tests/gpu/ep_bench.sh; ahead_generate:
+#           one step ahead and the overlap end to end (tests/gpu/ahead_generate.sh)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
@@ -20,19 +21,22 @@ while [ $# -gt 0 ]; do
     --no-bench) bench=0 ;;
     --only) [ $# -ge 2 ] || { echo "run.sh: --only needs a list of check programs" >&2; exit 2; }
             only=$2; shift ;;
-    -h|--help) sed -n '2,9p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
     *) echo "run.sh: unknown argument '$1' (try --help)" >&2; exit 2 ;;
   esac
   shift
 done
 targets=()
 ep_gen=0
+ahead_gen=0
 [ -n "$only" ] || ep_gen=1
+[ -n "$only" ] || ahead_gen=1
 for name in $only; do
   case "$name" in
     check_[a-z]*) targets+=("tests/gpu/$name") ;;
     ep_generate) targets+=("tools/generate/di-generate"); ep_gen=1 ;;
-    *) echo "run.sh: --only takes check program names (check_moe ...) or ep_generate, not '$name'" >&2; exit 2 ;;
+    ahead_generate) targets+=("tools/generate/di-generate" "tools/mkmodel/di-mkmodel"); ahead_gen=1 ;;
+    *) echo "run.sh: --only takes check program names (check_moe ...), ep_generate or ahead_generate, not '$name'" >&2; exit 2 ;;
   esac
 done
 
@@ -143,6 +147,17 @@ PY
     tail -5 "$out/ep_nccl.log"
   fi
 fi
+# One step ahead: di-generate --backend cuda with and without --ahead and --overlap, the same
+# requests; the decode rate with and without the overlap.
+if [ "$ahead_gen" = 1 ]; then
+  echo "== di-generate --backend cuda, --ahead and --overlap against the synchronous run =="
+  if tests/gpu/ahead_generate.sh build-gpu "$out" cuda; then
+    summary+=("PASS di-generate --backend cuda --ahead --overlap")
+  else
+    summary+=("FAIL di-generate --backend cuda --ahead --overlap")
+    status=1
+  fi
+fi
 if [ -n "$only" ]; then
   echo "== tests/gpu summary (only: $only) =="
   printf '%s\n' "${summary[@]}"
@@ -192,15 +207,6 @@ else
   tail -5 "$out/generate_mkmodel.log"
 fi
 rm -rf "$gen_dir"
-# One step ahead: di-generate --backend cuda with and without --ahead, the same requests.
-echo "== di-generate --backend cuda, --ahead against the synchronous run =="
-if tests/gpu/ahead_generate.sh build-gpu "$out" cuda; then
-  summary+=("PASS di-generate --backend cuda --ahead")
-else
-  summary+=("FAIL di-generate --backend cuda --ahead")
-  status=1
-fi
-
 echo "== tests/gpu summary =="
 printf '%s\n' "${summary[@]}"
 exit $status

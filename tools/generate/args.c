@@ -309,6 +309,13 @@ static di_status o_ahead(gen_args *a, const char *v, di_error *err)
     return DI_OK;
 }
 
+static di_status o_overlap(gen_args *a, const char *v, di_error *err)
+{
+    a->ahead = true;
+    a->overlap = true;
+    return DI_OK;
+}
+
 static di_status o_step_ms(gen_args *a, const char *v, di_error *err)
 {
     free(a->step_ms);
@@ -505,6 +512,9 @@ static const gen_opt options[] = {
     {"--ahead", NULL, o_ahead, "one step ahead: step N+1 is planned before step N's outcome "
      "is processed, and the backend's step_ahead op writes its rows from that outcome "
      "(the synchronous run's outputs; with drafts and sampling the last draws may differ)"},
+    {"--overlap", NULL, o_overlap, "--ahead, and a decode step without drafts is issued "
+     "before the previous step's outcome is read (the host plans step N+1 while the backend "
+     "runs step N; the same outputs)"},
     {"--step-ms", "LIST", o_step_ms, "varlen's step-time table, ROWS:MS,... at the recorded "
      "graph sizes (1, 2, 4, 8, then multiples of 8, up to prompts x (1 + nextn), prompts at "
      "most 64); default: measured at start-up on the run's backend"},

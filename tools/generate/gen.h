@@ -60,6 +60,8 @@ typedef struct gen_args {
     uint32_t kvstore_window_every; /* --kvstore-window-every */
     bool varlen;                 /* --varlen: MTP varlen in the scheduler */
     bool ahead;                  /* --ahead: one step ahead (sched async, executor ahead) */
+    bool overlap;                /* --overlap: --ahead with step N+1 issued before step N is
+                                    collected (runner_exec_options.overlap) */
     varlen_graph_time *step_ms;  /* --step-ms: varlen's table (owned); NULL: measured */
     uint32_t n_step_ms;
     double sampler_ms;           /* --sampler-ms: varlen's sampler time per step (ms) */

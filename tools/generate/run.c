@@ -363,6 +363,10 @@ typedef struct run_state {
     di_error out_err;
     uint64_t prefill_tokens, decode_steps, decode_tokens;
     double prefill_s, decode_s;
+    /* --ahead (the executor's issue and collect): host time issuing decode steps, time in
+     * their collects (the waits), wall time of the engine steps that issued one */
+    double issue_s, collect_s, decode_wall_s;
+    bool issued_decode;          /* the current engine step issued a decode plan */
 } run_state;
 
 /* The executor: the model runner's step, then the store writes of what it computed, timed. */
@@ -393,6 +397,44 @@ static di_status run_step(void *ctx, const sched_plan *plan, sched_seq_result *r
         rs->decode_s += dt;
     }
     return DI_OK;
+}
+
+/* --ahead: the model runner's step in two (engine_executor.issue, .collect), timed. */
+static di_status run_issue(void *ctx, const sched_plan *plan, bool ahead, bool *issued,
+                           di_error *err)
+{
+    run_state *rs = ctx;
+    uint64_t t0 = di_mono_ns();
+    di_status st = runner_exec_issue(rs->ex, plan, ahead, issued, err);
+    double dt = (double)(di_mono_ns() - t0) / 1e9;
+    if (plan->prompt_run) {
+        rs->prefill_s += dt;
+    } else if (!plan->placeholder) {
+        rs->decode_s += dt;
+        rs->issue_s += dt;
+        rs->issued_decode |= st == DI_OK && *issued;
+    }
+    return st;
+}
+
+static di_status run_collect(void *ctx, const sched_plan *plan, sched_seq_result *results,
+                             di_error *err)
+{
+    run_state *rs = ctx;
+    uint64_t t0 = di_mono_ns();
+    di_status st = runner_exec_collect(rs->ex, plan, results, err);
+    if (st == DI_OK)
+        st = gen_kv_after_step(rs->kv, runner_exec_kv(rs->ex), plan, results, err);
+    double dt = (double)(di_mono_ns() - t0) / 1e9;
+    if (plan->prompt_run) {
+        rs->prefill_tokens += plan->n_rows;
+        rs->prefill_s += dt;
+    } else if (!plan->placeholder) {
+        rs->decode_steps++;
+        rs->decode_s += dt;
+        rs->collect_s += dt;
+    }
+    return st;
 }
 
 static di_status run_add(void *ctx, const sched_request *req, const void *args, di_error *err)
@@ -432,7 +474,11 @@ static void take_output(void *ud, const engine_output *o)
 static di_status step_once(run_state *rs, di_error *err)
 {
     bool ran = false;
+    uint64_t t0 = di_mono_ns();
+    rs->issued_decode = false;
     di_status st = engine_step(rs->e, &ran, err);
+    if (rs->issued_decode)
+        rs->decode_wall_s += (double)(di_mono_ns() - t0) / 1e9;
     /* a rank of a group ends every step, also one that ran no plan (the others wait for it) */
     if (st == DI_OK && rs->ep && !ran && (st = gen_ep_step_end(rs->ep, err)) == DI_OK)
         st = gen_ep_note_step(rs->ep, GEN_STEP_NONE, 0, err);
@@ -536,9 +582,10 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
     runner_exec_options eo = {.fwd = {.nextn = nextn, .max_rows = rows, .yoco = a->yoco,
                                       .keep_tokens = a->yoco ? a->keep_tokens : 0},
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
-                              .on_logits = dump_row, .logits_userdata = g,
+                              .on_logits = a->dump_logits ? dump_row : NULL,
+                              .logits_userdata = g,
                               .on_load = gen_kv_load, .load_userdata = rs->kv,
-                              .ahead = a->ahead};
+                              .ahead = a->ahead, .overlap = a->overlap};
     if (rs->ep)
         gen_ep_wire(rs->ep, &sc, &eo.fwd);
     if ((st = runner_exec_create(rm, be, &eo, &rs->ex, err)) != DI_OK ||
@@ -546,7 +593,9 @@ static di_status setup(const gen_args *a, const runner_model *rm, const kern_bac
         return st;
     rs->rx = runner_exec_executor(rs->ex);
     engine_config ec = {.sched = sc, .exec = {.ctx = rs, .add = run_add, .remove = run_remove,
-                                              .step = run_step},
+                                              .step = run_step,
+                                              .issue = a->ahead ? run_issue : NULL,
+                                              .collect = a->ahead ? run_collect : NULL},
                         .on_output = take_output, .userdata = rs};
     rs->g = g;
     st = engine_create(&ec, &rs->e, err);
@@ -654,6 +703,11 @@ di_status gen_run(gen_args *a, di_error *err)
                       "ahead_entries",
                       (json_int_t)runner_exec_get_stats(rs.ex)->ahead_entries,
                       "decode_rows", (json_int_t)sched_get_stats(engine_sched(rs.e))->decode_rows);
+    if (stats && a->ahead)
+        json_object_update_new(stats, json_pack(
+            "{s:I, s:f, s:f, s:f}", "overlap_steps",
+            (json_int_t)runner_exec_get_stats(rs.ex)->overlap_steps, "decode_issue_s",
+            rs.issue_s, "decode_collect_s", rs.collect_s, "decode_wall_s", rs.decode_wall_s));
     if (rs.kv) {
         gen_kv_stats ks = gen_kv_get_stats(rs.kv);
         json_object_set_new(stats, "kvstore", json_pack(
