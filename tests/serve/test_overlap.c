@@ -1,12 +1,13 @@
-/* di-decode --overlap on loopback (tests/serve/rig.h: a real di-kvstore, di-prefill, and two
- * di-decode ranks on the tiny model, CPU backend, nextn 0): the same requests through the
- * synchronous rank and the --overlap rank give the same streams (tokens, logprobs, top
- * logprobs, finish reasons, counts) and leave the same response KV in the store (same keys,
- * same bytes). The requests: greedy, seeded sampling, a stop token, a short max_tokens and a
- * cancel mid-stream, all streaming at once, their responses crossing multiples of 128. GetLoad
- * counts the steps issued ahead on the --overlap rank only; both ranks get their blocks and
- * slots back and drain on SIGTERM. The flags are refused by a rank group, with drafts, and by
- * di-prefill. */
+/* di-decode --overlap and --ahead on loopback (tests/serve/rig.h: a real di-kvstore,
+ * di-prefill, and di-decode ranks on the tiny model, CPU backend, nextn 0): the same requests
+ * through the synchronous rank, the --overlap rank and the --ahead rank give the same streams
+ * (tokens, logprobs, top logprobs, finish reasons, counts) and leave the same KV in the store
+ * (same keys, same bytes). The requests: greedy, seeded sampling, a stop token, a short
+ * max_tokens and a cancel mid-stream, all streaming at once, their responses crossing
+ * multiples of 128. GetLoad counts steps issued ahead on the --overlap rank only; every rank
+ * gets its blocks and slots back (also after a lone cancel) and drains on SIGTERM, the
+ * --overlap rank with a stream in flight. The flags are refused by a rank group, with drafts,
+ * and by di-prefill. */
 #include <criterion/criterion.h>
 #include <stdarg.h>
 #include <stdbool.h>
@@ -271,6 +272,30 @@ static Di__Engine__Load idle_load(const proc *p, const Di__Engine__Load *at_star
     return l;
 }
 
+/* b (the run with flag) saw what a saw, and left the objects a left. */
+static void same_as(const spec *qs, size_t n, const seen *a, const seen *b, const objset *oa,
+                    const objset *ob, const char *flag)
+{
+    for (size_t i = 0; i < n; i++) {
+        cr_assert_str_eq(b[i].text, a[i].text, "%s: the %s stream (right) differs", qs[i].name,
+                         flag);
+        cr_assert_eq(b[i].n_tokens, a[i].n_tokens);
+    }
+    cr_assert_eq(oa->n, ob->n);
+    for (size_t k = 0; k < oa->n; k++) {
+        char hex[2 * KVKEY_BYTES + 1];
+        kvkey_hex(&oa->o[k].key, hex);
+        cr_assert_eq(ob->o[k].st, oa->o[k].st, "%s %s: %s after the synchronous rank, %s after "
+                     "%s", kvkey_class_name(oa->o[k].cls), hex, di_status_name(oa->o[k].st),
+                     di_status_name(ob->o[k].st), flag);
+        if (oa->o[k].st != DI_OK)
+            continue;
+        cr_assert_eq(ob->o[k].bytes, oa->o[k].bytes);
+        cr_assert(!memcmp(ob->o[k].data, oa->o[k].data, oa->o[k].bytes), "%s %s: other bytes "
+                  "after %s", kvkey_class_name(oa->o[k].cls), hex, flag);
+    }
+}
+
 TestSuite(overlap, .init = rig_setup, .fini = rig_teardown, .timeout = 600);
 
 Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
@@ -279,7 +304,9 @@ Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
     rig_start(&r, "0");
     proc ov = {0};
     const char *const extra[] = {"--overlap", NULL};
+    r.drain = "300ms"; /* its drain with a stream in flight, at the end */
     engine_spawn(&ov, "decode/di-decode", "decode-overlap", &r, extra);
+    r.drain = NULL;
     proc_ready(&ov, "decode-overlap");
     Di__Engine__Load ov0 = get_load(&ov, "decode.Decode");
     uint64_t model_id = model_id_of(&r.decode);
@@ -331,11 +358,7 @@ Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
     rig_wait_no_handoffs(&r, 10000);
     objset ob = settled_objects(&r, model_id, b, n);
 
-    for (size_t i = 0; i < n; i++) {
-        cr_assert_str_eq(b[i].text, a[i].text, "%s: the --overlap stream (right) differs",
-                         qs[i].name);
-        cr_assert_eq(b[i].n_tokens, a[i].n_tokens);
-    }
+    same_as(qs, n, a, b, &oa, &ob, "--overlap");
     cr_assert_eq(a[2].n_tokens, 300 + stop_at + 1, "the stop token ended the request");
     cr_assert(strstr(a[2].text, " f1 "), "finish STOP: %s", a[2].text);
     cr_assert_eq(a[3].n_tokens, 60 + 7, "max_tokens");
@@ -343,23 +366,10 @@ Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
     /* the prompts' 5 blocks from prefill, and the response blocks decode stored (greedy's
      * block 2, seeded's block 1, seeded2's blocks 1 and 2) with their window states: the same
      * keys and bytes from both ranks */
-    cr_assert_eq(oa.n, ob.n);
     cr_assert_geq(objset_count(&oa, KVKEY_BLOCK), 9, "blocks stored: %zu",
                   objset_count(&oa, KVKEY_BLOCK));
     cr_assert_geq(objset_count(&oa, KVKEY_WINDOW), 3, "window states stored: %zu",
                   objset_count(&oa, KVKEY_WINDOW));
-    for (size_t k = 0; k < oa.n; k++) {
-        char hex[2 * KVKEY_BYTES + 1];
-        kvkey_hex(&oa.o[k].key, hex);
-        cr_assert_eq(ob.o[k].st, oa.o[k].st, "%s %s: %s after the synchronous rank, %s after "
-                     "--overlap", kvkey_class_name(oa.o[k].cls), hex,
-                     di_status_name(oa.o[k].st), di_status_name(ob.o[k].st));
-        if (oa.o[k].st != DI_OK)
-            continue;
-        cr_assert_eq(ob.o[k].bytes, oa.o[k].bytes);
-        cr_assert(!memcmp(ob.o[k].data, oa.o[k].data, oa.o[k].bytes), "%s %s: other bytes",
-                  kvkey_class_name(oa.o[k].cls), hex);
-    }
     /* the counters: steps issued ahead on the --overlap rank only */
     cr_assert_gt(la.decode_steps, 0);
     cr_assert_eq(la.steps_issued_ahead, 0, "the synchronous rank issues nothing ahead");
@@ -380,13 +390,39 @@ Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
     run_all(&r, &ov, "overlap", &lone, 1, b);
     idle_load(&ov, &ov0);
 
+    /* --ahead alone: the same, and nothing issued ahead */
+    objset_free(&ob);
+    ob = read_objects(&r, model_id, b, n, true);
+    proc ah = {0};
+    const char *const extra_ahead[] = {"--ahead", NULL};
+    engine_spawn(&ah, "decode/di-decode", "decode-ahead", &r, extra_ahead);
+    proc_ready(&ah, "decode-ahead");
+    Di__Engine__Load ah0 = get_load(&ah, "decode.Decode");
+    run_all(&r, &ah, "ahead", qs, n, b);
+    Di__Engine__Load lc = idle_load(&ah, &ah0);
+    rig_wait_no_handoffs(&r, 10000);
+    objset_free(&ob);
+    ob = settled_objects(&r, model_id, b, n);
+    same_as(qs, n, a, b, &oa, &ob, "--ahead");
+    cr_assert_gt(lc.decode_steps, 0);
+    cr_assert_eq(lc.steps_issued_ahead, 0, "--ahead alone issues nothing ahead");
+    cr_assert_eq(proc_stop(&ah), 0, "di-decode --ahead drains and exits 0");
+
+    /* SIGTERM with a stream in flight on the --overlap rank (--drain 300ms): the stream ends
+     * with UNAVAILABLE and the rank exits 0 */
+    flight f;
+    flight_start_at(&f, &r, &ov, "drain-overlap", 40, 4000, 3);
+    cr_assert_eq(proc_stop(&ov), 0, "di-decode --overlap drains and exits 0");
+    di_error err;
+    di_status st = flight_end(&f, &err);
+    cr_assert_eq(st, DI_EUNAVAIL, "%s: %s", di_status_name(st), err.msg);
+
     objset_free(&oa);
     objset_free(&ob);
     free(a);
     free(b);
     free(pv);
     assert_clean(&r);
-    cr_assert_eq(proc_stop(&ov), 0, "di-decode --overlap drains and exits 0");
     rig_stop(&r);
 }
 
