@@ -124,8 +124,8 @@ static di_status ahead_check(const eopts *o, const model_config *mc, di_error *e
                        "lockstep; run the group without it)", flag);
     uint64_t nextn = o->nextn == 16 && mc ? mc->dspark_block_size : o->nextn;
     if (mc && nextn && mc->n_mtp)
-        return di_fail(err, DI_EINVAL, "%s: needs --nextn 0 (decode steps with drafts read "
-                       "the previous step's outcome on the host)", flag);
+        return di_fail(err, DI_EINVAL, "%s: needs --nextn 0 (with drafts, one step ahead "
+                       "may draw a request's last tokens differently)", flag);
     return DI_OK;
 }
 
