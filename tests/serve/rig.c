@@ -400,12 +400,12 @@ rpc_stream *decode_open(rpc_client *c, const char *rid, const uint32_t *ids, uin
                         const Di__Prefill__PrefillReply *pr, uint32_t max_tokens)
 {
     Di__Engine__SamplingParams sp = no_eos(max_tokens);
-    return decode_open_with(c, rid, ids, n, pr, &sp);
+    return decode_open_with(c, rid, ids, n, pr, &sp, 60000);
 }
 
 rpc_stream *decode_open_with(rpc_client *c, const char *rid, const uint32_t *ids, uint32_t n,
                              const Di__Prefill__PrefillReply *pr,
-                             const Di__Engine__SamplingParams *sp)
+                             const Di__Engine__SamplingParams *sp, uint32_t deadline_ms)
 {
     Di__Decode__DecodeRequest m = DI__DECODE__DECODE_REQUEST__INIT;
     m.request_id = (char *)rid;
@@ -418,7 +418,7 @@ rpc_stream *decode_open_with(rpc_client *c, const char *rid, const uint32_t *ids
     size_t len = di__decode__decode_request__pack(&m, buf);
     rpc_stream *s;
     di_error err;
-    cr_assert_eq(rpc_stream_open(c, "/di.decode.Decode/Decode", buf, len, 60000, &s, &err),
+    cr_assert_eq(rpc_stream_open(c, "/di.decode.Decode/Decode", buf, len, deadline_ms, &s, &err),
                  DI_OK, "%s", err.msg);
     return s;
 }

@@ -118,10 +118,10 @@ Di__Prefill__PrefillReply *prefill_with(rpc_client *c, const char *rid, const ui
 /* Opens the Decode stream of a prefill's reply (deadline 60 s). */
 rpc_stream *decode_open(rpc_client *c, const char *rid, const uint32_t *ids, uint32_t n,
                         const Di__Prefill__PrefillReply *pr, uint32_t max_tokens);
-/* The same with the request's sampling. */
+/* The same with the request's sampling and deadline. */
 rpc_stream *decode_open_with(rpc_client *c, const char *rid, const uint32_t *ids, uint32_t n,
                              const Di__Prefill__PrefillReply *pr,
-                             const Di__Engine__SamplingParams *sp);
+                             const Di__Engine__SamplingParams *sp, uint32_t deadline_ms);
 /* Reads up to max messages; returns how many, *st the final status when the stream ended
  * (*ended 1). */
 uint32_t stream_read(rpc_stream *s, uint32_t max, int *ended, di_status *st, di_error *err);

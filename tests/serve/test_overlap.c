@@ -3,10 +3,10 @@
  * through the synchronous rank, the --overlap rank and the --ahead rank give the same streams
  * (tokens, logprobs, top logprobs, finish reasons, counts) and leave the same KV in the store
  * (same keys, same bytes). The requests: greedy, seeded sampling, a stop token, a short
- * max_tokens and a cancel mid-stream, all streaming at once, their responses crossing
- * multiples of 128. GetLoad counts steps issued ahead on the --overlap rank only; every rank
- * gets its blocks and slots back (also after a lone cancel) and drains on SIGTERM, the
- * --overlap rank with a stream in flight. The flags are refused by a rank group, with drafts,
+ * max_tokens, a client's cancel and an Abort mid-stream, all streaming at once, their
+ * responses crossing multiples of 128. GetLoad counts steps issued ahead on the --overlap rank
+ * only; every rank gets its blocks and slots back (also after a lone cancel and a deadline)
+ * and drains on SIGTERM, the --overlap rank with a stream in flight. The flags are refused by a rank group, with drafts,
  * and by di-prefill. */
 #include <criterion/criterion.h>
 #include <stdarg.h>
@@ -36,6 +36,10 @@ typedef struct spec {
     uint32_t max_tokens;
     int32_t stop;                /* a stop id, -1 none */
     uint32_t cancel_after;       /* cancel the stream after this many messages; 0: read all */
+    bool by_abort;               /* the cancel is an Abort call (the rest of the stream is read
+                                    but not compared: when the abort lands varies) */
+    uint32_t deadline_ms;        /* of the Decode call, which ends there (its messages are not
+                                    compared); 0: 60 s */
 } spec;
 
 /* What a request saw: a transcript of its first token and every stream message (floats as
@@ -91,16 +95,18 @@ typedef struct live {
     rpc_stream *s;
 } live;
 
-/* Reads up to max messages of q's stream into v; true when the stream ended. */
+/* Reads up to max messages of q's stream into v (NULL: read, not kept); true when the stream
+ * ended. */
 static bool read_stream(live *l, seen *v, uint32_t max, di_status *st)
 {
     for (uint32_t k = 0; k < max; k++) {
         Di__Decode__DecodeToken *t = stream_next(l->s, st);
         if (!t)
             return true;
-        if (t->token)
+        if (v && t->token)
             say_token(v, t->token);
-        say(v, " f%d n%u\n", (int)t->finish, t->output_tokens);
+        if (v)
+            say(v, " f%d n%u\n", (int)t->finish, t->output_tokens);
         di__decode__decode_token__free_unpacked(t, NULL);
     }
     return false;
@@ -134,7 +140,8 @@ static void run_all(rig *r, const proc *dec, const char *tag, const spec *qs, si
     for (size_t i = 0; i < n; i++) {
         char rid[64];
         snprintf(rid, sizeof rid, "%s-%s", tag, qs[i].name);
-        ls[i].s = decode_open_with(dc, rid, ls[i].ids, qs[i].len, ls[i].pr, &ls[i].sp);
+        ls[i].s = decode_open_with(dc, rid, ls[i].ids, qs[i].len, ls[i].pr, &ls[i].sp,
+                                   qs[i].deadline_ms ? qs[i].deadline_ms : 60000);
     }
     for (size_t i = 0; i < n; i++) {
         if (!qs[i].cancel_after)
@@ -142,15 +149,26 @@ static void run_all(rig *r, const proc *dec, const char *tag, const spec *qs, si
         di_status st;
         cr_assert(!read_stream(&ls[i], &out[i], qs[i].cancel_after, &st),
                   "%s ended before its cancel", qs[i].name);
-        rpc_stream_cancel(ls[i].s);
         out[i].aborted = true;
+        if (!qs[i].by_abort) {
+            rpc_stream_cancel(ls[i].s);
+            continue;
+        }
+        aborter ab = {.p = dec, .method = "/di.decode.Decode/Abort"};
+        snprintf(ab.rid, sizeof ab.rid, "%s-%s", tag, qs[i].name);
+        abort_later(&ab);
+        cr_assert(read_stream(&ls[i], NULL, MAX_OUT + 1, &st), "%s: too long", qs[i].name);
+        cr_assert_eq(st, DI_ECANCELED, "%s/%s after Abort: %s", tag, qs[i].name,
+                     di_status_name(st));
     }
     for (size_t i = 0; i < n; i++) {
         di_status st = DI_OK;
         if (!qs[i].cancel_after) {
-            cr_assert(read_stream(&ls[i], &out[i], MAX_OUT + 1, &st), "%s: too long",
-                      qs[i].name);
-            cr_assert_eq(st, DI_OK, "%s/%s: %s", tag, qs[i].name, di_status_name(st));
+            cr_assert(read_stream(&ls[i], qs[i].deadline_ms ? NULL : &out[i],
+                                  qs[i].deadline_ms ? 100000 : MAX_OUT + 1, &st),
+                      "%s: too long", qs[i].name);
+            di_status want = qs[i].deadline_ms ? DI_ETIMEDOUT : DI_OK;
+            cr_assert_eq(st, want, "%s/%s: %s", tag, qs[i].name, di_status_name(st));
         }
         rpc_stream_close(ls[i].s);
         di__prefill__prefill_reply__free_unpacked(ls[i].pr, NULL);
@@ -321,7 +339,7 @@ Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
 
     /* the stop token: the first of a greedy probe of the greedy request's prompt, from its
      * fourth on, that did not come before it */
-    spec probe = {"probe", 11, 300, 0.0f, 0, 0, 40, -1, 0};
+    spec probe = {.name = "probe", .salt = 11, .len = 300, .max_tokens = 40, .stop = -1};
     seen *pv = calloc(1, sizeof *pv);
     cr_assert(pv);
     run_all(&r, &r.decode, "probe", &probe, 1, pv);
@@ -343,12 +361,24 @@ Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
     objset_free(&po);
 
     const spec qs[] = {
-        {"greedy", 11, 300, 0.0f, 0, 2, 200, -1, 0},   /* 300 + 200: response block 2 */
-        {"seeded", 12, 129, 0.8f, 7, 3, 150, -1, 0},   /* 129 + 150: block 1 */
-        {"stop", 11, 300, 0.0f, 0, 1, 200, stop, 0},   /* stops where the probe has it */
-        {"length", 13, 60, 1.0f, 3, 0, 7, -1, 0},
-        {"cancel", 14, 200, 0.7f, 5, 1, 400, -1, 4},   /* cancelled after 4 messages */
-        {"seeded2", 15, 250, 0.9f, 99, 0, 140, -1, 0}, /* 250 + 140: block 2 */
+        /* greedy, 300 + 200: response block 2 */
+        {.name = "greedy", .salt = 11, .len = 300, .n_logprobs = 2, .max_tokens = 200,
+         .stop = -1},
+        /* 129 + 150: block 1 */
+        {.name = "seeded", .salt = 12, .len = 129, .temperature = 0.8f, .seed = 7,
+         .n_logprobs = 3, .max_tokens = 150, .stop = -1},
+        /* stops where the probe has the stop id */
+        {.name = "stop", .salt = 11, .len = 300, .n_logprobs = 1, .max_tokens = 200,
+         .stop = stop},
+        {.name = "length", .salt = 13, .len = 60, .temperature = 1.0f, .seed = 3,
+         .max_tokens = 7, .stop = -1},
+        {.name = "cancel", .salt = 14, .len = 200, .temperature = 0.7f, .seed = 5,
+         .n_logprobs = 1, .max_tokens = 400, .stop = -1, .cancel_after = 4},
+        {.name = "abort", .salt = 17, .len = 180, .max_tokens = 400, .stop = -1,
+         .cancel_after = 5, .by_abort = true},
+        /* 250 + 140: blocks 1 and 2 */
+        {.name = "seeded2", .salt = 15, .len = 250, .temperature = 0.9f, .seed = 99,
+         .max_tokens = 140, .stop = -1},
     };
     size_t n = sizeof qs / sizeof qs[0];
     seen *a = calloc(n, sizeof *a), *b = calloc(n, sizeof *b);
@@ -394,8 +424,14 @@ Test(overlap, the_overlap_gives_the_synchronous_streams_and_stored_kv)
 
     /* a lone stream cancelled: with its step in flight and nothing else to do, the rank still
      * gives its blocks and slot back */
-    const spec lone = {"lone", 16, 140, 0.0f, 0, 0, 300, -1, 3};
+    const spec lone = {.name = "lone", .salt = 16, .len = 140, .max_tokens = 300, .stop = -1,
+                       .cancel_after = 3};
     run_all(&r, &ov, "overlap", &lone, 1, b);
+    idle_load(&ov, &ov0);
+    /* and one that passes its deadline */
+    const spec late = {.name = "late", .salt = 18, .len = 100, .max_tokens = 4000, .stop = -1,
+                       .deadline_ms = 300};
+    run_all(&r, &ov, "overlap", &late, 1, b);
     idle_load(&ov, &ov0);
 
     /* --ahead alone: the same, and nothing issued ahead */
