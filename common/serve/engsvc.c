@@ -286,6 +286,8 @@ static void publish_load(engsvc *s)
     s->computed_prompt_tokens = s->prefill_tokens;
     s->store_failures = s->call_failures + ks.load_failures + ks.store_failures;
     s->decode_ms = steps_per_s > 0 ? 1e3 / steps_per_s : 0;
+    s->decode_steps = sched_get_stats(q)->decode_steps;
+    s->steps_issued_ahead = engine_get_stats(s->e)->issued_ahead;
     pthread_mutex_unlock(&s->mu);
 }
 
@@ -437,9 +439,11 @@ static void *engine_main(void *arg)
             }
             work = s->group_busy;
         }
-        if (work) {
+        if (work || (s->cfg.ahead && !broken)) {
+            /* one step ahead, no work left (an abort took the last request): the step in
+             * flight is processed, so what it carries is released */
             di_error err;
-            di_status st = step(s, &err);
+            di_status st = work ? step(s, &err) : engine_flush(s->e, &err);
             if (st != DI_OK) { /* the engine is unusable: fail everything, refuse the rest */
                 fail_all(s, st, err.msg, DI_LOG_ERROR);
                 continue;
@@ -493,6 +497,29 @@ static di_status svc_exec_step(void *ctx, const sched_plan *plan, sched_seq_resu
     return st;
 }
 
+/* One step ahead: the runner's issue. A plan issued ahead runs before the collect of the one
+ * in flight, whose KV copies (kvcache_after_step) then read the slot one position later: a
+ * decode step without drafts writes position p when its predecessor reached p, and a window
+ * state at p stays exact until the slot has processed p + (ring_positions - window), nextn + 1
+ * spare ring slots (kv_io.h); completed blocks are not written again. */
+static di_status svc_exec_issue(void *ctx, const sched_plan *plan, bool ahead, bool *issued,
+                                di_error *err)
+{
+    engsvc *s = ctx;
+    return s->rx.issue(s->rx.ctx, plan, ahead, issued, err);
+}
+
+/* The runner's collect, then the service's work after the step (as svc_exec_step). */
+static di_status svc_exec_collect(void *ctx, const sched_plan *plan,
+                                  sched_seq_result *results, di_error *err)
+{
+    engsvc *s = ctx;
+    di_status st = s->rx.collect(s->rx.ctx, plan, results, err);
+    if (st == DI_OK)
+        st = kvcache_after_step(s->kc, runner_exec_kv(s->ex), plan, results, err);
+    return st;
+}
+
 /* A transfer job finished (transfer thread): wake the engine thread. */
 static void kv_notify(void *ud)
 {
@@ -524,6 +551,12 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
     c->num_blocks = c->num_blocks ? c->num_blocks : 1024;
     c->max_waiting = c->max_waiting ? c->max_waiting : 256;
     c->world = c->world ? c->world : 1;
+    c->ahead = c->ahead || c->overlap;
+    if (c->ahead && (cfg->kind != ENGSVC_DECODE || cfg->ep || c->nextn)) {
+        free(s);
+        return di_fail(err, DI_EINVAL, "engine service: one step ahead is for a decode "
+                       "service of one rank without drafts (nextn 0)");
+    }
     s->t0 = di_mono_ns();
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
@@ -542,6 +575,7 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
     sc.eos_token = (int32_t)mc->eos_token_id;
     sc.pad_token = (int32_t)mc->pad_token_id;
     sc.vocab_size = mc->vocab_size;
+    sc.async = c->ahead;
     uint32_t rows = c->chunk > c->max_seqs * (1 + c->nextn) ? c->chunk
                                                             : c->max_seqs * (1 + c->nextn);
     if (c->nextn && rows < c->max_seqs * mc->dspark_block_size)
@@ -552,7 +586,8 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
                                       .yoco = FWD_YOCO_DEFAULT,
                                       .keep_tokens = ring > 140 ? ring : 140},
                               .n_blocks = sc.num_blocks, .n_slots = sc.num_slots,
-                              .on_load = on_load, .load_userdata = s};
+                              .on_load = on_load, .load_userdata = s,
+                              .ahead = c->ahead, .overlap = c->overlap};
     di_status st = engsvc_ep_open(s, &eo.fwd, err);
     if (st == DI_OK)
         st = runner_exec_create(cfg->rm, cfg->be, &eo, &s->ex, err);
@@ -578,7 +613,10 @@ di_status engsvc_create(const engsvc_config *cfg, engsvc **out, di_error *err)
         s->rx = runner_exec_executor(s->ex);
         engine_config ec = {.sched = sc, .exec = {.ctx = s, .add = svc_exec_add,
                                                   .remove = svc_exec_remove,
-                                                  .step = svc_exec_step},
+                                                  .step = svc_exec_step,
+                                                  .issue = c->ahead ? svc_exec_issue : NULL,
+                                                  .collect = c->ahead ? svc_exec_collect
+                                                                      : NULL},
                             .on_output = on_output, .userdata = s};
         st = engine_create(&ec, &s->e, err);
     }

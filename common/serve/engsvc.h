@@ -29,6 +29,12 @@
  * Drain: engsvc_drain refuses new requests (DI_EUNAVAIL "draining"), lets the work in flight
  * finish until the deadline, then ends what is left with DI_EUNAVAIL and FINISH_ABORTED.
  *
+ * One step ahead and the overlap (DECODE, cfg.ahead / cfg.overlap): the engine runs async and
+ * the executor in two halves (issue, collect); the service's work after a step (the response's
+ * KV copied for the store) is done at the collect of that step, in step order, so a request sees
+ * what it would without them: the same tokens, logprobs, finishes and stored KV. GetLoad counts
+ * the decode steps and those issued ahead.
+ *
  * Expert parallelism (cfg.ep, docs/ep.md): the service is one rank of a group; each rank serves
  * its own requests (its own gRPC port) and its MoE layers go through the group's exchange
  * (common/ep/moe.h). Every engine loop iteration of a rank first votes over the group whether
@@ -89,6 +95,13 @@ typedef struct engsvc_config {
     uint32_t rank, world;       /* for GetLoad; with ep: this rank of the group and its size */
     const engsvc_ep *ep;        /* NULL: a single rank; else the group (world >= 2; copied at
                                    create, the strings must outlive the service) */
+    bool ahead;                 /* DECODE: one step ahead (sched_config.async, the runner's
+                                   `ahead`): step N+1 is scheduled before step N's outcome is
+                                   processed. Needs nextn 0 and no rank group (DI_EINVAL) */
+    bool overlap;               /* DECODE (implies ahead): a decode step is issued before the
+                                   previous one is collected (runner_exec_issue), so the host
+                                   collects, processes and writes step N while the backend runs
+                                   N+1 (a step with drafts is not issued ahead) */
     uint32_t step_delay_ms;     /* TESTING ONLY: sleep this long in every engine step (a slow
                                    rank on purpose); counted in the step's time; 0 = none */
     const di_logger *log;       /* one line per failed request; may be NULL */

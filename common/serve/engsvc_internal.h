@@ -93,6 +93,7 @@ struct engsvc {
     uint32_t running, waiting, free_blocks, total_blocks, free_slots, total_slots;
     double prefill_tps, decode_ms;
     uint64_t cached_prompt_tokens, computed_prompt_tokens, store_failures;
+    uint64_t decode_steps, steps_issued_ahead;
     /* counted by the engine thread */
     uint64_t prefill_tokens;     /* prompt tokens prefilled since start */
     uint64_t call_failures;     /* the service's own store calls that failed for good */

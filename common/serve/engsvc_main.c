@@ -37,6 +37,9 @@ typedef struct eopts {
     uint64_t ep_redundant;
     uint64_t eplb_interval;
     uint64_t ep_idle_ms;
+    /* di-decode: one step ahead, the overlap */
+    int ahead;
+    int overlap;
 } eopts;
 
 #define EROWS(listen_def)                                                                     \
@@ -79,7 +82,52 @@ typedef struct eopts {
      NULL}
 
 static const svc_opt k_prefill_rows[] = {EROWS("127.0.0.1:9480")};
-static const svc_opt k_decode_rows[] = {EROWS("127.0.0.1:9490")};
+static const svc_opt k_decode_rows[] = {
+    EROWS("127.0.0.1:9490"),
+    {"ahead", SVC_OPT_FLAG, offsetof(eopts, ahead), NULL, 0, 0, NULL,
+     "one step ahead: step N+1 is scheduled before step N's outcome is processed (its rows "
+     "written from that outcome on the backend); needs --nextn 0, not with --ep-addr", NULL},
+    {"overlap", SVC_OPT_FLAG, offsetof(eopts, overlap), NULL, 0, 0, NULL,
+     "--ahead, and decode step N+1 is issued before step N is collected: the host schedules, "
+     "streams and stores step N while the device runs N+1 (helps when a device step takes "
+     "longer than that host work); same outputs", NULL},
+};
+
+/* One step ahead is di-decode's: prompt steps drain the pipeline (they are processed at once),
+ * so di-prefill would gain nothing; it names the flags rather than calling them unknown. */
+static di_status prefill_refuses_ahead(int argc, char **argv, di_error *err)
+{
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--"))
+            break;
+        if (!strncmp(a, "--ahead", 7) && (!a[7] || a[7] == '='))
+            return di_fail(err, DI_EINVAL, "--ahead: prompt steps drain the pipeline, so one "
+                           "step ahead gives nothing in prefill; it is di-decode's");
+        if (!strncmp(a, "--overlap", 9) && (!a[9] || a[9] == '='))
+            return di_fail(err, DI_EINVAL, "--overlap: prompt steps drain the pipeline, so "
+                           "the overlap gives nothing in prefill; it is di-decode's");
+    }
+    return DI_OK;
+}
+
+/* --ahead / --overlap: a single rank decoding without drafts (with drafts the one step ahead
+ * scheduler may budget a request's last rows differently; a group steps in lockstep). mc NULL:
+ * the options only (before the model is loaded). */
+static di_status ahead_check(const eopts *o, const model_config *mc, di_error *err)
+{
+    if (!o->ahead && !o->overlap)
+        return DI_OK;
+    const char *flag = o->overlap ? "--overlap" : "--ahead";
+    if (o->ep_addr)
+        return di_fail(err, DI_EINVAL, "%s: not with --ep-addr (a rank group steps in "
+                       "lockstep; run the group without it)", flag);
+    uint64_t nextn = o->nextn == 16 && mc ? mc->dspark_block_size : o->nextn;
+    if (mc && nextn && mc->n_mtp)
+        return di_fail(err, DI_EINVAL, "%s: needs --nextn 0 (with drafts, one step ahead "
+                       "may draw a request's last tokens differently)", flag);
+    return DI_OK;
+}
 
 typedef struct app {
     engsvc_kind kind;
@@ -145,6 +193,8 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
                        (unsigned long long)o->chunk);
     if ((st = ep_check(o, err)) != DI_OK)
         return st;
+    if ((st = ahead_check(o, NULL, err)) != DI_OK)
+        return st;
     serve_backend_options bo = {.threads = (uint32_t)o->eng.threads};
     if ((st = serve_backend_open(o->eng.backend, &bo, &a->be, err)) != DI_OK) {
         di_error_prefix(err, "--backend %s: ", o->eng.backend);
@@ -164,6 +214,8 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
         di_error_prefix(err, "%s: ", o->eng.model_dir ? "--model" : "--config");
         return st;
     }
+    if ((st = ahead_check(o, &a->sm.rm.w->config, err)) != DI_OK)
+        return st;
     const char *name = o->eng.model_dir ? o->eng.model_dir : o->eng.config;
     const char *slash = strrchr(name, '/');
     snprintf(a->model_name, sizeof a->model_name, "%s", slash && slash[1] ? slash + 1 : name);
@@ -186,6 +238,7 @@ static di_status start(void *ud, const svc_ctx *ctx, int *port, di_error *err)
                         .num_blocks = (uint32_t)o->blocks,
                         .max_waiting = (uint32_t)o->max_waiting, .rank = (uint32_t)o->eng.rank,
                         .world = (uint32_t)o->eng.world,
+                        .ahead = o->ahead != 0, .overlap = o->overlap != 0,
                         .step_delay_ms = (uint32_t)o->step_delay_ms, .log = &ctx->log};
     engsvc_ep ep = {.addr = o->ep_addr, .listen_fd = (int)o->ep_listen_fd, .token = o->ep_token,
                     .timeout_ms = (uint32_t)o->ep_timeout_ms,
@@ -276,6 +329,10 @@ int engsvc_program(engsvc_kind kind, int argc, char **argv)
         return 2;
     }
     bool pre = kind == ENGSVC_PREFILL;
+    if (pre && prefill_refuses_ahead(argc, argv, &err) != DI_OK) {
+        fprintf(stderr, "di-prefill: %s\n", err.msg);
+        return 2;
+    }
     svc_spec spec = {
         .name = pre ? "di-prefill" : "di-decode",
         .summary = pre ? "The prefill service: Prefill(prompt) computes the prompt's KV, samples "

@@ -269,6 +269,8 @@ static di_status get_load(void *svc, const rpc_request *req, rpc_reply *reply, d
     l.prompt_tokens_cached = s->cached_prompt_tokens;
     l.prompt_tokens_computed = s->computed_prompt_tokens;
     l.store_failures = s->store_failures;
+    l.decode_steps = s->decode_steps;
+    l.steps_issued_ahead = s->steps_issued_ahead;
     pthread_mutex_unlock(&s->mu);
     return pack_reply(&l.base, reply, err);
 }

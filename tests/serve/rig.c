@@ -372,11 +372,18 @@ Di__Prefill__PrefillReply *prefill(rpc_client *c, const char *rid, const uint32_
                                    di_status *st, di_error *err)
 {
     Di__Engine__SamplingParams sp = no_eos(max_tokens);
+    return prefill_with(c, rid, ids, n, &sp, timeout_ms, st, err);
+}
+
+Di__Prefill__PrefillReply *prefill_with(rpc_client *c, const char *rid, const uint32_t *ids,
+                                        uint32_t n, const Di__Engine__SamplingParams *sp,
+                                        uint32_t timeout_ms, di_status *st, di_error *err)
+{
     Di__Prefill__PrefillRequest m = DI__PREFILL__PREFILL_REQUEST__INIT;
     m.request_id = (char *)rid;
     m.n_prompt = n;
     m.prompt = (uint32_t *)ids;
-    m.sampling = &sp;
+    m.sampling = (Di__Engine__SamplingParams *)sp;
     uint8_t buf[65536], *rep = NULL;
     size_t len = di__prefill__prefill_request__pack(&m, buf), rlen = 0;
     *st = rpc_client_call(c, "/di.prefill.Prefill/Prefill", buf, len, timeout_ms, &rep, &rlen,
@@ -393,20 +400,44 @@ rpc_stream *decode_open(rpc_client *c, const char *rid, const uint32_t *ids, uin
                         const Di__Prefill__PrefillReply *pr, uint32_t max_tokens)
 {
     Di__Engine__SamplingParams sp = no_eos(max_tokens);
+    return decode_open_with(c, rid, ids, n, pr, &sp, 60000);
+}
+
+rpc_stream *decode_open_with(rpc_client *c, const char *rid, const uint32_t *ids, uint32_t n,
+                             const Di__Prefill__PrefillReply *pr,
+                             const Di__Engine__SamplingParams *sp, uint32_t deadline_ms)
+{
     Di__Decode__DecodeRequest m = DI__DECODE__DECODE_REQUEST__INIT;
     m.request_id = (char *)rid;
     m.handoff = pr->handoff;
     m.n_prompt = n;
     m.prompt = (uint32_t *)ids;
     m.first = pr->first;
-    m.sampling = &sp;
+    m.sampling = (Di__Engine__SamplingParams *)sp;
     uint8_t buf[65536];
     size_t len = di__decode__decode_request__pack(&m, buf);
     rpc_stream *s;
     di_error err;
-    cr_assert_eq(rpc_stream_open(c, "/di.decode.Decode/Decode", buf, len, 60000, &s, &err),
+    cr_assert_eq(rpc_stream_open(c, "/di.decode.Decode/Decode", buf, len, deadline_ms, &s, &err),
                  DI_OK, "%s", err.msg);
     return s;
+}
+
+Di__Decode__DecodeToken *stream_next(rpc_stream *s, di_status *st)
+{
+    uint8_t *msg = NULL;
+    size_t len = 0;
+    int done = 0;
+    di_error err;
+    *st = rpc_stream_read(s, &msg, &len, &done, &err);
+    if (done || *st != DI_OK) {
+        free(msg);
+        return NULL;
+    }
+    Di__Decode__DecodeToken *t = di__decode__decode_token__unpack(NULL, len, msg);
+    free(msg);
+    cr_assert_not_null(t, "a stream message that is no DecodeToken");
+    return t;
 }
 
 uint32_t stream_read(rpc_stream *s, uint32_t max, int *ended, di_status *st, di_error *err)

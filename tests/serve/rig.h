@@ -111,12 +111,23 @@ Di__Engine__SamplingParams no_eos(uint32_t max_tokens);
 Di__Prefill__PrefillReply *prefill(rpc_client *c, const char *rid, const uint32_t *ids,
                                    uint32_t n, uint32_t max_tokens, uint32_t timeout_ms,
                                    di_status *st, di_error *err);
+/* The same with the request's sampling. */
+Di__Prefill__PrefillReply *prefill_with(rpc_client *c, const char *rid, const uint32_t *ids,
+                                        uint32_t n, const Di__Engine__SamplingParams *sp,
+                                        uint32_t timeout_ms, di_status *st, di_error *err);
 /* Opens the Decode stream of a prefill's reply (deadline 60 s). */
 rpc_stream *decode_open(rpc_client *c, const char *rid, const uint32_t *ids, uint32_t n,
                         const Di__Prefill__PrefillReply *pr, uint32_t max_tokens);
+/* The same with the request's sampling and deadline. */
+rpc_stream *decode_open_with(rpc_client *c, const char *rid, const uint32_t *ids, uint32_t n,
+                             const Di__Prefill__PrefillReply *pr,
+                             const Di__Engine__SamplingParams *sp, uint32_t deadline_ms);
 /* Reads up to max messages; returns how many, *st the final status when the stream ended
  * (*ended 1). */
 uint32_t stream_read(rpc_stream *s, uint32_t max, int *ended, di_status *st, di_error *err);
+/* The next message of a Decode stream (free it with di__decode__decode_token__free_unpacked),
+ * or NULL when the stream ended, with *st its final status. */
+Di__Decode__DecodeToken *stream_next(rpc_stream *s, di_status *st);
 /* The model id decode's Health reports. */
 uint64_t model_id_of(const proc *p);
 

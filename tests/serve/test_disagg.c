@@ -248,23 +248,13 @@ static Di__Engine__Finish stream_finish(rpc_stream *s, uint32_t *tokens, di_stat
 {
     Di__Engine__Finish f = DI__ENGINE__FINISH__FINISH_NONE;
     *tokens = 0;
-    for (;;) {
-        uint8_t *msg = NULL;
-        size_t len = 0;
-        int done = 0;
-        di_error err;
-        *st = rpc_stream_read(s, &msg, &len, &done, &err);
-        if (done || *st != DI_OK) {
-            free(msg);
-            return f;
-        }
-        Di__Decode__DecodeToken *t = di__decode__decode_token__unpack(NULL, len, msg);
-        free(msg);
-        cr_assert_not_null(t);
+    Di__Decode__DecodeToken *t;
+    while ((t = stream_next(s, st))) {
         *tokens += t->token != NULL;
         f = t->finish;
         di__decode__decode_token__free_unpacked(t, NULL);
     }
+    return f;
 }
 
 /* A decode rank out of KV blocks stops a request (preemption mode STOP): its stream's last
