@@ -39,6 +39,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_internal.h"
+#include "kernels/cuda/mma_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
 
 using namespace nvcuda;
@@ -65,26 +66,21 @@ typedef struct attn_smem {
     size_t q, k, s, ph, pl, ptr, fmt, lut, blk, misc, total;
 } attn_smem;
 
-static __host__ __device__ size_t smem_round(size_t b)
-{
-    return (b + 127) / 128 * 128;
-}
-
 static __host__ __device__ attn_smem attn_layout(uint32_t hd, uint32_t ne_pad)
 {
     attn_smem L;
     size_t ldq = (size_t)hd + 8;
     L.q = 0;
-    L.k = L.q + smem_round(ATTN_HG * ldq * 2);
-    L.s = L.k + smem_round(ATTN_TE * ldq * 2);
-    L.ph = L.s + smem_round((size_t)ATTN_HG * ne_pad * 4);
-    L.pl = L.ph + smem_round((size_t)ATTN_HG * ne_pad * 2);
-    L.ptr = L.pl + smem_round((size_t)ATTN_HG * ne_pad * 2);
-    L.fmt = L.ptr + smem_round((size_t)ne_pad * sizeof(void *));
-    L.lut = L.fmt + smem_round(ne_pad);
-    L.blk = L.lut + smem_round((256 + 16) * 4);
-    L.misc = L.blk + smem_round(((size_t)ATTN_HG * ATTN_MAX_BLK + ATTN_MAX_BLK + 1) * 4);
-    L.total = L.misc + smem_round((ATTN_HG + 8) * 4);
+    L.k = L.q + dev_smem_round(ATTN_HG * ldq * 2);
+    L.s = L.k + dev_smem_round(ATTN_TE * ldq * 2);
+    L.ph = L.s + dev_smem_round((size_t)ATTN_HG * ne_pad * 4);
+    L.pl = L.ph + dev_smem_round((size_t)ATTN_HG * ne_pad * 2);
+    L.ptr = L.pl + dev_smem_round((size_t)ATTN_HG * ne_pad * 2);
+    L.fmt = L.ptr + dev_smem_round((size_t)ne_pad * sizeof(void *));
+    L.lut = L.fmt + dev_smem_round(ne_pad);
+    L.blk = L.lut + dev_smem_round((256 + 16) * 4);
+    L.misc = L.blk + dev_smem_round(((size_t)ATTN_HG * ATTN_MAX_BLK + ATTN_MAX_BLK + 1) * 4);
+    L.total = L.misc + dev_smem_round((ATTN_HG + 8) * 4);
     return L;
 }
 

@@ -71,26 +71,21 @@ static __host__ __device__ uint32_t ad_stage_stride(uint32_t hd)
     return (m + 15) / 16 * 16;
 }
 
-static __host__ __device__ size_t ad_round(size_t b)
-{
-    return (b + 127) / 128 * 128;
-}
-
 static __host__ __device__ ad_smem ad_layout(uint32_t hd)
 {
     ad_smem L;
     size_t ld = (size_t)hd + 8;
     L.q = 0;
-    L.k = L.q + ad_round(AD_HG * ld * 2);
-    L.s = L.k + ad_round(AD_TE * ld * 2);
-    L.p = L.s + ad_round((size_t)AD_HG * AD_SLD * 4);
-    L.stage = L.p + ad_round((size_t)AD_HG * AD_PLD * 2);
-    L.ptr = L.stage + ad_round((size_t)AD_TE * ad_stage_stride(hd));
-    L.fmt = L.ptr + ad_round(2 * AD_TE * sizeof(void *));
-    L.lut = L.fmt + ad_round(2 * AD_TE);
-    L.head = L.lut + ad_round((256 + 16) * 4);
-    L.misc = L.head + ad_round(4 * AD_HG * 4);
-    L.total = L.misc + ad_round(16 * 4);
+    L.k = L.q + dev_smem_round(AD_HG * ld * 2);
+    L.s = L.k + dev_smem_round(AD_TE * ld * 2);
+    L.p = L.s + dev_smem_round((size_t)AD_HG * AD_SLD * 4);
+    L.stage = L.p + dev_smem_round((size_t)AD_HG * AD_PLD * 2);
+    L.ptr = L.stage + dev_smem_round((size_t)AD_TE * ad_stage_stride(hd));
+    L.fmt = L.ptr + dev_smem_round(2 * AD_TE * sizeof(void *));
+    L.lut = L.fmt + dev_smem_round(2 * AD_TE);
+    L.head = L.lut + dev_smem_round((256 + 16) * 4);
+    L.misc = L.head + dev_smem_round(4 * AD_HG * 4);
+    L.total = L.misc + dev_smem_round(16 * 4);
     return L;
 }
 

@@ -97,11 +97,6 @@ typedef struct scores_smem {
     size_t q, k, part, hw, kp, total;
 } scores_smem;
 
-static __host__ __device__ size_t idx_round(size_t b)
-{
-    return (b + 127) / 128 * 128;
-}
-
 static __host__ __device__ uint32_t heads_pad(uint32_t nh)
 {
     return (nh + 15) / 16 * 16;
@@ -113,11 +108,11 @@ static __host__ __device__ scores_smem scores_layout(uint32_t nh, uint32_t hd, u
     scores_smem L;
     size_t ld = (size_t)hd + 8, nq = (size_t)rows * heads_pad(nh);
     L.q = 0;
-    L.k = L.q + idx_round(nq * ld * 2);
-    L.part = L.k + idx_round((size_t)IDX_TE * ld * 2);
-    L.hw = L.part + idx_round(nq * IDX_TE * 4);
-    L.kp = L.hw + idx_round(nq * 8);
-    L.total = L.kp + idx_round(IDX_TE * sizeof(void *));
+    L.k = L.q + dev_smem_round(nq * ld * 2);
+    L.part = L.k + dev_smem_round((size_t)IDX_TE * ld * 2);
+    L.hw = L.part + dev_smem_round(nq * IDX_TE * 4);
+    L.kp = L.hw + dev_smem_round(nq * 8);
+    L.total = L.kp + dev_smem_round(IDX_TE * sizeof(void *));
     return L;
 }
 
@@ -128,11 +123,11 @@ static __host__ __device__ scores_smem block_layout(uint32_t nh, uint32_t hd)
     scores_smem L;
     size_t ld = (size_t)hd + 8, nq = (size_t)IDXB_ROWS * heads_pad(nh);
     L.q = 0;
-    L.k = L.q + idx_round(nq * ld * 2);
-    L.kp = L.k + idx_round((size_t)IDX_TE * ld * 2);
-    L.hw = L.kp + idx_round(IDX_TE * sizeof(void *));
+    L.k = L.q + dev_smem_round(nq * ld * 2);
+    L.kp = L.k + dev_smem_round((size_t)IDX_TE * ld * 2);
+    L.hw = L.kp + dev_smem_round(IDX_TE * sizeof(void *));
     L.part = 0;
-    L.total = L.hw + idx_round(nq * 4);
+    L.total = L.hw + dev_smem_round(nq * 4);
     return L;
 }
 

@@ -1,10 +1,18 @@
-/* mma_dev.cuh: the warp-level tensor-core and shared-memory copy instructions the attention and
- * indexer kernels share (sm_80 and up). Included by .cu files only. */
+/* mma_dev.cuh: the warp-level tensor-core and shared-memory copy instructions the attention,
+ * indexer and MoE kernels share (sm_80 and up), and their shared-memory layout rounding.
+ * Included by .cu files only. */
 #ifndef DI_KERNELS_CUDA_MMA_DEV_CUH
 #define DI_KERNELS_CUDA_MMA_DEV_CUH
 
 #include <cuda_runtime.h>
+#include <stddef.h>
 #include <stdint.h>
+
+/* b rounded up to 128 bytes: the start of a region of a kernel's shared-memory layout. */
+static __host__ __device__ __forceinline__ size_t dev_smem_round(size_t b)
+{
+    return (b + 127) / 128 * 128;
+}
 
 /* The shared-memory address of a generic pointer into shared memory. */
 __device__ __forceinline__ uint32_t dev_smem_addr(const void *p)
@@ -52,6 +60,27 @@ __device__ __forceinline__ void dev_cp_commit(void)
 __device__ __forceinline__ void dev_cp_wait_all(void)
 {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+/* The same three without the memory clobber, for the MoE kernels' pipelines (their stages
+ * are ordered by dev_cp_async_wait and barriers alone, so the compiler may move other memory
+ * accesses across the copies). */
+__device__ __forceinline__ void dev_cp_async16(void *smem, const void *gmem)
+{
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dev_smem_addr(smem)),
+                 "l"(gmem));
+}
+
+__device__ __forceinline__ void dev_cp_async_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::);
+}
+
+/* Waits until at most N committed groups are still in flight. */
+template <int N>
+__device__ __forceinline__ void dev_cp_async_wait()
+{
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
 #endif

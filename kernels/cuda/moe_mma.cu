@@ -35,6 +35,7 @@
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/cuda_internal.h"
 #include "kernels/cuda/moe_dev.cuh"
+#include "kernels/cuda/mma_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
 
 namespace cg = cooperative_groups;
@@ -379,23 +380,6 @@ static size_t stg_smem()
                                                                  : stg_sum_bytes<NT, UP>();
 }
 
-__device__ __forceinline__ void cp_async16(void *smem, const void *gmem)
-{
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-
-__device__ __forceinline__ void cp_async_commit()
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int N>
-__device__ __forceinline__ void cp_async_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
-
 /* The E4M3 codes of one weight row's share of block b (bytes at p, in shared memory): as
  * mma_wrow, from shared memory */
 template <bool FP8>
@@ -473,13 +457,13 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, NT <= 2 ? 2 : 1)
             for (int m = 0; m < MATS; m++)
 #pragma unroll
                 for (int i = 0; i < 4; i++)
-                    cp_async16(dst + m * MATB + i * 8 * STG_ROW, src[m][i] + (size_t)b0 * BB);
+                    dev_cp_async16(dst + m * MATB + i * 8 * STG_ROW, src[m][i] + (size_t)b0 * BB);
     };
 #pragma unroll
     for (uint32_t st = 0; st + 1 < NS; st++) {
         if (st < n_st)
             load(st);
-        cp_async_commit();
+        dev_cp_async_commit();
     }
     float acc[ACC];
 #pragma unroll
@@ -488,8 +472,8 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, NT <= 2 ? 2 : 1)
     for (uint32_t st = 0; st < n_st; st++) {
         if (st + NS - 1 < n_st)
             load(st + NS - 1);
-        cp_async_commit();
-        cp_async_wait<NS - 1>();
+        dev_cp_async_commit();
+        dev_cp_async_wait<NS - 1>();
         __syncwarp();
         const uint8_t *buf = wbuf + (st % NS) * STAGEB;
         const uint32_t b0 = b_lo + st * SB, nbst = b_hi - b0 < SB ? b_hi - b0 : SB;
@@ -519,7 +503,7 @@ __global__ void __launch_bounds__(MMA_WARPS * 32, NT <= 2 ? 2 : 1)
         }
         __syncwarp(); /* this buffer is loaded again NS - 1 stages on */
     }
-    cp_async_wait<0>();
+    dev_cp_async_wait<0>();
     __syncthreads(); /* the stages' memory now holds the sums */
     float *red = reinterpret_cast<float *>(smem);
 #pragma unroll

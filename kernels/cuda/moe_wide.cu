@@ -37,6 +37,7 @@
 
 #include "kernels/cuda/cuda_check.h"
 #include "kernels/cuda/moe_wide.h"
+#include "kernels/cuda/mma_dev.cuh"
 #include "kernels/cuda/numfmt_dev.cuh"
 
 #define WIDE_BM 128               /* rows per block (= CUDA_MOE_WIDE_ROWS) */
@@ -70,23 +71,6 @@ struct wide_shape {
                       w_pieces * threads == bn * 2 && dq >= 1 && 2 * smem <= 227 * 1024,
                   "block shape");
 };
-
-__device__ __forceinline__ void wide_cp16(void *smem, const void *gmem)
-{
-    unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
-}
-
-__device__ __forceinline__ void wide_commit()
-{
-    asm volatile("cp.async.commit_group;\n" ::);
-}
-
-template <int N>
-__device__ __forceinline__ void wide_wait()
-{
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
-}
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void *smem)
 {
@@ -130,14 +114,14 @@ __device__ __forceinline__ void wide_load(uint8_t *stage, const uint16_t *a, uin
     for (int i = 0; i < S::a_pieces; i++) {
         uint32_t piece = tid + i * S::threads, r = piece / 8, c = piece % 8;
         uint32_t src = r < rows ? r : rows - 1;
-        wide_cp16(as + r * WIDE_AROW + c * 8, a + (size_t)src * k + (size_t)kt * WIDE_BK + c * 8);
+        dev_cp_async16(as + r * WIDE_AROW + c * 8, a + (size_t)src * k + (size_t)kt * WIDE_BK + c * 8);
     }
     uint8_t *ws = stage + S::a_bytes;
 #pragma unroll
     for (int i = 0; i < S::w_pieces; i++) {
         uint32_t piece = tid + i * S::threads, r = piece / 2, c = piece % 2;
         uint32_t j = n0 + r < n_out ? n0 + r : n_out - 1;
-        wide_cp16(ws + r * WIDE_WROW + c * 16,
+        dev_cp_async16(ws + r * WIDE_WROW + c * 16,
                   w + (size_t)j * (k / 2) + (size_t)kt * WIDE_WROW + c * 16);
     }
 }
@@ -243,7 +227,7 @@ __global__ void __launch_bounds__(S::threads, 2) moe_wide_kernel(cuda_moe_wide p
     for (int s = 0; s < STAGES - 1; s++) {
         if ((uint32_t)s < KT)
             wide_load<S>(wide_smem + s * S::stage_bytes, a, k, rows, w, n0, p.n_out, s);
-        wide_commit();
+        dev_cp_async_commit();
     }
     /* this thread's dequantisation: runs u = tid + i * threads, output row u / 2, inputs
      * [32 (u % 2), 32 (u % 2) + 32) of each step */
@@ -307,18 +291,18 @@ __global__ void __launch_bounds__(S::threads, 2) moe_wide_kernel(cuda_moe_wide p
     };
 
     for (uint32_t kt = 0; kt < KT; kt++) {
-        wide_wait<STAGES - 2>();
+        dev_cp_async_wait<STAGES - 2>();
         __syncthreads();
         const uint32_t next = kt + STAGES - 1;
         if (next < KT)
             wide_load<S>(wide_smem + (next % STAGES) * S::stage_bytes, a, k, rows, w, n0, p.n_out,
                          next);
-        wide_commit();
+        dev_cp_async_commit();
         dequant(kt, bs);
         __syncthreads();
         products(kt, bs);
     }
-    wide_wait<0>();
+    dev_cp_async_wait<0>();
 
     const uint32_t g = lane / 4, tq = lane % 4;
 #pragma unroll
